@@ -1,0 +1,1 @@
+"""Inference engines: the protocol and its backends."""

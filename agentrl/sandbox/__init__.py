@@ -1,0 +1,1 @@
+"""Sandboxes: the protocol and its backends (podman, daytona, fake)."""

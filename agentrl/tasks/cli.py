@@ -1,0 +1,80 @@
+"""`agentrl tasks ...`: lint task directories and turn them into training rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agentrl.errors import TaskFormatError
+from agentrl.tasks.dataset import split_rows, write_jsonl
+from agentrl.tasks.lint import lint_tasks
+from agentrl.tasks.task import discover_tasks
+
+app = typer.Typer(no_args_is_help=True, help="Harbor / terminal-bench-2 task directories.")
+console = Console()
+
+
+def _discover(dirs: list[Path]) -> list:
+    try:
+        return discover_tasks(*dirs)
+    except TaskFormatError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def lint(
+    dirs: list[Path] = typer.Argument(..., help="Task directories, or directories of tasks."),
+    show_ok: bool = typer.Option(False, help="List tasks without errors or warnings too."),
+) -> None:
+    """Check tasks against the format; exit 1 if any task has an error."""
+    tasks = _discover(dirs)
+    results = lint_tasks(tasks)
+    table = Table(title=f"{len(results)} tasks", show_lines=False)
+    table.add_column("task")
+    table.add_column("status")
+    table.add_column("details", overflow="fold")
+    n_err = n_warn = 0
+    for r in results:
+        n_err += bool(r.errors)
+        n_warn += bool(r.warnings)
+        if r.errors:
+            table.add_row(r.task.task_id, "[red]error[/red]", "\n".join(r.errors + r.warnings))
+        elif r.warnings:
+            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", "\n".join(r.warnings))
+        elif show_ok:
+            table.add_row(r.task.task_id, "[green]ok[/green]", "")
+    if table.row_count:
+        console.print(table)
+    console.print(f"{len(results)} tasks: {n_err} with errors, {n_warn} with warnings")
+    if n_err:
+        raise typer.Exit(1)
+
+
+@app.command("make-data")
+def make_data(
+    dirs: list[Path] = typer.Argument(..., help="Task directories, or directories of tasks."),
+    output: Path = typer.Option(..., "--output", "-o", help="Training rows (JSONL)."),
+    eval_output: Path | None = typer.Option(None, help="Eval rows (JSONL)."),
+    eval_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help="Share of tasks held out."),
+    seed: int = typer.Option(0, help="Seed of the hash split."),
+) -> None:
+    """Write one row per valid task; the split is a hash of (seed, task id)."""
+    tasks = _discover(dirs)
+    results = lint_tasks(tasks)
+    bad = [r for r in results if r.errors]
+    for r in bad:
+        console.print(f"[yellow]skipped[/yellow] {r.task.task_id}: {r.errors[0]}")
+    good = [r.task for r in results if not r.errors]
+    if eval_fraction > 0 and eval_output is None:
+        console.print("[red]error:[/red] --eval-fraction needs --eval-output")
+        raise typer.Exit(2)
+    train, evals = split_rows(good, eval_fraction, seed)
+    write_jsonl(output, train)
+    if eval_output is not None:
+        write_jsonl(eval_output, evals)
+    console.print(f"wrote {len(train)} train rows to {output}" + (
+        f" and {len(evals)} eval rows to {eval_output}" if eval_output else ""))

@@ -1,0 +1,361 @@
+"""The `task.toml` schema of Harbor / terminal-bench-2 tasks (Harbor 0.25 `TaskConfig`).
+
+Parsing is strict where a wrong value would change what runs (types, sizes, timeouts) and lenient
+where the format evolves: unknown keys are kept in `TaskConfig.unknown_keys` and reported as
+warnings, never errors. Every defect is a `TaskFormatError` naming the file and the dotted field.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.errors import TaskFormatError
+
+NETWORK_MODES = ("no-network", "public", "allowlist")
+
+
+@dataclass(frozen=True)
+class Metadata:
+    author_name: str | None = None
+    author_email: str | None = None
+    difficulty: str | None = None
+    category: str | None = None
+    tags: tuple[str, ...] = ()
+    expert_time_estimate_min: float | None = None
+    junior_time_estimate_min: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    timeout_sec: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)
+    user: str | int | None = None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    timeout_sec: float | None = None
+    user: str | int | None = None
+
+
+@dataclass(frozen=True)
+class SolutionConfig:
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    build_timeout_sec: float = 600.0
+    docker_image: str | None = None
+    os: str = "linux"
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    gpus: int | None = None
+    network_mode: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+    @property
+    def internet_allowed(self) -> bool:
+        """Whether the agent sandbox may reach the network.
+
+        Harbor's default is `public`; ours is no network unless the task says `allow_internet =
+        true` or `network_mode = "public"`, because an RL run executes untrusted model actions.
+        An allowlist cannot be enforced by a local container backend, so it is treated as public
+        only when the user overrides (see the sandbox provider), never silently.
+        """
+        return self.network_mode == "public"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    schema_version: str = "1.0"
+    source: str | None = None
+    name: str | None = None
+    metadata: Metadata = field(default_factory=Metadata)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    solution: SolutionConfig = field(default_factory=SolutionConfig)
+    unknown_keys: tuple[str, ...] = ()
+    deprecations: tuple[str, ...] = ()
+
+
+# Keys the format defines but that agentrl does not act on yet; kept quiet rather than warned.
+_KNOWN_PASSIVE = {
+    "": {"artifacts", "multi_step_reward_strategy", "steps", "task"},
+    "environment": {"gpu_types", "tpu", "mcp_servers", "skills_dir", "healthcheck"},
+    "verifier": {"environment_mode", "environment", "collect", "network_mode", "allowed_hosts"},
+    "agent": {"network_mode", "allowed_hosts"},
+}
+
+
+class _Reader:
+    """Pulls typed values out of one TOML table, recording unknown keys."""
+
+    def __init__(self, file: str, table: dict[str, Any], prefix: str, unknown: list[str]) -> None:
+        self.file = file
+        self.table = table
+        self.prefix = prefix
+        self.unknown = unknown
+        self.used: set[str] = set()
+
+    def _field(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def err(self, key: str, message: str, hint: str = "") -> TaskFormatError:
+        return TaskFormatError(self.file, self._field(key), message, hint)
+
+    def get(self, key: str) -> Any:
+        self.used.add(key)
+        return self.table.get(key)
+
+    def string(self, key: str) -> str | None:
+        value = self.get(key)
+        if value is None or isinstance(value, str):
+            return value
+        raise self.err(key, f"expected a string, got {type(value).__name__} {value!r}")
+
+    def number(self, key: str, *, positive: bool = False) -> float | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.err(key, f"expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise self.err(key, f"must be finite, got {value!r}")
+        if positive and value <= 0:
+            raise self.err(key, f"must be > 0, got {value!r}")
+        if value < 0:
+            raise self.err(key, f"must be >= 0, got {value!r}")
+        return float(value)
+
+    def integer(self, key: str) -> int | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.err(key, f"expected an integer, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise self.err(key, f"must be >= 0, got {value!r}")
+        return value
+
+    def boolean(self, key: str) -> bool | None:
+        value = self.get(key)
+        if value is None or isinstance(value, bool):
+            return value
+        raise self.err(key, f"expected true or false, got {type(value).__name__} {value!r}")
+
+    def user(self, key: str) -> str | int | None:
+        value = self.get(key)
+        if value is None or (isinstance(value, str | int) and not isinstance(value, bool)):
+            return value
+        raise self.err(key, f"expected a user name or uid, got {value!r}")
+
+    def str_map(self, key: str) -> dict[str, str]:
+        value = self.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.err(key, f"expected a table of strings, got {type(value).__name__}")
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            if not isinstance(v, str):
+                raise self.err(f"{key}.{k}", f"expected a string value, got {type(v).__name__} {v!r}")
+            out[k] = v
+        return out
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        value = self.get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.err(key, f"expected a list of strings, got {value!r}")
+        return tuple(value)
+
+    def table(self, key: str) -> dict[str, Any]:
+        value = self.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.err(key, f"expected a table [{self._field(key)}], got {type(value).__name__}")
+        return value
+
+    def finish(self, passive: set[str] | None = None) -> None:
+        for key in self.table:
+            if key not in self.used and key not in (passive or set()):
+                self.unknown.append(self._field(key))
+
+
+def parse_size_mb(file: str, fieldname: str, value: Any) -> int:
+    """Harbor's size strings: a number then G, M or K ("2G" -> 2048, "512M" -> 512)."""
+    if not isinstance(value, str):
+        raise TaskFormatError(file, fieldname, f"expected a size string like '2G', got {value!r}")
+    text = value.strip().upper()
+    factors = {"G": 1024.0, "M": 1.0, "K": 1 / 1024}
+    if not text or text[-1] not in factors:
+        raise TaskFormatError(
+            file, fieldname, f"cannot parse size {value!r}", "use a number followed by G, M or K, e.g. '2G'"
+        )
+    try:
+        number = float(text[:-1])
+    except ValueError:
+        raise TaskFormatError(
+            file, fieldname, f"cannot parse size {value!r}", "use a number followed by G, M or K, e.g. '2G'"
+        ) from None
+    if not math.isfinite(number) or number < 0:
+        raise TaskFormatError(file, fieldname, f"size must be a finite non-negative number, got {value!r}")
+    return int(number * factors[text[-1]])
+
+
+def resolve_env_templates(env: dict[str, str], where: str = "") -> dict[str, str]:
+    """Harbor templating: a whole value `${NAME}` or `${NAME:-default}` takes the host's value."""
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        if value.startswith("${") and value.endswith("}"):
+            inner = value[2:-1]
+            name, sep, default = inner.partition(":-")
+            if name in os.environ:
+                out[key] = os.environ[name]
+            elif sep:
+                out[key] = default
+            else:
+                raise TaskFormatError(where, key, f"environment variable {name} is not set", f"export {name}")
+        else:
+            out[key] = value
+    return out
+
+
+def _size_field(reader: _Reader, mb_key: str, alias: str, deprecations: list[str]) -> int | None:
+    """`memory_mb` (int, or a size string) and the deprecated `memory` alias, reconciled."""
+    raw = reader.get(mb_key)
+    value: int | None
+    if isinstance(raw, str):
+        value = parse_size_mb(reader.file, reader._field(mb_key), raw)
+    else:
+        value = reader.integer(mb_key)
+    alias_raw = reader.get(alias)
+    if alias_raw is not None:
+        deprecations.append(f"{reader._field(alias)} is deprecated: use {reader._field(mb_key)}")
+        if isinstance(alias_raw, str):
+            parsed = parse_size_mb(reader.file, reader._field(alias), alias_raw)
+            if value is not None and value != parsed:
+                raise reader.err(alias, f"{alias_raw!r} disagrees with {mb_key} = {value}", "keep only one")
+            value = parsed
+    return value
+
+
+def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
+    """Parse `task.toml` text into a `TaskConfig`; raises `TaskFormatError` on any defect."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskFormatError(file, None, f"invalid TOML: {exc}", "fix the syntax") from None
+    unknown: list[str] = []
+    deprecations: list[str] = []
+    top = _Reader(file, data, "", unknown)
+
+    schema_version = top.get("schema_version")
+    version = top.get("version")
+    if schema_version is None:
+        schema_version = version if version is not None else "1.0"
+    if not isinstance(schema_version, str | int | float) or isinstance(schema_version, bool):
+        raise top.err("version", f"expected a version string like '1.0', got {schema_version!r}")
+    source = top.string("source")
+
+    task_table = _Reader(file, top.table("task"), "task", unknown)
+    name = task_table.string("name")
+    if name is not None and (not name or ".." in name):
+        raise task_table.err("name", f"invalid task name {name!r}", "use 'org/name'")
+    for key in ("version", "description", "keywords", "authors"):
+        task_table.get(key)
+    task_table.finish()
+
+    meta = _Reader(file, top.table("metadata"), "metadata", unknown)
+    known_meta = {
+        "author_name", "author_email", "difficulty", "category", "tags",
+        "expert_time_estimate_min", "junior_time_estimate_min",
+    }
+    metadata = Metadata(
+        author_name=meta.string("author_name"),
+        author_email=meta.string("author_email"),
+        difficulty=meta.string("difficulty"),
+        category=meta.string("category"),
+        tags=meta.str_list("tags"),
+        expert_time_estimate_min=meta.number("expert_time_estimate_min"),
+        junior_time_estimate_min=meta.number("junior_time_estimate_min"),
+        # [metadata] is a free dict in Harbor: extra keys are data, not defects.
+        extra={k: v for k, v in meta.table.items() if k not in known_meta},
+    )
+
+    ver = _Reader(file, top.table("verifier"), "verifier", unknown)
+    verifier = VerifierConfig(
+        timeout_sec=ver.number("timeout_sec", positive=True) or 600.0,
+        env=ver.str_map("env"),
+        user=ver.user("user"),
+    )
+    ver.finish(_KNOWN_PASSIVE["verifier"])
+
+    ag = _Reader(file, top.table("agent"), "agent", unknown)
+    agent = AgentConfig(timeout_sec=ag.number("timeout_sec", positive=True), user=ag.user("user"))
+    ag.finish(_KNOWN_PASSIVE["agent"])
+
+    env = _Reader(file, top.table("environment"), "environment", unknown)
+    os_name = (env.string("os") or "linux").lower()
+    if os_name not in ("linux", "windows"):
+        raise env.err("os", f"unknown os {os_name!r}", "use 'linux' or 'windows'")
+    network_mode = env.string("network_mode")
+    if network_mode is not None and network_mode not in NETWORK_MODES:
+        raise env.err("network_mode", f"unknown network mode {network_mode!r}", f"use one of {NETWORK_MODES}")
+    allowed_hosts = env.str_list("allowed_hosts")
+    if allowed_hosts and network_mode not in (None, "allowlist"):
+        raise env.err("allowed_hosts", "only valid with network_mode = 'allowlist'")
+    if allowed_hosts and network_mode is None:
+        network_mode = "allowlist"
+    allow_internet = env.boolean("allow_internet")
+    if allow_internet is not None:
+        deprecations.append("environment.allow_internet is deprecated: use environment.network_mode")
+        if network_mode is None:
+            network_mode = "public" if allow_internet else "no-network"
+    gpus = env.integer("gpus")
+    environment = EnvironmentConfig(
+        build_timeout_sec=env.number("build_timeout_sec", positive=True) or 600.0,
+        docker_image=env.string("docker_image"),
+        os=os_name,
+        cpus=env.number("cpus", positive=True),
+        memory_mb=_size_field(env, "memory_mb", "memory", deprecations),
+        storage_mb=_size_field(env, "storage_mb", "storage", deprecations),
+        gpus=gpus,
+        network_mode=network_mode,
+        allowed_hosts=allowed_hosts,
+        env=env.str_map("env"),
+        workdir=env.string("workdir"),
+    )
+    env.finish(_KNOWN_PASSIVE["environment"])
+
+    sol = _Reader(file, top.table("solution"), "solution", unknown)
+    solution = SolutionConfig(env=sol.str_map("env"))
+    sol.finish()
+
+    top.finish(_KNOWN_PASSIVE[""])
+    return TaskConfig(
+        schema_version=str(schema_version),
+        source=source,
+        name=name,
+        metadata=metadata,
+        verifier=verifier,
+        agent=agent,
+        environment=environment,
+        solution=solution,
+        unknown_keys=tuple(unknown),
+        deprecations=tuple(deprecations),
+    )
