@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from agentrl.errors import TaskFormatError
@@ -21,7 +22,7 @@ def _discover(dirs: list[Path]) -> list:
     try:
         return discover_tasks(*dirs)
     except TaskFormatError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
 
 
@@ -42,9 +43,9 @@ def lint(
         n_err += bool(r.errors)
         n_warn += bool(r.warnings)
         if r.errors:
-            table.add_row(r.task.task_id, "[red]error[/red]", "\n".join(r.errors + r.warnings))
+            table.add_row(r.task.task_id, "[red]error[/red]", escape("\n".join(r.errors + r.warnings)))
         elif r.warnings:
-            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", "\n".join(r.warnings))
+            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", escape("\n".join(r.warnings)))
         elif show_ok:
             table.add_row(r.task.task_id, "[green]ok[/green]", "")
     if table.row_count:
@@ -67,7 +68,7 @@ def make_data(
     results = lint_tasks(tasks)
     bad = [r for r in results if r.errors]
     for r in bad:
-        console.print(f"[yellow]skipped[/yellow] {r.task.task_id}: {r.errors[0]}")
+        console.print(f"[yellow]skipped[/yellow] {r.task.task_id}: {escape(r.errors[0])}")
     good = [r.task for r in results if not r.errors]
     if eval_fraction > 0 and eval_output is None:
         console.print("[red]error:[/red] --eval-fraction needs --eval-output")

@@ -102,7 +102,7 @@ class _Reader:
 
     def __init__(self, file: str, table: dict[str, Any], prefix: str, unknown: list[str]) -> None:
         self.file = file
-        self.table = table
+        self.data = table
         self.prefix = prefix
         self.unknown = unknown
         self.used: set[str] = set()
@@ -115,7 +115,7 @@ class _Reader:
 
     def get(self, key: str) -> Any:
         self.used.add(key)
-        return self.table.get(key)
+        return self.data.get(key)
 
     def string(self, key: str) -> str | None:
         value = self.get(key)
@@ -191,7 +191,7 @@ class _Reader:
         return value
 
     def finish(self, passive: set[str] | None = None) -> None:
-        for key in self.table:
+        for key in self.data:
             if key not in self.used and key not in (passive or set()):
                 self.unknown.append(self._field(key))
 
@@ -294,7 +294,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         expert_time_estimate_min=meta.number("expert_time_estimate_min"),
         junior_time_estimate_min=meta.number("junior_time_estimate_min"),
         # [metadata] is a free dict in Harbor: extra keys are data, not defects.
-        extra={k: v for k, v in meta.table.items() if k not in known_meta},
+        extra={k: v for k, v in meta.data.items() if k not in known_meta},
     )
 
     ver = _Reader(file, top.table("verifier"), "verifier", unknown)

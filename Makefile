@@ -1,0 +1,52 @@
+# Set-up is idempotent: every target can be re-run; each step skips what is already done.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.agentrl-installed
+
+.PHONY: setup venv host bases demo test test-fast lint format bench clean
+
+setup: venv host bases
+
+venv: $(STAMP)
+
+# torch==2.13.0 first: the CPU wheel lies on local disk here, so no multi-GB CUDA build is pulled.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[local,dev]"
+	touch $(STAMP)
+
+host:
+	bash sandbox_images/setup_host.sh
+
+bases: venv host
+	$(BIN)/agentrl sandbox build-bases
+
+demo: setup
+	$(BIN)/python recipes/local_tbench2.py prepare
+	$(BIN)/python recipes/local_tbench2.py train
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: venv
+	$(BIN)/pytest -q -m "not container and not slow"
+
+lint: venv
+	$(BIN)/ruff check agentrl envs recipes benchmarks tests
+	$(BIN)/ruff format --check agentrl envs recipes benchmarks tests
+	$(BIN)/mypy agentrl/tasks agentrl/sandbox/base.py agentrl/engine/base.py agentrl/sample.py
+
+format: venv
+	$(BIN)/ruff format agentrl envs recipes benchmarks tests
+	$(BIN)/ruff check --fix agentrl envs recipes benchmarks tests
+
+bench: setup
+	$(BIN)/python benchmarks/sandbox_bench.py
+	$(BIN)/python benchmarks/agent_bench.py
+	$(BIN)/python benchmarks/rollout_sim.py --quick
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache .mypy_cache
