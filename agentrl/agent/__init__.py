@@ -1,0 +1,1 @@
+"""The terminal agent: action formats, token bookkeeping and the multi-turn loop."""

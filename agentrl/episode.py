@@ -1,0 +1,305 @@
+"""One episode end to end: sandbox -> agent phase -> verifier -> `Sample`(s); record and replay.
+
+Failures are classified. Policy outcomes (the model did badly, ran out of turns or tokens, wrote
+garbage) are verified and keep their reward. Infrastructure failures (sandbox create or
+transport, engine unavailable, verifier error or timeout) raise `InfraError` with a `cause`
+after the record is written, so nothing is lost and nothing is scored 0 by accident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.agent.actions import Command, get_format
+from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run_agent, run_command
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import Engine, SamplingParams
+from agentrl.errors import InfraError
+from agentrl.sample import Sample, Status
+from agentrl.sandbox.base import SandboxCreateError, SandboxProvider
+from agentrl.tasks import Task, load_task
+from agentrl.verify import VerifyResult, verify
+
+RECORD_VERSION = 1
+
+
+class VerifierInfraError(InfraError):
+    cause = "verifier_error"
+
+
+@dataclass
+class EpisodeConfig:
+    action_format: str = "terminus-json"
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    system_prompt: str | None = None
+    create_timeout_s: float | None = None  # default: the task's build timeout
+    max_agent_timeout_s: float | None = None  # cap on the task's [agent].timeout_sec
+
+
+@dataclass
+class EpisodeResult:
+    samples: list[Sample]
+    run: AgentRun | None
+    verify: VerifyResult | None
+    record_path: Path | None = None
+
+
+def _status(end: EndReason) -> Status:
+    if end in TRUNCATING:
+        return Status.TRUNCATED
+    if end is EndReason.NO_ACTION:
+        return Status.FAILED_POLICY
+    return Status.COMPLETED
+
+
+def _samples_from_run(
+    run: AgentRun, *, reward: float, prompt_id: str, sample_index: int, task_id: str, timings: dict[str, float]
+) -> list[Sample]:
+    samples = []
+    segments = [s for s in run.segments if any(s.loss_mask)]
+    for k, seg in enumerate(segments):
+        seg.check()
+        samples.append(
+            Sample(
+                prompt_id=prompt_id,
+                tokens=seg.prompt_ids + seg.response_ids,
+                prompt_length=len(seg.prompt_ids),
+                loss_mask=list(seg.loss_mask),
+                rollout_logprobs=list(seg.logprobs),
+                reward=reward,
+                status=_status(run.end_reason),
+                end_reason=run.end_reason.value,
+                sample_index=sample_index,
+                weight_versions=list(seg.weight_versions),
+                timings=dict(timings),
+                task_id=task_id,
+                metadata={"segment": k, "n_segments": len(segments), "malformed_turns": run.malformed_turns,
+                          "turns": len(run.turns)},
+            )
+        )
+    return samples
+
+
+class Recorder:
+    """Writes one episode as JSONL: a header, one line per turn, then the result with token arrays."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = path.open("w", encoding="utf-8")
+
+    def write(self, kind: str, payload: dict[str, Any]) -> None:
+        self._fh.write(json.dumps({"type": kind, **payload}, ensure_ascii=False, default=str) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+async def run_episode(
+    task: Task,
+    *,
+    provider: SandboxProvider,
+    engine: Engine,
+    renderer: ChatRenderer,
+    config: EpisodeConfig,
+    run_id: str,
+    prompt_id: str | None = None,
+    sample_index: int = 0,
+    record_dir: Path | None = None,
+) -> EpisodeResult:
+    """Run one episode. Raises `InfraError` (after recording) for infrastructure failures."""
+    prompt_id = prompt_id or task.task_id
+    session_id = f"{run_id}:{prompt_id}:{sample_index}:{uuid.uuid4().hex[:8]}"
+    fmt = get_format(config.action_format)
+    recorder = None
+    if record_dir is not None:
+        recorder = Recorder(Path(record_dir) / f"{task.task_id}__{session_id.replace(':', '_')}.jsonl")
+        recorder.write("header", {
+            "version": RECORD_VERSION, "task_id": task.task_id, "task_path": str(task.path.resolve()),
+            "action_format": fmt.name, "run_id": run_id, "session_id": session_id,
+            "prompt_id": prompt_id, "sample_index": sample_index,
+            "agent": asdict(config.agent), "sampling": asdict(config.sampling), "created_at": time.time(),
+        })
+    timings: dict[str, float] = {}
+    run: AgentRun | None = None
+    vres: VerifyResult | None = None
+    t_start = time.monotonic()
+    try:
+        create_timeout = config.create_timeout_s or task.config.environment.build_timeout_sec
+        try:
+            sandbox = await asyncio.wait_for(provider.create(task, run_id=run_id), create_timeout)
+        except TimeoutError:
+            raise SandboxCreateError(f"sandbox for {task.task_id} not ready after {create_timeout:.0f}s") from None
+        timings["create_s"] = time.monotonic() - t_start
+        async with sandbox:
+            agent_cfg = config.agent
+            limit = task.config.agent.timeout_sec
+            if config.max_agent_timeout_s is not None:
+                limit = min(limit or config.max_agent_timeout_s, config.max_agent_timeout_s)
+            if limit is not None:
+                agent_cfg = AgentConfig(**{**asdict(agent_cfg), "wall_clock_s": limit})
+            run = await run_agent(
+                engine=engine, sandbox=sandbox, renderer=renderer, action_format=fmt,
+                instruction=task.instruction, config=agent_cfg, sampling=config.sampling,
+                session_id=session_id, system_prompt=config.system_prompt,
+            )
+            timings.update(run.timings)
+            if recorder is not None:
+                for turn in run.turns:
+                    recorder.write("turn", asdict(turn))
+            if run.infra_error is not None:
+                raise run.infra_error
+            t_v = time.monotonic()
+            vres = await verify(sandbox, task)
+            timings["verifier_s"] = time.monotonic() - t_v
+        if vres.outcome in ("verifier-error", "timeout"):
+            cause = "verifier_timeout" if vres.outcome == "timeout" else "verifier_error"
+            raise VerifierInfraError(
+                f"verifier of {task.task_id}: {vres.outcome}: {vres.error or ''}", cause=cause, log_tail=vres.log_tail
+            )
+        assert vres.reward is not None
+        timings["total_s"] = time.monotonic() - t_start
+        samples = _samples_from_run(run, reward=vres.reward, prompt_id=prompt_id, sample_index=sample_index,
+                                    task_id=task.task_id, timings=timings)
+        if recorder is not None:
+            recorder.write("result", {
+                "status": samples[0].status.value if samples else Status.FAILED_POLICY.value,
+                "end_reason": run.end_reason.value, "reward": vres.reward, "outcome": vres.outcome,
+                "rewards": vres.rewards, "timings": timings, "verifier_log_tail": vres.log_tail,
+                "samples": [s.to_dict() for s in samples],
+            })
+        return EpisodeResult(samples, run, vres, recorder.path if recorder else None)
+    except InfraError as exc:
+        if recorder is not None:
+            recorder.write("result", {
+                "status": Status.FAILED_INFRA.value, "failure_cause": exc.cause, "error": str(exc),
+                "end_reason": run.end_reason.value if run else None, "reward": None, "timings": timings,
+            })
+        raise
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+@dataclass
+class TurnReplay:
+    index: int
+    matched: bool
+    detail: str = ""
+
+
+@dataclass
+class ReplayReport:
+    record: Path
+    task_id: str
+    recorded_reward: float | None
+    replayed_reward: float | None
+    turns: list[TurnReplay]
+
+    @property
+    def reward_matches(self) -> bool:
+        return self.recorded_reward == self.replayed_reward
+
+    @property
+    def outputs_match(self) -> bool:
+        return all(t.matched for t in self.turns)
+
+
+def read_record(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    header: dict[str, Any] | None = None
+    turns: list[dict[str, Any]] = []
+    result: dict[str, Any] | None = None
+    with Path(path).open(encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            kind = row.pop("type")
+            if kind == "header":
+                header = row
+            elif kind == "turn":
+                turns.append(row)
+            elif kind == "result":
+                result = row
+    if header is None:
+        raise ValueError(f"{path}: not an episode record (no header line)")
+    return header, turns, result
+
+
+async def replay_episode(
+    record: Path, *, provider: SandboxProvider, run_id: str, task_path: Path | None = None
+) -> ReplayReport:
+    """Re-run a record's actions in a fresh sandbox, re-verify, compare outputs and reward."""
+    header, turns, result = read_record(record)
+    task = load_task(task_path or header["task_path"])
+    timeout = float(header["agent"].get("command_timeout_s", 60.0))
+    reports: list[TurnReplay] = []
+    async with await provider.create(task, run_id=run_id) as sandbox:
+        for turn in turns:
+            action = turn["action"]
+            if action.get("error"):
+                reports.append(TurnReplay(turn["index"], True, "malformed turn: nothing to run"))
+                continue
+            mismatches = []
+            for k, (cmd, rec) in enumerate(zip(action["commands"], turn["outputs"], strict=False)):
+                out = await run_command(sandbox, Command(cmd["keystrokes"], cmd["duration"]), timeout)
+                if (out.stdout, out.stderr, out.exit_code) != (rec["stdout"], rec["stderr"], rec["exit_code"]):
+                    mismatches.append(f"command {k} ({cmd['keystrokes'].strip()[:40]!r}) output differs")
+            reports.append(TurnReplay(turn["index"], not mismatches, "; ".join(mismatches)))
+        vres = await verify(sandbox, task)
+    return ReplayReport(
+        record=record, task_id=task.task_id,
+        recorded_reward=(result or {}).get("reward"), replayed_reward=vres.reward, turns=reports,
+    )
+
+
+class EpisodeRunner:
+    """The rollout manager's seam: one prompt row -> one `Sample` (or an `InfraError`)."""
+
+    def __init__(
+        self, *, provider: SandboxProvider, engine: Engine, renderer: ChatRenderer, config: EpisodeConfig,
+        run_id: str, record_dir: Path | None = None, eval_config: EpisodeConfig | None = None,
+    ) -> None:
+        self.provider = provider
+        self.engine = engine
+        self.renderer = renderer
+        self.config = config
+        self.eval_config = eval_config or config
+        self.run_id = run_id
+        self.record_dir = record_dir
+        self._tasks: dict[str, Task] = {}
+
+    def _task(self, row: dict[str, Any]) -> Task:
+        path = row["metadata"]["task_path"]
+        if path not in self._tasks:
+            self._tasks[path] = load_task(path)
+        return self._tasks[path]
+
+    async def run(
+        self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0, eval: bool = False
+    ) -> Sample:
+        result = await run_episode(
+            self._task(row), provider=self.provider, engine=self.engine, renderer=self.renderer,
+            config=self.eval_config if eval else self.config, run_id=self.run_id, prompt_id=group_id,
+            sample_index=sample_index, record_dir=self.record_dir,
+        )
+        if not result.samples:
+            # No generated token at all (e.g. zero turns): an outcome without anything to train on.
+            assert result.verify is not None
+            return Sample(prompt_id=group_id, tokens=[], prompt_length=0, loss_mask=[], rollout_logprobs=[],
+                          reward=result.verify.reward, status=Status.FAILED_POLICY, sample_index=sample_index,
+                          end_reason=result.run.end_reason.value if result.run else None,
+                          task_id=self._task(row).task_id)
+        last = result.samples[-1]
+        if len(result.samples) > 1:
+            last.metadata["prior_segments"] = result.samples[:-1]
+        return last
+
