@@ -60,7 +60,13 @@ def _status(end: EndReason) -> Status:
 
 
 def _samples_from_run(
-    run: AgentRun, *, reward: float, prompt_id: str, sample_index: int, task_id: str, timings: dict[str, float]
+    run: AgentRun,
+    *,
+    reward: float,
+    prompt_id: str,
+    sample_index: int,
+    task_id: str,
+    timings: dict[str, float],
 ) -> list[Sample]:
     samples = []
     segments = [s for s in run.segments if any(s.loss_mask)]
@@ -80,8 +86,12 @@ def _samples_from_run(
                 weight_versions=list(seg.weight_versions),
                 timings=dict(timings),
                 task_id=task_id,
-                metadata={"segment": k, "n_segments": len(segments), "malformed_turns": run.malformed_turns,
-                          "turns": len(run.turns)},
+                metadata={
+                    "segment": k,
+                    "n_segments": len(segments),
+                    "malformed_turns": run.malformed_turns,
+                    "turns": len(run.turns),
+                },
             )
         )
     return samples
@@ -122,12 +132,22 @@ async def run_episode(
     recorder = None
     if record_dir is not None:
         recorder = Recorder(Path(record_dir) / f"{task.task_id}__{session_id.replace(':', '_')}.jsonl")
-        recorder.write("header", {
-            "version": RECORD_VERSION, "task_id": task.task_id, "task_path": str(task.path.resolve()),
-            "action_format": fmt.name, "run_id": run_id, "session_id": session_id,
-            "prompt_id": prompt_id, "sample_index": sample_index,
-            "agent": asdict(config.agent), "sampling": asdict(config.sampling), "created_at": time.time(),
-        })
+        recorder.write(
+            "header",
+            {
+                "version": RECORD_VERSION,
+                "task_id": task.task_id,
+                "task_path": str(task.path.resolve()),
+                "action_format": fmt.name,
+                "run_id": run_id,
+                "session_id": session_id,
+                "prompt_id": prompt_id,
+                "sample_index": sample_index,
+                "agent": asdict(config.agent),
+                "sampling": asdict(config.sampling),
+                "created_at": time.time(),
+            },
+        )
     timings: dict[str, float] = {}
     run: AgentRun | None = None
     vres: VerifyResult | None = None
@@ -137,7 +157,9 @@ async def run_episode(
         try:
             sandbox = await asyncio.wait_for(provider.create(task, run_id=run_id), create_timeout)
         except TimeoutError:
-            raise SandboxCreateError(f"sandbox for {task.task_id} not ready after {create_timeout:.0f}s") from None
+            raise SandboxCreateError(
+                f"sandbox for {task.task_id} not ready after {create_timeout:.0f}s"
+            ) from None
         timings["create_s"] = time.monotonic() - t_start
         async with sandbox:
             agent_cfg = config.agent
@@ -147,9 +169,15 @@ async def run_episode(
             if limit is not None:
                 agent_cfg = AgentConfig(**{**asdict(agent_cfg), "wall_clock_s": limit})
             run = await run_agent(
-                engine=engine, sandbox=sandbox, renderer=renderer, action_format=fmt,
-                instruction=task.instruction, config=agent_cfg, sampling=config.sampling,
-                session_id=session_id, system_prompt=config.system_prompt,
+                engine=engine,
+                sandbox=sandbox,
+                renderer=renderer,
+                action_format=fmt,
+                instruction=task.instruction,
+                config=agent_cfg,
+                sampling=config.sampling,
+                session_id=session_id,
+                system_prompt=config.system_prompt,
             )
             timings.update(run.timings)
             if recorder is not None:
@@ -163,26 +191,48 @@ async def run_episode(
         if vres.outcome in ("verifier-error", "timeout"):
             cause = "verifier_timeout" if vres.outcome == "timeout" else "verifier_error"
             raise VerifierInfraError(
-                f"verifier of {task.task_id}: {vres.outcome}: {vres.error or ''}", cause=cause, log_tail=vres.log_tail
+                f"verifier of {task.task_id}: {vres.outcome}: {vres.error or ''}",
+                cause=cause,
+                log_tail=vres.log_tail,
             )
         assert vres.reward is not None
         timings["total_s"] = time.monotonic() - t_start
-        samples = _samples_from_run(run, reward=vres.reward, prompt_id=prompt_id, sample_index=sample_index,
-                                    task_id=task.task_id, timings=timings)
+        samples = _samples_from_run(
+            run,
+            reward=vres.reward,
+            prompt_id=prompt_id,
+            sample_index=sample_index,
+            task_id=task.task_id,
+            timings=timings,
+        )
         if recorder is not None:
-            recorder.write("result", {
-                "status": samples[0].status.value if samples else Status.FAILED_POLICY.value,
-                "end_reason": run.end_reason.value, "reward": vres.reward, "outcome": vres.outcome,
-                "rewards": vres.rewards, "timings": timings, "verifier_log_tail": vres.log_tail,
-                "samples": [s.to_dict() for s in samples],
-            })
+            recorder.write(
+                "result",
+                {
+                    "status": samples[0].status.value if samples else Status.FAILED_POLICY.value,
+                    "end_reason": run.end_reason.value,
+                    "reward": vres.reward,
+                    "outcome": vres.outcome,
+                    "rewards": vres.rewards,
+                    "timings": timings,
+                    "verifier_log_tail": vres.log_tail,
+                    "samples": [s.to_dict() for s in samples],
+                },
+            )
         return EpisodeResult(samples, run, vres, recorder.path if recorder else None)
     except InfraError as exc:
         if recorder is not None:
-            recorder.write("result", {
-                "status": Status.FAILED_INFRA.value, "failure_cause": exc.cause, "error": str(exc),
-                "end_reason": run.end_reason.value if run else None, "reward": None, "timings": timings,
-            })
+            recorder.write(
+                "result",
+                {
+                    "status": Status.FAILED_INFRA.value,
+                    "failure_cause": exc.cause,
+                    "error": str(exc),
+                    "end_reason": run.end_reason.value if run else None,
+                    "reward": None,
+                    "timings": timings,
+                },
+            )
         raise
     finally:
         if recorder is not None:
@@ -251,13 +301,20 @@ async def replay_episode(
             mismatches = []
             for k, (cmd, rec) in enumerate(zip(action["commands"], turn["outputs"], strict=False)):
                 out = await run_command(sandbox, Command(cmd["keystrokes"], cmd["duration"]), timeout)
-                if (out.stdout, out.stderr, out.exit_code) != (rec["stdout"], rec["stderr"], rec["exit_code"]):
+                if (out.stdout, out.stderr, out.exit_code) != (
+                    rec["stdout"],
+                    rec["stderr"],
+                    rec["exit_code"],
+                ):
                     mismatches.append(f"command {k} ({cmd['keystrokes'].strip()[:40]!r}) output differs")
             reports.append(TurnReplay(turn["index"], not mismatches, "; ".join(mismatches)))
         vres = await verify(sandbox, task)
     return ReplayReport(
-        record=record, task_id=task.task_id,
-        recorded_reward=(result or {}).get("reward"), replayed_reward=vres.reward, turns=reports,
+        record=record,
+        task_id=task.task_id,
+        recorded_reward=(result or {}).get("reward"),
+        replayed_reward=vres.reward,
+        turns=reports,
     )
 
 
@@ -265,8 +322,15 @@ class EpisodeRunner:
     """The rollout manager's seam: one prompt row -> one `Sample` (or an `InfraError`)."""
 
     def __init__(
-        self, *, provider: SandboxProvider, engine: Engine, renderer: ChatRenderer, config: EpisodeConfig,
-        run_id: str, record_dir: Path | None = None, eval_config: EpisodeConfig | None = None,
+        self,
+        *,
+        provider: SandboxProvider,
+        engine: Engine,
+        renderer: ChatRenderer,
+        config: EpisodeConfig,
+        run_id: str,
+        record_dir: Path | None = None,
+        eval_config: EpisodeConfig | None = None,
     ) -> None:
         self.provider = provider
         self.engine = engine
@@ -287,19 +351,32 @@ class EpisodeRunner:
         self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0, eval: bool = False
     ) -> Sample:
         result = await run_episode(
-            self._task(row), provider=self.provider, engine=self.engine, renderer=self.renderer,
-            config=self.eval_config if eval else self.config, run_id=self.run_id, prompt_id=group_id,
-            sample_index=sample_index, record_dir=self.record_dir,
+            self._task(row),
+            provider=self.provider,
+            engine=self.engine,
+            renderer=self.renderer,
+            config=self.eval_config if eval else self.config,
+            run_id=self.run_id,
+            prompt_id=group_id,
+            sample_index=sample_index,
+            record_dir=self.record_dir,
         )
         if not result.samples:
             # No generated token at all (e.g. zero turns): an outcome without anything to train on.
             assert result.verify is not None
-            return Sample(prompt_id=group_id, tokens=[], prompt_length=0, loss_mask=[], rollout_logprobs=[],
-                          reward=result.verify.reward, status=Status.FAILED_POLICY, sample_index=sample_index,
-                          end_reason=result.run.end_reason.value if result.run else None,
-                          task_id=self._task(row).task_id)
+            return Sample(
+                prompt_id=group_id,
+                tokens=[],
+                prompt_length=0,
+                loss_mask=[],
+                rollout_logprobs=[],
+                reward=result.verify.reward,
+                status=Status.FAILED_POLICY,
+                sample_index=sample_index,
+                end_reason=result.run.end_reason.value if result.run else None,
+                task_id=self._task(row).task_id,
+            )
         last = result.samples[-1]
         if len(result.samples) > 1:
             last.metadata["prior_segments"] = result.samples[:-1]
         return last
-

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     COMPLETED = "completed"
     TRUNCATED = "truncated"
     ABORTED = "aborted"

@@ -12,9 +12,14 @@ from agentrl.agent.actions import FORMATS, FencedBashFormat, TerminusJSONFormat,
 
 
 def test_terminus_json_full_reply() -> None:
-    text = json.dumps({"analysis": "a", "plan": "p", "commands": [
-        {"keystrokes": "ls\n", "duration": 0.1}, {"keystrokes": "cat x\n", "duration": 99}],
-        "task_complete": "yes"})
+    text = json.dumps(
+        {
+            "analysis": "a",
+            "plan": "p",
+            "commands": [{"keystrokes": "ls\n", "duration": 0.1}, {"keystrokes": "cat x\n", "duration": 99}],
+            "task_complete": "yes",
+        }
+    )
     a = TerminusJSONFormat().parse(text)
     assert not a.malformed and a.task_complete
     assert [c.keystrokes for c in a.commands] == ["ls\n", "cat x\n"]
@@ -89,14 +94,17 @@ def test_unknown_format_is_a_clear_error() -> None:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.sampled_from(sorted(FORMATS)), st.one_of(
-    st.text(max_size=300),
-    st.text(alphabet='{}[]":,\\ntrueflsakyoscmdpn<>/_ `', max_size=200),
-))
+@given(
+    st.sampled_from(sorted(FORMATS)),
+    st.one_of(
+        st.text(max_size=300),
+        st.text(alphabet='{}[]":,\\ntrueflsakyoscmdpn<>/_ `', max_size=200),
+    ),
+)
 def test_parsers_never_raise_and_errors_have_no_commands(name: str, text: str) -> None:
     a = get_format(name).parse(text)
     if a.malformed:
         assert a.commands == [] and isinstance(a.error, str) and a.error
         assert isinstance(get_format(name).error_observation(a), str)
     for c in a.commands:
-        assert isinstance(c.keystrokes, str) and 0 <= c.duration <= 60 or c.duration < 0
+        assert isinstance(c.keystrokes, str) and c.duration <= 60

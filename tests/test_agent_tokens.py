@@ -37,8 +37,11 @@ def test_tokens_equal_a_full_rendering_and_masks_cover_generated_tokens_only() -
     full = r.render(traj.messages, add_generation_prompt=True)
     assert seg.prompt_ids + seg.response_ids == tok.encode(full, add_special_tokens=False)
     generated = [i for i, m in zip(seg.response_ids, seg.loss_mask, strict=True) if m]
-    expected = tok.encode('{"cmd": "ls"}', add_special_tokens=False) + [tok.eos_token_id] + tok.encode(
-        "partial answer cut by len", add_special_tokens=False)
+    expected = (
+        tok.encode('{"cmd": "ls"}', add_special_tokens=False)
+        + [tok.eos_token_id]
+        + tok.encode("partial answer cut by len", add_special_tokens=False)
+    )
     assert generated == expected
     assert all(lp == 0.0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if not m)
     assert all(lp < 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m)
@@ -58,10 +61,14 @@ def test_a_template_that_rewrites_history_splits_the_episode_cleanly() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.text(max_size=40), st.booleans(), st.text(max_size=60)), min_size=1, max_size=6),
-       st.booleans())
+@given(
+    st.lists(st.tuples(st.text(max_size=40), st.booleans(), st.text(max_size=60)), min_size=1, max_size=6),
+    st.booleans(),
+)
 def test_alignment_holds_for_any_conversation(turns, think_template: bool) -> None:  # type: ignore[no-untyped-def]
-    tok = byte_tokenizer(THINK_STRIPPING_TEMPLATE if think_template else byte_tokenizer.__wrapped__.__defaults__[0])
+    tok = byte_tokenizer(
+        THINK_STRIPPING_TEMPLATE if think_template else byte_tokenizer.__wrapped__.__defaults__[0]
+    )
     r = ChatRenderer(tok)
     traj = TokenTrajectory(r, MESSAGES)
     n_generated = 0

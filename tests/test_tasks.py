@@ -76,7 +76,12 @@ def test_every_documented_field_is_parsed() -> None:
     assert c.agent.timeout_sec == 300
     e = c.environment
     assert (e.build_timeout_sec, e.docker_image, e.cpus, e.memory_mb, e.storage_mb, e.gpus) == (
-        120, "img:1", 2, 2048, 4096, 0,
+        120,
+        "img:1",
+        2,
+        2048,
+        4096,
+        0,
     )
     assert e.network_mode == "no-network" and not e.internet_allowed
     assert e.env == {"A": "b"} and c.solution.env == {"S": "t"}
@@ -196,8 +201,19 @@ def test_make_data_rows_and_deterministic_split(tmp_path: Path) -> None:
     for i in range(40):
         write_task(tasks_dir, f"t{i:02d}")
     runner = CliRunner()
-    args = ["tasks", "make-data", str(tasks_dir), "-o", str(tmp_path / "train.jsonl"),
-            "--eval-output", str(tmp_path / "eval.jsonl"), "--eval-fraction", "0.25", "--seed", "3"]
+    args = [
+        "tasks",
+        "make-data",
+        str(tasks_dir),
+        "-o",
+        str(tmp_path / "train.jsonl"),
+        "--eval-output",
+        str(tmp_path / "eval.jsonl"),
+        "--eval-fraction",
+        "0.25",
+        "--seed",
+        "3",
+    ]
     assert runner.invoke(app, args).exit_code == 0
     train, evals = read_jsonl(tmp_path / "train.jsonl"), read_jsonl(tmp_path / "eval.jsonl")
     assert len(train) + len(evals) == 40 and 0 < len(evals) < 40
@@ -244,17 +260,48 @@ _values = st.one_of(
     st.just("{ a = 1 }"),
 )
 _keys = st.sampled_from(
-    ["version", "timeout_sec", "cpus", "memory_mb", "memory", "storage", "storage_mb", "gpus",
-     "allow_internet", "docker_image", "build_timeout_sec", "network_mode", "allowed_hosts", "os",
-     "env", "tags", "difficulty", "user", "workdir", "name", "zzz"]
+    [
+        "version",
+        "timeout_sec",
+        "cpus",
+        "memory_mb",
+        "memory",
+        "storage",
+        "storage_mb",
+        "gpus",
+        "allow_internet",
+        "docker_image",
+        "build_timeout_sec",
+        "network_mode",
+        "allowed_hosts",
+        "os",
+        "env",
+        "tags",
+        "difficulty",
+        "user",
+        "workdir",
+        "name",
+        "zzz",
+    ]
 )
 _sections = st.sampled_from(
-    ["", "[metadata]", "[verifier]", "[verifier.env]", "[agent]", "[environment]", "[environment.env]",
-     "[solution]", "[solution.env]", "[task]", "[other]"]
+    [
+        "",
+        "[metadata]",
+        "[verifier]",
+        "[verifier.env]",
+        "[agent]",
+        "[environment]",
+        "[environment.env]",
+        "[solution]",
+        "[solution.env]",
+        "[task]",
+        "[other]",
+    ]
 )
-_toml_docs = st.lists(
-    st.tuples(_sections, st.lists(st.tuples(_keys, _values), max_size=4)), max_size=5
-).map(lambda secs: "\n".join(sec + "\n" + "\n".join(f"{k} = {v}" for k, v in kvs) for sec, kvs in secs))
+_toml_docs = st.lists(st.tuples(_sections, st.lists(st.tuples(_keys, _values), max_size=4)), max_size=5).map(
+    lambda secs: "\n".join(sec + "\n" + "\n".join(f"{k} = {v}" for k, v in kvs) for sec, kvs in secs)
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -154,8 +154,9 @@ class TerminusJSONFormat:
             {
                 "analysis": analysis,
                 "plan": plan,
-                "commands": [{"keystrokes": c if c.endswith("\n") else c + "\n", "duration": 1.0}
-                             for c in commands],
+                "commands": [
+                    {"keystrokes": c if c.endswith("\n") else c + "\n", "duration": 1.0} for c in commands
+                ],
                 "task_complete": task_complete,
             },
             ensure_ascii=False,
@@ -185,7 +186,7 @@ class ToolCallFormat:
         '{"name": "bash", "description": "Run a bash command and see its output.", '
         '"parameters": {"type": "object", "properties": {"command": {"type": "string"}}, '
         '"required": ["command"]}}\n'
-        "Call it as <tool_call>{\"name\": \"bash\", \"arguments\": {\"command\": \"...\"}}</tool_call>. "
+        'Call it as <tool_call>{"name": "bash", "arguments": {"command": "..."}}</tool_call>. '
         "You may make several calls in one reply. When the task is done, reply without a tool call."
     )
 
@@ -230,7 +231,9 @@ class ToolCallFormat:
 
     def render(self, commands: list[str], task_complete: bool, analysis: str = "", plan: str = "") -> str:
         calls = "".join(
-            "<tool_call>" + json.dumps({"name": "bash", "arguments": {"command": c.rstrip("\n")}}) + "</tool_call>"
+            "<tool_call>"
+            + json.dumps({"name": "bash", "arguments": {"command": c.rstrip("\n")}})
+            + "</tool_call>"
             for c in commands
         )
         return (analysis + "\n" if analysis else "") + calls if commands else (analysis or "Done.")

@@ -28,7 +28,7 @@ OBSERVATION_LIMIT_BYTES = 10_000
 _TMUX_KEYS = {"C-c", "C-d", "C-z", "C-l", "Enter", "Escape", "Tab", "Up", "Down", "Left", "Right", "C-m"}
 
 
-class EndReason(str, enum.Enum):
+class EndReason(enum.StrEnum):
     TASK_COMPLETE = "task_complete"
     MAX_TURNS = "max_turns"
     TOKEN_BUDGET = "token_budget"
@@ -125,7 +125,9 @@ def format_outputs(outputs: list[CommandOutput], limit: int) -> str:
 async def run_command(sandbox: Sandbox, command: Command, timeout_s: float) -> CommandOutput:
     keys = command.keystrokes
     if keys.strip() in _TMUX_KEYS:
-        return CommandOutput(keys, "", f"[{keys.strip()} ignored: no interactive program is running]\n", 0, False, 0.0)
+        return CommandOutput(
+            keys, "", f"[{keys.strip()} ignored: no interactive program is running]\n", 0, False, 0.0
+        )
     cmd = keys.rstrip("\n")
     if not cmd.strip():
         if command.duration > 0:
@@ -144,11 +146,98 @@ def _action_dict(action: ParsedAction) -> dict[str, Any]:
     }
 
 
+class _TokenSession:
+    """Token-in/token-out generation over a `TokenTrajectory` (SGLang, local engines)."""
+
+    def __init__(
+        self, engine: Engine, traj: TokenTrajectory, session_id: str, engine_timeout_s: float
+    ) -> None:
+        self.engine = engine
+        self.traj = traj
+        self.session_id = session_id
+        self.engine_timeout_s = engine_timeout_s
+
+    def context_len(self) -> int:
+        return self.traj.context_len()
+
+    async def generate(self, sampling: SamplingParams, deadline: float | None) -> tuple[str, str, list[int]]:
+        ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        finish = "abort"
+        # Partial rollouts: an aborted generation (weight update) keeps its tokens and the turn
+        # continues from them on the new weights; each piece records its weight version.
+        while finish == "abort":
+            left = sampling.max_new_tokens - len(ids)
+            if left <= 0:
+                finish = "length"
+                break
+            piece = SamplingParams(**{**sampling.__dict__, "max_new_tokens": left})
+            wait = self.engine_timeout_s
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            try:
+                gen = await asyncio.wait_for(
+                    self.engine.generate(self.traj.context_ids() + ids, piece, session_id=self.session_id),
+                    wait,
+                )
+            except EngineAborted:
+                continue
+            ids += gen.output_ids
+            logps += gen.logprobs
+            versions.append(gen.weight_version)
+            finish = gen.finish_reason
+        return self.traj.add_generation(ids, logps, versions), finish, versions
+
+    def add_observation(self, text: str, observation: str) -> None:
+        self.traj.add_observation(text, observation)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.traj.segments
+
+
+class _ChatSession:
+    """Text-in/text-out generation for API models (`OpenAIChatEngine.chat`): evaluation only, no
+    tokens or log-probs, so it produces no training segments."""
+
+    def __init__(
+        self, engine: Any, messages: list[dict[str, str]], observation_role: str, engine_timeout_s: float
+    ) -> None:
+        self.engine = engine
+        self.messages = list(messages)
+        self.observation_role = "user" if observation_role == "tool" else observation_role
+        self.engine_timeout_s = engine_timeout_s
+        self.chars = sum(len(m["content"]) for m in messages)
+
+    def context_len(self) -> int:
+        return self.chars // 4  # a rough token estimate; the API enforces the real limit
+
+    async def generate(self, sampling: SamplingParams, deadline: float | None) -> tuple[str, str, list[int]]:
+        wait = self.engine_timeout_s
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+        text, finish = await asyncio.wait_for(self.engine.chat(self.messages, sampling), wait)
+        self.chars += len(text)
+        return text, finish, []
+
+    def add_observation(self, text: str, observation: str) -> None:
+        self.messages += [
+            {"role": "assistant", "content": text},
+            {"role": self.observation_role, "content": observation},
+        ]
+        self.chars += len(observation)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return []
+
+
 async def run_agent(
     *,
     engine: Engine,
     sandbox: Sandbox,
-    renderer: ChatRenderer,
+    renderer: ChatRenderer | None,
     action_format: ActionFormat,
     instruction: str,
     config: AgentConfig,
@@ -157,12 +246,23 @@ async def run_agent(
     system_prompt: str | None = None,
 ) -> AgentRun:
     """Run one agent phase. Never raises for policy problems; infra failures end the run with
-    `infra_error` set (the caller classifies them), so the turns so far are never lost."""
+    `infra_error` set (the caller classifies them), so the turns so far are never lost.
+
+    With a `renderer`, generation is token-in/token-out; without one, the engine must offer
+    `chat(messages, sampling) -> (text, finish_reason)` (API models, evaluation only).
+    """
     messages = [
         {"role": "system", "content": system_prompt or action_format.system_prompt},
         {"role": "user", "content": instruction},
     ]
-    traj = TokenTrajectory(renderer, messages, check_prefix=config.check_prefix)
+    session: _TokenSession | _ChatSession
+    if renderer is not None:
+        traj = TokenTrajectory(renderer, messages, check_prefix=config.check_prefix)
+        session = _TokenSession(engine, traj, session_id, config.engine_timeout_s)
+    else:
+        if not hasattr(engine, "chat"):
+            raise TypeError(f"{type(engine).__name__} needs a tokenizer renderer (it has no chat method)")
+        session = _ChatSession(engine, messages, action_format.observation_role, config.engine_timeout_s)
     turns: list[TurnRecord] = []
     malformed = consecutive_malformed = 0
     pending_complete = False
@@ -173,41 +273,18 @@ async def run_agent(
     infra: InfraError | None = None
 
     for index in range(config.max_turns):
-        budget = config.max_total_tokens - traj.context_len()
-        max_new = min(config.max_new_tokens, budget)
+        max_new = min(config.max_new_tokens, config.max_total_tokens - session.context_len())
         if max_new < config.min_turn_tokens:
             end = EndReason.TOKEN_BUDGET
             break
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
+        if deadline is not None and deadline - time.monotonic() <= 0:
             end = EndReason.TIMEOUT
             break
-        turn_sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": max_new})
         t0 = time.monotonic()
-        ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        finish = "abort"
         try:
-            # Partial rollouts: an aborted generation (weight update) keeps its tokens and the
-            # turn continues from them on the new weights; each piece records its version.
-            while finish == "abort":
-                left = max_new - len(ids)
-                if left <= 0:
-                    finish = "length"
-                    break
-                piece_sampling = SamplingParams(**{**turn_sampling.__dict__, "max_new_tokens": left})
-                wait = min(config.engine_timeout_s, remaining) if remaining is not None else config.engine_timeout_s
-                try:
-                    gen = await asyncio.wait_for(
-                        engine.generate(traj.context_ids() + ids, piece_sampling, session_id=session_id), wait
-                    )
-                except EngineAborted:
-                    continue
-                ids += gen.output_ids
-                logps += gen.logprobs
-                versions.append(gen.weight_version)
-                finish = gen.finish_reason
+            text, finish, versions = await session.generate(
+                SamplingParams(**{**sampling.__dict__, "max_new_tokens": max_new}), deadline
+            )
         except TimeoutError:
             engine_s += time.monotonic() - t0
             end = EndReason.TIMEOUT
@@ -216,12 +293,11 @@ async def run_agent(
             engine_s += time.monotonic() - t0
             end, infra = EndReason.ENGINE_ERROR, exc
             break
-        engine_s += time.monotonic() - t0
-        text = traj.add_generation(ids, logps, versions)
+        t1 = time.monotonic()
+        engine_s += t1 - t0
 
         action = action_format.parse(text)
         outputs: list[CommandOutput] = []
-        t1 = time.monotonic()
         if action.malformed:
             malformed += 1
             consecutive_malformed += 1
@@ -236,18 +312,35 @@ async def run_agent(
                     if left is not None and left <= 0:
                         end = EndReason.TIMEOUT
                         break
-                    timeout = config.command_timeout_s if left is None else min(config.command_timeout_s, left)
+                    timeout = (
+                        config.command_timeout_s if left is None else min(config.command_timeout_s, left)
+                    )
                     outputs.append(await run_command(sandbox, command, timeout))
             except SandboxError as exc:
                 sandbox_s += time.monotonic() - t1
                 end, infra = EndReason.SANDBOX_ERROR, exc
-                turns.append(TurnRecord(index, text, _action_dict(action), outputs, "", versions,
-                                        t1 - t0, time.monotonic() - t1, finish))
+                turns.append(
+                    TurnRecord(
+                        index,
+                        text,
+                        _action_dict(action),
+                        outputs,
+                        "",
+                        versions,
+                        t1 - t0,
+                        time.monotonic() - t1,
+                        finish,
+                    )
+                )
                 break
             observation = format_outputs(outputs, config.observation_limit_bytes)
             if action.warnings:
-                observation = "Previous response had warnings:\nWARNINGS: " + "\n".join(
-                    f"- {w}" for w in action.warnings) + "\n\n" + observation
+                observation = (
+                    "Previous response had warnings:\nWARNINGS: "
+                    + "\n".join(f"- {w}" for w in action.warnings)
+                    + "\n\n"
+                    + observation
+                )
         turn_sandbox_s = time.monotonic() - t1
         sandbox_s += turn_sandbox_s
         done = False
@@ -262,8 +355,19 @@ async def run_agent(
                 )
         elif not action.malformed:
             pending_complete = False
-        turns.append(TurnRecord(index, text, _action_dict(action), outputs, observation, versions,
-                                t1 - t0, turn_sandbox_s, finish))
+        turns.append(
+            TurnRecord(
+                index,
+                text,
+                _action_dict(action),
+                outputs,
+                observation,
+                versions,
+                t1 - t0,
+                turn_sandbox_s,
+                finish,
+            )
+        )
         if end is not None:
             break
         if done:
@@ -272,14 +376,14 @@ async def run_agent(
         if consecutive_malformed >= config.max_consecutive_malformed:
             end = EndReason.NO_ACTION
             break
-        traj.add_observation(text, observation)
-        if traj.context_len() >= config.max_total_tokens:
+        session.add_observation(text, observation)
+        if session.context_len() >= config.max_total_tokens:
             end = EndReason.TOKEN_BUDGET
             break
     if end is None:
         end = EndReason.MAX_TURNS
     return AgentRun(
-        segments=traj.segments,
+        segments=session.segments,
         turns=turns,
         end_reason=end,
         malformed_turns=malformed,

@@ -59,7 +59,7 @@ class ChatRenderer:
             return role
         try:
             self.render([{"role": "user", "content": "u"}, {"role": role, "content": "x"}], False)
-        except Exception:  # noqa: BLE001 - any template failure means the role is unsupported
+        except Exception:  # any template failure means the role is unsupported
             return "user"
         return role
 
@@ -115,7 +115,9 @@ class Segment:
     def check(self) -> None:
         n = len(self.response_ids)
         if len(self.loss_mask) != n or len(self.logprobs) != n:
-            raise AssertionError(f"segment misaligned: {n} ids, {len(self.loss_mask)} mask, {len(self.logprobs)} logps")
+            raise AssertionError(
+                f"segment misaligned: {n} ids, {len(self.loss_mask)} mask, {len(self.logprobs)} logps"
+            )
 
 
 class TokenTrajectory:

@@ -77,5 +77,7 @@ def make_data(
     write_jsonl(output, train)
     if eval_output is not None:
         write_jsonl(eval_output, evals)
-    console.print(f"wrote {len(train)} train rows to {output}" + (
-        f" and {len(evals)} eval rows to {eval_output}" if eval_output else ""))
+    console.print(
+        f"wrote {len(train)} train rows to {output}"
+        + (f" and {len(evals)} eval rows to {eval_output}" if eval_output else "")
+    )

@@ -282,8 +282,13 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
 
     meta = _Reader(file, top.table("metadata"), "metadata", unknown)
     known_meta = {
-        "author_name", "author_email", "difficulty", "category", "tags",
-        "expert_time_estimate_min", "junior_time_estimate_min",
+        "author_name",
+        "author_email",
+        "difficulty",
+        "category",
+        "tags",
+        "expert_time_estimate_min",
+        "junior_time_estimate_min",
     }
     metadata = Metadata(
         author_name=meta.string("author_name"),

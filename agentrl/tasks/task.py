@@ -1,10 +1,10 @@
 """A Harbor / terminal-bench-2 task directory, loaded lazily.
 
-    task.toml            configuration (see `agentrl.tasks.config`)
-    instruction.md       what the agent is asked to do (leading canary lines stripped)
-    environment/         Dockerfile and its build context (optional when docker_image is set)
-    tests/test.sh        the verifier; writes /logs/verifier/reward.txt or reward.json
-    solution/solve.sh    optional reference solution (the oracle agent runs it)
+task.toml            configuration (see `agentrl.tasks.config`)
+instruction.md       what the agent is asked to do (leading canary lines stripped)
+environment/         Dockerfile and its build context (optional when docker_image is set)
+tests/test.sh        the verifier; writes /logs/verifier/reward.txt or reward.json
+solution/solve.sh    optional reference solution (the oracle agent runs it)
 """
 
 from __future__ import annotations
@@ -117,23 +117,30 @@ class Task:
         if config.environment.docker_image is None:
             if not self.environment_dir.is_dir():
                 raise TaskFormatError(
-                    str(self.path / "task.toml"), "environment.docker_image",
+                    str(self.path / "task.toml"),
+                    "environment.docker_image",
                     "no environment/ directory and no docker_image",
                     "add environment/Dockerfile or set [environment].docker_image",
                 )
             if self.dockerfile is None:
                 raise TaskFormatError(
-                    str(self.environment_dir / "Dockerfile"), None, "environment/Dockerfile is missing",
+                    str(self.environment_dir / "Dockerfile"),
+                    None,
+                    "environment/Dockerfile is missing",
                     "add a Dockerfile or set [environment].docker_image",
                 )
         if config.environment.os != "linux":
             raise TaskFormatError(
-                str(self.path / "task.toml"), "environment.os",
-                f"os {config.environment.os!r} is not supported", "agentrl runs linux tasks",
+                str(self.path / "task.toml"),
+                "environment.os",
+                f"os {config.environment.os!r} is not supported",
+                "agentrl runs linux tasks",
             )
         if not self.test_script.is_file():
             raise TaskFormatError(
-                str(self.test_script), None, "tests/test.sh is missing",
+                str(self.test_script),
+                None,
+                "tests/test.sh is missing",
                 "every task needs a verifier script that writes /logs/verifier/reward.txt",
             )
         for sub in (self.tests_dir, self.solution_dir):
