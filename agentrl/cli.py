@@ -28,6 +28,30 @@ for _module, _attr, _name in _GROUPS:
     app.add_typer(_group, name=_name)
 
 
+@app.command("sft")
+def sft_cmd(
+    records: str = typer.Argument(..., help="Directory of episode records to learn from."),
+    model: str = typer.Option(..., help="Model directory (transformers) to start from."),
+    output: str = typer.Option(..., help="Where to save the fine-tuned model and tokenizer."),
+    steps: int = typer.Option(100),
+    lr: float = typer.Option(1e-3),
+    batch_size: int = typer.Option(8),
+    seed: int = typer.Option(0),
+) -> None:
+    """Supervised warm start on recorded trajectories (loss on assistant tokens only)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.sft import SFTConfig, load_record_samples, run_sft
+
+    samples = load_record_samples(Path(records))
+    net = AutoModelForCausalLM.from_pretrained(model)
+    run_sft(net, samples, SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed))
+    net.save_pretrained(output)
+    AutoTokenizer.from_pretrained(model).save_pretrained(output)
+
+
 def main() -> None:
     app()
 

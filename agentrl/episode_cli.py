@@ -1,0 +1,203 @@
+"""`agentrl episode run|replay`: one episode against any engine and sandbox backend."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from agentrl.errors import AgentRLError, InfraError
+
+app = typer.Typer(no_args_is_help=True, help="Run, record and replay single episodes.")
+console = Console()
+
+
+def scripted_solution_texts(task: Any, action_format: str) -> list[str]:
+    """The replies of a model that knows the reference solution: run solve.sh's content as one
+    command, then declare the task complete."""
+    from agentrl.agent.actions import get_format
+
+    if task.solve_script is None:
+        raise AgentRLError(f"{task.task_id} has no solution/solve.sh: the scripted engine needs one")
+    fmt = get_format(action_format)
+    script = task.solve_script.read_text(encoding="utf-8")
+    return [
+        fmt.render([script], task_complete=False, analysis="Run the solution.", plan="Execute the script."),
+        fmt.render([], task_complete=True, analysis="Done.", plan="Finish."),
+    ]
+
+
+def build_engine(
+    kind: str,
+    *,
+    task: Any,
+    action_format: str,
+    model: Path | None,
+    url: list[str] | None,
+    tokenizer: Path | None,
+    api_model: str | None,
+    api_key_env: str,
+    seed: int,
+) -> tuple[Any, Any]:
+    """(engine, tokenizer-or-None) for the CLI's --engine choice."""
+    if kind == "openai":
+        from agentrl.engine.openai import OpenAIChatEngine
+
+        if not url or not api_model:
+            raise typer.BadParameter("--engine openai needs --url (base URL) and --api-model")
+        return OpenAIChatEngine(base_url=url[0], model=api_model, api_key_env=api_key_env), None
+    from transformers import AutoTokenizer
+
+    if kind == "sglang":
+        from agentrl.engine.sglang import SGLangEngine
+
+        if not url or tokenizer is None:
+            raise typer.BadParameter("--engine sglang needs --url (one or more) and --tokenizer DIR")
+        return SGLangEngine(url), AutoTokenizer.from_pretrained(str(tokenizer))
+    from agentrl.models.tiny import tiny_model_dir
+
+    model_dir = model or tiny_model_dir()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if kind == "scripted":
+        from agentrl.engine.fake import ScriptedEngine
+
+        return ScriptedEngine(scripted_solution_texts(task, action_format), tok), tok
+    if kind == "local":
+        from transformers import AutoModelForCausalLM
+
+        from agentrl.engine.local import LocalEngine
+
+        return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok, seed=seed), tok
+    raise typer.BadParameter(f"unknown engine {kind!r}: local, sglang, openai or scripted")
+
+
+@app.command("run")
+def run_cmd(
+    task_dir: Path = typer.Argument(..., help="A task directory."),
+    engine: str = typer.Option("local", help="local | sglang | openai | scripted (the task's solution)."),
+    backend: str = typer.Option("podman", help="Sandbox backend: podman | docker | daytona | fake."),
+    model: Path | None = typer.Option(None, help="Model directory for --engine local (default: tiny)."),
+    url: list[str] | None = typer.Option(None, help="Engine URL(s): SGLang workers/router, or the API base."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory for --engine sglang."),
+    api_model: str | None = typer.Option(None, help="Model name for --engine openai."),
+    api_key_env: str = typer.Option("OPENAI_API_KEY", help="Environment variable holding the API key."),
+    action_format: str = typer.Option(
+        "terminus-json", "--format", help="terminus-json | tool-call | fenced-bash"
+    ),
+    record: Path | None = typer.Option(None, help="Directory to write the episode record into."),
+    max_turns: int = typer.Option(20),
+    max_new_tokens: int = typer.Option(1024),
+    max_total_tokens: int = typer.Option(32768),
+    temperature: float = typer.Option(1.0),
+    seed: int = typer.Option(0),
+) -> None:
+    """Run one episode and print its outcome."""
+    from agentrl.agent.loop import AgentConfig
+    from agentrl.agent.tokens import ChatRenderer
+    from agentrl.engine.base import SamplingParams
+    from agentrl.episode import EpisodeConfig, run_episode
+    from agentrl.sandbox.registry import make_provider
+    from agentrl.tasks import load_task
+
+    task = load_task(task_dir)
+    task.validate()
+    eng, tok = build_engine(
+        engine,
+        task=task,
+        action_format=action_format,
+        model=model,
+        url=url,
+        tokenizer=tokenizer,
+        api_model=api_model,
+        api_key_env=api_key_env,
+        seed=seed,
+    )
+    renderer = (
+        ChatRenderer(tok, observation_role="tool" if action_format == "tool-call" else "user")
+        if tok
+        else None
+    )
+    config = EpisodeConfig(
+        action_format=action_format,
+        agent=AgentConfig(
+            max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens
+        ),
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed),
+    )
+    run_id = f"episode-{uuid.uuid4().hex[:8]}"
+
+    async def go() -> Any:
+        provider = make_provider(backend)
+        try:
+            return await run_episode(
+                task,
+                provider=provider,
+                engine=eng,
+                renderer=renderer,
+                config=config,
+                run_id=run_id,
+                record_dir=record,
+            )
+        finally:
+            await provider.aclose()
+            await eng.aclose()
+
+    try:
+        result = asyncio.run(go())
+    except InfraError as exc:
+        console.print(f"[red]infrastructure failure ({exc.cause}):[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"episode {task.task_id}")
+    for col in ("reward", "outcome", "end reason", "turns", "malformed", "generated tokens", "seconds"):
+        table.add_column(col)
+    run = result.run
+    table.add_row(
+        f"{result.verify.reward}",
+        result.verify.outcome,
+        run.end_reason.value,
+        str(len(run.turns)),
+        str(run.malformed_turns),
+        str(run.n_generated),
+        f"{run.timings.get('agent_s', 0):.1f}",
+    )
+    console.print(table)
+    if result.record_path:
+        console.print(f"record: {result.record_path}")
+
+
+@app.command("replay")
+def replay_cmd(
+    record: Path = typer.Argument(..., help="An episode record (JSONL)."),
+    backend: str = typer.Option("podman", help="Sandbox backend."),
+    task_dir: Path | None = typer.Option(None, help="Override the task path stored in the record."),
+) -> None:
+    """Re-run a record's actions in a fresh sandbox; exit 1 if the reward or any output differs."""
+    from agentrl.episode import replay_episode
+    from agentrl.sandbox.registry import make_provider
+
+    async def go() -> Any:
+        provider = make_provider(backend)
+        try:
+            return await replay_episode(
+                record, provider=provider, run_id=f"replay-{uuid.uuid4().hex[:8]}", task_path=task_dir
+            )
+        finally:
+            await provider.aclose()
+
+    report = asyncio.run(go())
+    table = Table(title=f"replay of {record.name}")
+    table.add_column("turn")
+    table.add_column("outputs match")
+    table.add_column("detail", overflow="fold")
+    for t in report.turns:
+        table.add_row(str(t.index), "yes" if t.matched else "[red]no[/red]", escape(t.detail))
+    console.print(table)
+    console.print(f"reward recorded {report.recorded_reward}, replayed {report.replayed_reward}")
+    if not (report.reward_matches and report.outputs_match):
+        raise typer.Exit(1)
