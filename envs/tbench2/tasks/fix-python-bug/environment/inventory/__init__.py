@@ -1,0 +1,3 @@
+from inventory.core import Inventory, OutOfStockError
+
+__all__ = ["Inventory", "OutOfStockError"]

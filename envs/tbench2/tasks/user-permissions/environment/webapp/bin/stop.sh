@@ -1,0 +1,2 @@
+#!/bin/bash
+pkill -f "http.server 8000"
