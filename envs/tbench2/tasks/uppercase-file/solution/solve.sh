@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+tr '[:lower:]' '[:upper:]' < /app/input.txt > /app/output.txt
