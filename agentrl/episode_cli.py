@@ -26,7 +26,12 @@ def scripted_solution_texts(task: Any, action_format: str) -> list[str]:
     if task.solve_script is None:
         raise AgentRLError(f"{task.task_id} has no solution/solve.sh: the scripted engine needs one")
     fmt = get_format(action_format)
-    script = task.solve_script.read_text(encoding="utf-8")
+    lines = task.solve_script.read_text(encoding="utf-8").splitlines()
+    # Drop the shebang, comments and `set -e...` boilerplate at the top: shorter replies, same effect
+    # in a fresh shell (each command runs on its own).
+    while lines and (not lines[0].strip() or lines[0].lstrip().startswith(("#", "set -"))):
+        lines.pop(0)
+    script = "\n".join(lines) + "\n"
     return [
         fmt.render([script], task_complete=False, analysis="Run the solution.", plan="Execute the script."),
         fmt.render([], task_complete=True, analysis="Done.", plan="Finish."),

@@ -36,7 +36,12 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the tokenizer has no chat_template: set one before running agents")
+        self._fast: Any = None
+        # The Rust tokenizer directly: exact, and without the Python wrapper's per-call overhead.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._template_vars = {}
         self.observation_role = self._supported_role(observation_role)
+        self._compile_fast_render()
         base = [
             {"role": "system", "content": "S"},
             {"role": "user", "content": _SENT_USER},
@@ -73,14 +78,46 @@ class ChatRenderer:
         return ids
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if self._fast is not None:
+            return self._fast.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._template_vars
+            )
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
+    def _compile_fast_render(self) -> None:
+        """Render with the compiled Jinja template directly: the per-turn prefix check renders the
+        whole conversation, and `apply_chat_template`'s own overhead is ~2x the rendering. Used
+        only if it reproduces `apply_chat_template` exactly on a probe conversation."""
+        self._fast = None
+        self._template_vars: dict[str, Any] = dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            fast = _compile_jinja_template(self.tokenizer.chat_template)
+        except Exception:  # private helper moved or template not compilable alone: keep the slow path
+            return
+        probe = [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"},
+            {"role": self.observation_role, "content": "O"},
+        ]
+        for gen in (False, True):
+            slow = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=gen)
+            if fast.render(messages=probe, add_generation_prompt=gen, **self._template_vars) != slow:
+                return
+        self._fast = fast
+
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def between_turns(self, generated_text: str, observation: str) -> str:
