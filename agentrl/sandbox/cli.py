@@ -27,8 +27,9 @@ def build_bases_cmd(
     from agentrl.sandbox.images import build_bases
 
     try:
-        status = build_bases(cli=cli or default_cli(), force_standins=force_standins, try_pull=pull,
-                             log=console.print)
+        status = build_bases(
+            cli=cli or default_cli(), force_standins=force_standins, try_pull=pull, log=console.print
+        )
     except AgentRLError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -56,8 +56,11 @@ class BaseRecipe:
 def load_recipe(path: Path = BASES_TOML) -> BaseRecipe:
     data = tomllib.loads(path.read_text(encoding="utf-8"))
     return BaseRecipe(
-        suite=data["suite"], variant=data["variant"], mirror=data["mirror"],
-        packages=tuple(data["packages"]), names=tuple(data["names"]),
+        suite=data["suite"],
+        variant=data["variant"],
+        mirror=data["mirror"],
+        packages=tuple(data["packages"]),
+        names=tuple(data["names"]),
     )
 
 
@@ -72,12 +75,16 @@ def qualified(name: str) -> str:
 def _run(cli: str, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([cli, *args], capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise ImageBuildError(f"{cli} {' '.join(args[:3])} failed", log_tail=(proc.stdout + proc.stderr)[-3000:])
+        raise ImageBuildError(
+            f"{cli} {' '.join(args[:3])} failed", log_tail=(proc.stdout + proc.stderr)[-3000:]
+        )
     return proc
 
 
 def image_label(cli: str, image: str, label: str) -> str | None:
-    proc = _run(cli, "image", "inspect", "--format", f'{{{{ index .Config.Labels "{label}" }}}}', image, check=False)
+    proc = _run(
+        cli, "image", "inspect", "--format", f'{{{{ index .Config.Labels "{label}" }}}}', image, check=False
+    )
     value = proc.stdout.strip()
     return value if proc.returncode == 0 and value and value != "<no value>" else None
 
@@ -97,9 +104,17 @@ def _rootfs_tarball(recipe: BaseRecipe, cache: Path, log) -> Path:  # type: igno
         root = Path(tmp) / "root"
         log(f"debootstrap --variant={recipe.variant} {recipe.suite} (about a minute)")
         proc = subprocess.run(
-            ["debootstrap", f"--variant={recipe.variant}", f"--include={','.join(recipe.packages)}",
-             recipe.suite, str(root), recipe.mirror],
-            capture_output=True, text=True, timeout=1800,
+            [
+                "debootstrap",
+                f"--variant={recipe.variant}",
+                f"--include={','.join(recipe.packages)}",
+                recipe.suite,
+                str(root),
+                recipe.mirror,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
         if proc.returncode != 0:
             raise ImageBuildError("debootstrap failed", log_tail=(proc.stdout + proc.stderr)[-3000:])
@@ -114,8 +129,12 @@ def _pullable(cli: str, name: str) -> bool:
 
 
 def build_bases(
-    *, cli: str = "podman", force_standins: bool = False, try_pull: bool = True,
-    cache: Path | None = None, log=print,  # type: ignore[no-untyped-def]
+    *,
+    cli: str = "podman",
+    force_standins: bool = False,
+    try_pull: bool = True,
+    cache: Path | None = None,
+    log=print,  # type: ignore[no-untyped-def]
 ) -> dict[str, str]:
     """Make every base name in the recipe resolvable locally. Returns {name: "present" | "pulled" |
     "stand-in"}. Idempotent: names already carrying this recipe's label are left alone."""

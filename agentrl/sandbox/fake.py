@@ -1,0 +1,248 @@
+"""In-memory sandboxes for unit tests: the Sandbox protocol without containers.
+
+`FakeSandbox` keeps a dict file system and answers commands with handlers: `(pattern, handler)`
+pairs tried in order, where a handler gets `(sandbox, cmd, match)` and returns an `ExecResult`, a
+string (stdout, exit 0) or None (not handled). Built-in handlers understand the few commands the
+verifier and the contract suite use (`cat`, `tail -c`, `echo ... > f`, `rm`, `mkdir`, `chmod`,
+`sleep`, `true`, `exit N`, `pwd`, `printenv`). Running `/tests/test.sh` calls the provider's
+`grader(sandbox) -> float | None`, which writes `/logs/verifier/reward.txt` (None writes nothing).
+
+Fault injection (seeded): create failures, transport errors mid-exec, latency and hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentrl.sandbox.base import (
+    ExecResult,
+    Sandbox,
+    SandboxCreateError,
+    SandboxError,
+    SandboxProvider,
+    SandboxTransportError,
+    bound_output,
+)
+
+if TYPE_CHECKING:
+    from agentrl.tasks import Task
+
+Handler = Callable[["FakeSandbox", str, "re.Match[str]"], "ExecResult | str | None"]
+
+
+@dataclass
+class Faults:
+    create_failure: float = 0.0
+    transport_error: float = 0.0  # per exec
+    latency_s: float = 0.0  # per exec
+    create_latency_s: float = 0.0
+    hang: float = 0.0  # per exec: never returns (until the caller's timeout)
+
+
+def _result(stdout: str = "", stderr: str = "", code: int = 0) -> ExecResult:
+    return ExecResult(stdout, stderr, code)
+
+
+def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
+    def cat(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        path = m.group(1)
+        if path not in sb.files:
+            return _result("", f"cat: {path}: No such file or directory\n", 1)
+        return _result(sb.files[path].decode(errors="replace"))
+
+    def tail(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        path = m.group(2)
+        if path not in sb.files:
+            return _result("", f"tail: cannot open '{path}'\n", 1)
+        return _result(sb.files[path][-int(m.group(1)) :].decode(errors="replace"))
+
+    def echo_to(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        (text,) = shlex.split(m.group(1))
+        sb.files[m.group(3)] = (sb.files.get(m.group(3), b"") if m.group(2) == ">>" else b"") + (
+            text + "\n"
+        ).encode()
+        return _result()
+
+    def rm(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        for path in shlex.split(m.group(1)):
+            for key in [k for k in sb.files if k == path or k.startswith(path.rstrip("/") + "/")]:
+                del sb.files[key]
+        return _result()
+
+    def test_sh(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        if "/tests/test.sh" not in sb.files:
+            return _result("", "bash: /tests/test.sh: No such file or directory\n", 127)
+        reward = sb.provider.grader(sb) if sb.provider.grader else None
+        sb.files["/logs/verifier/test-stdout.txt"] = b"fake verifier ran\n"
+        if reward is not None:
+            sb.files["/logs/verifier/reward.txt"] = f"{reward}\n".encode()
+        return _result()
+
+    def exit_code(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        return _result(code=int(m.group(1)))
+
+    def echo(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        return _result(" ".join(shlex.split(m.group(1))) + "\n")
+
+    def pwd(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        return _result((sb.last_cwd or "/") + "\n")
+
+    def printenv(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        value = (sb.last_env or {}).get(m.group(1))
+        return _result(value + "\n") if value is not None else _result(code=1)
+
+    rules: list[tuple[str, Handler]] = [
+        (r"^cat (\S+)$", cat),
+        (r"^tail -c (\d+) (\S+)$", tail),
+        (r"^echo (.+?) (>>?) (\S+)$", echo_to),
+        (r"^echo (.*)$", echo),
+        (r"^rm -r?f (.+?)(?: && .*)?$", rm),
+        (r"^/tests/test\.sh\b.*$", test_sh),
+        (r"^exit (\d+)$", exit_code),
+        (r"^pwd$", pwd),
+        (r"^printenv (\w+)$", printenv),
+        (r"^(?:true|mkdir .*|chmod .*|sleep 0(?:\.\d+)?)$", lambda sb, c, m: _result()),
+    ]
+    return [(re.compile(p, re.DOTALL), h) for p, h in rules]
+
+
+class FakeSandbox(Sandbox):
+    def __init__(self, provider: FakeSandboxProvider, task_id: str, sandbox_id: str) -> None:
+        self.provider = provider
+        self.task_id = task_id
+        self.sandbox_id = sandbox_id
+        self.files: dict[str, bytes] = {}
+        self.commands: list[str] = []
+        self.last_cwd: str | None = None
+        self.last_env: dict[str, str] | None = None
+        self.closed = False
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        if self.closed:
+            raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
+        faults = self.provider.faults
+        rng = self.provider.rng
+        self.commands.append(cmd)
+        self.last_cwd, self.last_env = cwd, env
+        if faults.latency_s:
+            await asyncio.sleep(faults.latency_s)
+        if faults.transport_error and rng.random() < faults.transport_error:
+            raise SandboxTransportError(f"injected transport error in {self.sandbox_id}")
+        if faults.hang and rng.random() < faults.hang:
+            await asyncio.sleep(timeout if timeout is not None else 3600)
+            return ExecResult("", "", None, True, timeout or 0.0)
+        sleep = re.match(r"^sleep (\d+(?:\.\d+)?)$", cmd.strip())
+        if sleep:
+            wanted = float(sleep.group(1))
+            if timeout is not None and wanted > timeout:
+                await asyncio.sleep(timeout)
+                return ExecResult("", "", None, True, timeout)
+            await asyncio.sleep(wanted)
+            return _result()
+        for pattern, handler in [*self.provider.handlers, *_builtin_handlers()]:
+            m = pattern.match(cmd.strip())
+            if m is None:
+                continue
+            out = handler(self, cmd.strip(), m)
+            if out is None:
+                continue
+            res = _result(out) if isinstance(out, str) else out
+            limit = self.provider.output_limit
+            return ExecResult(
+                bound_output(res.stdout, limit),
+                bound_output(res.stderr, limit),
+                res.exit_code,
+                res.timed_out,
+                res.duration_s,
+            )
+        return _result("", f"fake: no handler for {cmd[:80]!r}\n", self.provider.unknown_exit_code)
+
+    async def upload(self, src: Path, dst: str) -> None:
+        if self.closed:
+            raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
+        src = Path(src)
+        if src.is_dir():
+            for p in sorted(src.rglob("*")):
+                if p.is_file():
+                    self.files[f"{dst.rstrip('/')}/{p.relative_to(src).as_posix()}"] = p.read_bytes()
+        else:
+            self.files[dst] = src.read_bytes()
+
+    async def download(self, src: str, dst: Path) -> None:
+        if self.closed:
+            raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
+        dst = Path(dst)
+        if src in self.files:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(self.files[src])
+            return
+        prefix = src.rstrip("/") + "/"
+        children = {k: v for k, v in self.files.items() if k.startswith(prefix)}
+        if not children:
+            raise SandboxTransportError(f"fake: {src} does not exist")
+        for k, v in children.items():
+            out = dst / k[len(prefix) :]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(v)
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.provider._live.discard(self.sandbox_id)
+
+
+@dataclass
+class FakeSandboxProvider(SandboxProvider):
+    """Creates `FakeSandbox`es; `live_sandboxes()` counts those not closed (leak checks)."""
+
+    handlers: list[tuple[re.Pattern[str], Handler]] = field(default_factory=list)
+    grader: Callable[[FakeSandbox], float | None] | None = None
+    faults: Faults = field(default_factory=Faults)
+    seed: int = 0
+    output_limit: int = 64 * 1024
+    unknown_exit_code: int = 127
+    created: int = 0
+    _live: set[str] = field(default_factory=set)
+    sandboxes: list[FakeSandbox] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def on(self, pattern: str, handler: Handler | str | ExecResult) -> FakeSandboxProvider:
+        """Add a handler; a string or ExecResult is a fixed reply."""
+        if isinstance(handler, str | ExecResult):
+            fixed = handler
+            self.handlers.append((re.compile(pattern, re.DOTALL), lambda sb, c, m: fixed))
+        else:
+            self.handlers.append((re.compile(pattern, re.DOTALL), handler))
+        return self
+
+    async def create(self, task: Task | Any, *, run_id: str) -> Sandbox:
+        task_id = getattr(task, "task_id", str(task))
+        if self.faults.create_latency_s:
+            await asyncio.sleep(self.faults.create_latency_s)
+        if self.faults.create_failure and self.rng.random() < self.faults.create_failure:
+            raise SandboxCreateError(f"injected create failure for {task_id}")
+        self.created += 1
+        sandbox = FakeSandbox(self, task_id, f"fake-{run_id}-{self.created}")
+        self._live.add(sandbox.sandbox_id)
+        self.sandboxes.append(sandbox)
+        return sandbox
+
+    def live_sandboxes(self) -> int:
+        return len(self._live)
