@@ -39,3 +39,44 @@ def build_bases_cmd(
     for name, source in status.items():
         table.add_row(name, source)
     console.print(table)
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '2h', '1d' or plain seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise typer.BadParameter(f"cannot parse duration {text!r}: use e.g. 90s, 30m, 2h") from None
+
+
+@app.command()
+def reap(
+    run_id: str | None = typer.Option(None, help="Only sandboxes of this run."),
+    older_than: str | None = typer.Option(None, help="Only sandboxes older than this (e.g. 2h)."),
+    backend: str = typer.Option("podman", help="podman | docker | daytona"),
+) -> None:
+    """Remove sandboxes a dead process left behind, found by their agentrl labels."""
+    import asyncio
+
+    age = parse_duration(older_than) if older_than else None
+    if backend == "daytona":
+        try:
+            from agentrl.sandbox.daytona import reap_daytona
+        except ImportError as exc:
+            console.print(
+                f"[red]error:[/red] daytona backend unavailable ({exc}): pip install 'agentrl[daytona]'"
+            )
+            raise typer.Exit(1) from None
+        removed = asyncio.run(reap_daytona(run_id=run_id, older_than_s=age))
+        console.print(f"removed {removed} daytona sandboxes")
+        return
+    from agentrl.sandbox.podman import reap as reap_podman
+
+    names = asyncio.run(reap_podman(cli=backend, run_id=run_id, older_than_s=age))
+    for name in names:
+        console.print(f"removed {name}")
+    console.print(f"removed {len(names)} containers")
