@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -69,9 +70,19 @@ def parse_reward(json_text: str | None, txt_text: str | None) -> tuple[dict[str,
 
 
 async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) -> VerifyResult:
+    """Run the task's verifier in `sandbox` after the agent phase and read its reward.
+
+    Raises `TaskFormatError` for a missing or non-executable tests/test.sh and lets sandbox
+    transport errors propagate; `timeout` overrides `[verifier] timeout_sec`. With a reward.json,
+    `reward` is its "reward" key, or its first value when it has none.
+    """
     if not task.test_script.is_file():
         raise TaskFormatError(
             str(task.test_script), None, "tests/test.sh is missing", "every task needs a verifier script"
+        )
+    if not os.access(task.test_script, os.X_OK):
+        raise TaskFormatError(
+            str(task.test_script), None, "tests/test.sh is not executable", "chmod +x tests/test.sh"
         )
     timeout = timeout or task.config.verifier.timeout_sec
     env = resolve_env_templates(task.config.verifier.env, str(task.path / "task.toml"))

@@ -81,3 +81,40 @@ def make_data(
         f"wrote {len(train)} train rows to {output}"
         + (f" and {len(evals)} eval rows to {eval_output}" if eval_output else "")
     )
+
+
+@app.command()
+def oracle(
+    dirs: list[Path] = typer.Argument(..., help="Task directories, or directories of tasks."),
+    backend: str = typer.Option("podman", help="Sandbox backend: podman, docker, daytona."),
+    concurrency: int = typer.Option(2, min=1, help="Tasks checked at once."),
+    no_solution: bool = typer.Option(False, "--no-solution", help="Run nothing: every reward must be 0."),
+    run_id: str | None = typer.Option(None, help="Label of the sandboxes (default: a fresh id)."),
+) -> None:
+    """Run each task's solution (or nothing) and its verifier; exit 1 on an unexpected reward."""
+    import asyncio
+    import uuid
+
+    from agentrl.sandbox.registry import make_provider
+    from agentrl.tasks.oracle import run_oracle
+
+    tasks = _discover(dirs)
+    run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
+    provider = make_provider(backend)
+    results = asyncio.run(
+        run_oracle(provider, tasks, run_id=run_id, solution=not no_solution, concurrency=concurrency)
+    )
+    table = Table(title=f"oracle ({'no solution' if no_solution else 'solutions'}), run {run_id}")
+    for col in ("task", "reward", "seconds", "failure cause"):
+        table.add_column(col)
+    for r in results:
+        reward = "-" if r.reward is None else f"{r.reward:g}"
+        color = "green" if r.ok else "red"
+        table.add_row(r.task_id, f"[{color}]{reward}[/{color}]", f"{r.seconds:.1f}", escape(r.cause or ""))
+    console.print(table)
+    bad = [r for r in results if not r.ok]
+    for r in bad:
+        console.print(f"[red]{r.task_id}[/red] ({r.cause}): {escape(r.detail[-1500:])}")
+    console.print(f"{len(results) - len(bad)}/{len(results)} tasks gave the expected reward")
+    if bad:
+        raise typer.Exit(1)

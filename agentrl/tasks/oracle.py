@@ -1,0 +1,96 @@
+"""The oracle sweep: does each task's reference solution pass its own verifier?
+
+Per task: build (or reuse) the image, start a sandbox, upload solution/ to /solution and run
+solve.sh with `[solution.env]` under the agent timeout (or nothing, with `solution=False`), then
+`agentrl.verify.verify`. With solutions every reward must be 1; without, every reward must be 0
+(a task that passes untouched verifies nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from agentrl.errors import AgentRLError, InfraError
+from agentrl.sandbox.base import SandboxProvider
+from agentrl.tasks.config import resolve_env_templates
+from agentrl.tasks.task import Task
+from agentrl.verify import verify
+
+DEFAULT_SOLVE_TIMEOUT = 600.0
+
+
+@dataclass
+class OracleResult:
+    task_id: str
+    expected: float
+    reward: float | None
+    seconds: float
+    cause: str | None = None  # None when the reward is the expected one
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.cause is None
+
+
+async def oracle_one(
+    provider: SandboxProvider, task: Task, *, run_id: str, solution: bool = True
+) -> OracleResult:
+    """Run one task's oracle check; infrastructure and format failures become a failure cause."""
+    expected = 1.0 if solution else 0.0
+    start = time.monotonic()
+    cause: str | None = None
+    detail = ""
+    try:
+        async with await provider.create(task, run_id=run_id) as sandbox:
+            if solution:
+                if task.solve_script is None:
+                    return OracleResult(
+                        task.task_id, expected, None, 0.0, "no_solution", "solution/solve.sh is missing"
+                    )
+                env = resolve_env_templates(task.config.solution.env, str(task.path / "task.toml"))
+                await sandbox.upload(task.solution_dir, "/solution")
+                timeout = task.config.agent.timeout_sec or DEFAULT_SOLVE_TIMEOUT
+                run = await sandbox.exec(
+                    "chmod +x /solution/solve.sh && /solution/solve.sh",
+                    timeout=timeout,
+                    env=env or None,
+                    user=task.config.agent.user,
+                )
+                if run.timed_out:
+                    cause, detail = "solution_timeout", f"solve.sh ran past {timeout:.0f}s"
+                elif run.exit_code != 0:
+                    detail = f"solve.sh exited {run.exit_code}: {(run.stderr or run.stdout)[-300:]}"
+            result = await verify(sandbox, task)
+    except InfraError as exc:
+        return OracleResult(
+            task.task_id, expected, None, time.monotonic() - start, exc.cause, str(exc)[-2000:]
+        )
+    except AgentRLError as exc:
+        return OracleResult(task.task_id, expected, None, time.monotonic() - start, "task_format", str(exc))
+    seconds = time.monotonic() - start
+    if result.infra_failure:
+        cause = "verifier_timeout" if result.outcome == "timeout" else "verifier_error"
+        detail = f"{result.error}\n{result.log_tail[-1500:]}".strip()
+    elif cause is None and result.reward != expected:
+        cause = "wrong_reward"
+        detail = (detail + "\n" + result.log_tail[-1500:]).strip()
+    return OracleResult(task.task_id, expected, result.reward, seconds, cause, detail)
+
+
+async def run_oracle(
+    provider: SandboxProvider, tasks: list[Task], *, run_id: str, solution: bool = True, concurrency: int = 2
+) -> list[OracleResult]:
+    """Check every task, `concurrency` at a time; results in the order of `tasks`."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(task: Task) -> OracleResult:
+        async with gate:
+            return await oracle_one(provider, task, run_id=run_id, solution=solution)
+
+    try:
+        return list(await asyncio.gather(*(one(t) for t in tasks)))
+    finally:
+        await provider.aclose()
