@@ -3,8 +3,10 @@
 `FakeSandbox` keeps a dict file system and answers commands with handlers: `(pattern, handler)`
 pairs tried in order, where a handler gets `(sandbox, cmd, match)` and returns an `ExecResult`, a
 string (stdout, exit 0) or None (not handled). Built-in handlers understand the few commands the
-verifier and the contract suite use (`cat`, `tail -c`, `echo ... > f`, `rm`, `mkdir`, `chmod`,
-`sleep`, `true`, `exit N`, `pwd`, `printenv`). Running `/tests/test.sh` calls the provider's
+verifier and the contract suite use (`cat`, `tail -c`, `echo ... > f`, `echo ... >&2`, `rm`,
+`mkdir`, `chmod`, `sleep`, `true`, `exit N`, `pwd`, `printenv`, `id -un`, `test -d`,
+`yes x | head -n N`; `cd` and `export` are no-ops, as state never outlives a command) and
+`a; b; c` sequences, split naively on `;`. Running `/tests/test.sh` calls the provider's
 `grader(sandbox) -> float | None`, which writes `/logs/verifier/reward.txt` (None writes nothing).
 
 Fault injection (seeded): create failures, transport errors mid-exec, latency and hangs.
@@ -98,7 +100,24 @@ def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
         value = (sb.last_env or {}).get(m.group(1))
         return _result(value + "\n") if value is not None else _result(code=1)
 
+    def to_stderr(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        return _result("", " ".join(shlex.split(m.group(1))) + "\n")
+
+    def yes_head(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        return _result(f"{m.group(1)}\n" * int(m.group(2)))
+
+    def whoami(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        return _result(f"{sb.last_user if sb.last_user is not None else 'root'}\n")
+
+    def test_d(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        prefix = m.group(1).rstrip("/") + "/"
+        return _result(code=0 if any(k.startswith(prefix) for k in sb.files) else 1)
+
     rules: list[tuple[str, Handler]] = [
+        (r"^echo (.*?) >&2$", to_stderr),
+        (r"^yes (\S+) \| head -n (\d+)$", yes_head),
+        (r"^(?:id -un|whoami)$", whoami),
+        (r"^test -d (\S+)$", test_d),
         (r"^cat (\S+)$", cat),
         (r"^tail -c (\d+) (\S+)$", tail),
         (r"^echo (.+?) (>>?) (\S+)$", echo_to),
@@ -108,7 +127,7 @@ def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
         (r"^exit (\d+)$", exit_code),
         (r"^pwd$", pwd),
         (r"^printenv (\w+)$", printenv),
-        (r"^(?:true|mkdir .*|chmod .*|sleep 0(?:\.\d+)?)$", lambda sb, c, m: _result()),
+        (r"^(?:true|mkdir .*|chmod .*|cd .*|export .*)$", lambda sb, c, m: _result()),
     ]
     return [(re.compile(p, re.DOTALL), h) for p, h in rules]
 
@@ -122,6 +141,7 @@ class FakeSandbox(Sandbox):
         self.commands: list[str] = []
         self.last_cwd: str | None = None
         self.last_env: dict[str, str] | None = None
+        self.last_user: str | int | None = None
         self.closed = False
 
     async def exec(
@@ -138,7 +158,7 @@ class FakeSandbox(Sandbox):
         faults = self.provider.faults
         rng = self.provider.rng
         self.commands.append(cmd)
-        self.last_cwd, self.last_env = cwd, env
+        self.last_cwd, self.last_env, self.last_user = cwd, env, user
         if faults.latency_s:
             await asyncio.sleep(faults.latency_s)
         if faults.transport_error and rng.random() < faults.transport_error:
@@ -146,31 +166,57 @@ class FakeSandbox(Sandbox):
         if faults.hang and rng.random() < faults.hang:
             await asyncio.sleep(timeout if timeout is not None else 3600)
             return ExecResult("", "", None, True, timeout or 0.0)
-        sleep = re.match(r"^sleep (\d+(?:\.\d+)?)$", cmd.strip())
-        if sleep:
+        # Scripted handlers see the whole command first; built-ins see the parts of a sequence.
+        sequence = ";" in cmd
+        res = await self._one(cmd.strip(), timeout, builtins=not sequence)
+        if res is None and sequence:
+            res = await self._sequence(cmd, timeout)
+        if res is None:
+            return _result("", f"fake: no handler for {cmd[:80]!r}\n", self.provider.unknown_exit_code)
+        limit = self.provider.output_limit
+        return ExecResult(
+            bound_output(res.stdout, limit),
+            bound_output(res.stderr, limit),
+            res.exit_code,
+            res.timed_out,
+            res.duration_s,
+        )
+
+    async def _sequence(self, cmd: str, timeout: float | None) -> ExecResult:
+        """`a; b; c` (split naively on `;`): outputs concatenated, stops at the first `exit`."""
+        out, err, code = [], [], 0
+        for part in (p.strip() for p in cmd.split(";")):
+            if not part:
+                continue
+            res = await self._one(part, timeout)
+            if res is None:
+                res = _result("", f"fake: no handler for {part[:80]!r}\n", self.provider.unknown_exit_code)
+            out.append(res.stdout)
+            err.append(res.stderr)
+            code = res.exit_code if res.exit_code is not None else code
+            if res.timed_out:
+                return ExecResult("".join(out), "".join(err), None, True)
+            if re.match(r"^exit \d+$", part):
+                break
+        return _result("".join(out), "".join(err), code)
+
+    async def _one(self, cmd: str, timeout: float | None, builtins: bool = True) -> ExecResult | None:
+        sleep = re.match(r"^sleep (\d+(?:\.\d+)?)$", cmd)
+        if sleep and builtins:
             wanted = float(sleep.group(1))
             if timeout is not None and wanted > timeout:
                 await asyncio.sleep(timeout)
                 return ExecResult("", "", None, True, timeout)
             await asyncio.sleep(wanted)
             return _result()
-        for pattern, handler in [*self.provider.handlers, *_builtin_handlers()]:
-            m = pattern.match(cmd.strip())
+        for pattern, handler in [*self.provider.handlers, *(_builtin_handlers() if builtins else [])]:
+            m = pattern.match(cmd)
             if m is None:
                 continue
-            out = handler(self, cmd.strip(), m)
-            if out is None:
-                continue
-            res = _result(out) if isinstance(out, str) else out
-            limit = self.provider.output_limit
-            return ExecResult(
-                bound_output(res.stdout, limit),
-                bound_output(res.stderr, limit),
-                res.exit_code,
-                res.timed_out,
-                res.duration_s,
-            )
-        return _result("", f"fake: no handler for {cmd[:80]!r}\n", self.provider.unknown_exit_code)
+            out = handler(self, cmd, m)
+            if out is not None:
+                return _result(out) if isinstance(out, str) else out
+        return None
 
     async def upload(self, src: Path, dst: str) -> None:
         if self.closed:

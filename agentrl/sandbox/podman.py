@@ -4,7 +4,10 @@
 - Images: built from the task's `environment/` context, tagged by a content hash of that context,
   so an unchanged task reuses its image; one build per tag at a time; `--pull=never` when the base
   image exists locally (offline stand-ins, see `images.py`); the build timeout from task.toml; the
-  host CA bundle mounted into build steps so pip and apt work behind TLS-intercepting proxies.
+  host CA bundle handed to pip in build steps (a pip.conf in a read-only mount at /etc/xdg/pip,
+  which leaves nothing in the image) so `pip install` works behind TLS-intercepting proxies.
+  Mounting the bundle over /etc/ssl/certs/ca-certificates.crt instead breaks every build that
+  runs update-ca-certificates.
 - Isolation: `--network=none` unless the task allows internet (or the user overrides), cpus and
   memory from task.toml, a pids limit, no host mounts; tests/ and solution/ are never inside
   during the agent phase. Labels (run id, task id, created-at) let `agentrl sandbox reap` find what
@@ -50,6 +53,21 @@ LABEL_RUN = "agentrl.run-id"
 LABEL_TASK = "agentrl.task-id"
 LABEL_CREATED = "agentrl.created-at"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+BUILD_PIP_DIR = "/etc/xdg/pip"  # on pip's site-wide config path; mounted only during builds
+
+
+def build_ca_dir(bundle: Path = HOST_CA_BUNDLE) -> Path | None:
+    """A directory with the host CA bundle and a pip.conf pointing at it, for build mounts."""
+    if not bundle.is_file():
+        return None
+    data = bundle.read_bytes()
+    cache = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+    directory = cache / f"build-ca-{hashlib.sha256(data).hexdigest()[:12]}"
+    if not (directory / "pip.conf").is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "host-ca.crt").write_bytes(data)
+        (directory / "pip.conf").write_text(f"[global]\ncert = {BUILD_PIP_DIR}/host-ca.crt\n")
+    return directory
 
 # Containers this process started and has not removed; removed synchronously at interpreter exit.
 _LIVE: dict[str, str] = {}
@@ -382,8 +400,11 @@ class PodmanSandbox(Sandbox):
             raise SandboxTransportError(f"upload {src} -> {dst} failed: {err.strip()[-500:]}")
 
     async def download(self, src: str, dst: Path) -> None:
+        # A directory's contents land in dst, like upload, whether or not dst exists yet.
+        is_dir = (await self.exec(f"test -d {shlex.quote(src)}", timeout=30)).exit_code == 0
         Path(dst).parent.mkdir(parents=True, exist_ok=True)
-        rc, _, err = await run_cli(self.cli, "cp", f"{self.sandbox_id}:{src}", str(dst), timeout=300)
+        source = f"{src.rstrip('/')}/." if is_dir else src
+        rc, _, err = await run_cli(self.cli, "cp", f"{self.sandbox_id}:{source}", str(dst), timeout=300)
         if rc != 0:
             raise SandboxTransportError(f"download {src} -> {dst} failed: {err.strip()[-500:]}")
 
@@ -423,7 +444,8 @@ class PodmanProvider(SandboxProvider):
         self.cli = cli or os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
         self.allow_network = allow_network  # None: the task decides; True/False: user override
         self.pids_limit = pids_limit
-        self.inject_ca = inject_ca
+        # docker build has no build-time mounts; podman's `-v` on build is what makes this work.
+        self._ca_dir = build_ca_dir() if inject_ca and Path(self.cli).name == "podman" else None
         self.output_limit = output_limit
         self.warm_pool = warm_pool
         self.default_memory_mb = default_memory_mb
@@ -455,8 +477,8 @@ class PodmanProvider(SandboxProvider):
         local = [(await run_cli(self.cli, "image", "inspect", b, timeout=60))[0] == 0 for b in bases]
         if bases and all(local):
             args.append("--pull=never")
-        if self.inject_ca and HOST_CA_BUNDLE.exists() and Path(self.cli).name == "podman":
-            args += ["-v", f"{HOST_CA_BUNDLE}:/etc/ssl/certs/ca-certificates.crt:ro"]
+        if self._ca_dir is not None:
+            args += ["-v", f"{self._ca_dir}:{BUILD_PIP_DIR}:ro"]
         args.append(str(task.environment_dir))
         timeout = task.config.environment.build_timeout_sec
         try:
