@@ -24,8 +24,10 @@ class TestFakeContract(SandboxContract):
 
 
 async def test_scripted_handlers_take_precedence() -> None:
-    provider = FakeSandboxProvider().on(r"^ls /app$", "out.txt\n").on(
-        r"^make (\w+)$", lambda sb, cmd, m: ExecResult("", f"no rule {m.group(1)}\n", 2)
+    provider = (
+        FakeSandboxProvider()
+        .on(r"^ls /app$", "out.txt\n")
+        .on(r"^make (\w+)$", lambda sb, cmd, m: ExecResult("", f"no rule {m.group(1)}\n", 2))
     )
     async with await provider.create("t", run_id="r") as sb:
         assert (await sb.exec("ls /app")).stdout == "out.txt\n"

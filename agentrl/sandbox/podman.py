@@ -69,6 +69,7 @@ def build_ca_dir(bundle: Path = HOST_CA_BUNDLE) -> Path | None:
         (directory / "pip.conf").write_text(f"[global]\ncert = {BUILD_PIP_DIR}/host-ca.crt\n")
     return directory
 
+
 # Containers this process started and has not removed; removed synchronously at interpreter exit.
 _LIVE: dict[str, str] = {}
 

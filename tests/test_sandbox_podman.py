@@ -1,0 +1,213 @@
+"""Real podman containers: the shared contract plus what only a container backend has (images by
+content hash, isolation flags, the persistent shell and its fallback, the warm pool, reaping)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agentrl.sandbox.base import ImageBuildError
+from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, PodmanSandbox, context_hash, reap, run_cli
+from agentrl.tasks import load_task
+from tests.sandbox_contract import SandboxContract
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
+CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
+
+pytestmark = [
+    pytest.mark.container,
+    pytest.mark.skipif(shutil.which(CLI) is None, reason=f"{CLI} is not installed"),
+]
+
+
+def containers(label: str) -> list[str]:
+    out = subprocess.run(
+        [CLI, "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split()
+
+
+def copy_task(tmp_path: Path, name: str = "write-hello") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+class TestPodmanContract(SandboxContract):
+    @pytest.fixture
+    def provider(self) -> PodmanProvider:
+        return PodmanProvider(cli=CLI)
+
+    @pytest.fixture
+    def task(self):
+        return load_task(FIXTURES / "write-hello")
+
+
+@pytest.fixture
+def task():
+    return load_task(FIXTURES / "write-hello")
+
+
+async def test_agent_phase_container(task) -> None:
+    provider = PodmanProvider(cli=CLI)
+    run_id = f"t-{uuid.uuid4().hex[:8]}"
+    async with await provider.create(task, run_id=run_id) as sb:
+        assert isinstance(sb, PodmanSandbox)
+        info = json.loads((await run_cli(CLI, "inspect", sb.sandbox_id))[1])[0]
+        labels = info["Config"]["Labels"]
+        assert labels[LABEL_RUN] == run_id and labels["agentrl.task-id"] == "write-hello"
+        assert int(labels["agentrl.created-at"]) <= time.time()
+        assert info["HostConfig"]["NetworkMode"] == "none"
+        assert info["HostConfig"]["PidsLimit"] == provider.pids_limit
+        assert info["HostConfig"]["Memory"] == 256 * 1024 * 1024
+        assert info["Mounts"] == []
+        res = await sb.exec("test -d /logs/verifier && test -d /logs/agent && pwd; ls /tests /solution")
+        assert res.stdout.startswith("/app\n")  # the Dockerfile's WORKDIR
+        assert "No such file" in res.stderr  # tests/ and solution/ are not inside yet
+        assert (await sb.exec("cat /app/seed.txt")).stdout == "seed\n"
+        assert containers(f"{LABEL_RUN}={run_id}") == [sb.sandbox_id]
+    assert containers(f"{LABEL_RUN}={run_id}") == []
+
+
+async def test_timeout_kills_the_whole_process_group(task) -> None:
+    async with await PodmanProvider(cli=CLI).create(task, run_id="pgkill") as sb:
+        res = await sb.exec("sleep 101 & sleep 102 & wait", timeout=1)
+        assert res.timed_out
+        left = await sb.exec("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'sleep 10[12]'")
+        assert left.stdout.strip() == "0"
+
+
+async def test_dead_shell_falls_back_to_exec_per_command(task, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="agentrl.sandbox.podman")
+    async with await PodmanProvider(cli=CLI).create(task, run_id="fallback") as sb:
+        assert isinstance(sb, PodmanSandbox)
+        await sb.exec("true")
+        assert sb._shell is not None
+        sb._shell.kill()
+        await sb._shell.proc.wait()
+        for i in range(3):
+            res = await sb.exec(f"echo {i}; echo e >&2; exit 4", cwd="/tmp", env={"K": "v"})
+            assert (res.stdout, res.stderr, res.exit_code) == (f"{i}\n", "e\n", 4)
+        assert (await sb.exec("pwd", cwd="/tmp")).stdout == "/tmp\n"
+        assert (await sb.exec("sleep 30", timeout=1)).timed_out
+    warnings = [r for r in caplog.records if "persistent shell" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+async def test_image_is_reused_and_built_once_under_concurrency(tmp_path: Path) -> None:
+    path = copy_task(tmp_path)
+    (path / "environment" / "seed.txt").write_text(f"unique {uuid.uuid4()}\n")  # a fresh image tag
+    task = load_task(path)
+    provider = PodmanProvider(cli=CLI)
+    builds = 0
+    real_build = provider._build
+
+    async def counting_build(t, tag):  # type: ignore[no-untyped-def]
+        nonlocal builds
+        builds += 1
+        await real_build(t, tag)
+
+    provider._build = counting_build  # type: ignore[method-assign]
+    try:
+        tags = await asyncio.gather(*(provider.image_for(task) for _ in range(3)))
+        assert len(set(tags)) == 1 and builds == 1
+        assert tags[0].endswith(":" + context_hash(path / "environment"))
+        start = time.monotonic()
+        assert await provider.image_for(task) == tags[0]
+        assert time.monotonic() - start < 5 and builds == 1
+    finally:
+        await run_cli(CLI, "rmi", "-f", tags[0])
+
+
+def test_context_hash_follows_content(tmp_path: Path) -> None:
+    a = copy_task(tmp_path)
+    h = context_hash(a / "environment")
+    assert context_hash(a / "environment") == h
+    (a / "environment" / "seed.txt").write_text("changed\n")
+    assert context_hash(a / "environment") != h
+
+
+async def test_build_failure_is_typed_with_the_log_tail() -> None:
+    task = load_task(FIXTURES / "build-fails")
+    provider = PodmanProvider(cli=CLI)
+    with pytest.raises(ImageBuildError) as err:
+        await provider.create(task, run_id="buildfail")
+    assert err.value.cause == "image_build"
+    assert "building-step" in err.value.log_tail
+    assert provider.live_sandboxes() == 0
+
+
+async def test_docker_image_is_used_directly(tmp_path: Path) -> None:
+    path = tmp_path / "prebuilt"
+    shutil.copytree(FIXTURES / "write-hello", path)
+    shutil.rmtree(path / "environment")
+    toml = (
+        (path / "task.toml")
+        .read_text()
+        .replace("[environment]\n", '[environment]\ndocker_image = "debian:bookworm-slim"\n')
+    )
+    (path / "task.toml").write_text(toml)
+    async with await PodmanProvider(cli=CLI).create(load_task(path), run_id="prebuilt") as sb:
+        assert "bookworm" in (await sb.exec("cat /etc/os-release")).stdout
+
+
+async def test_warm_pool_hands_out_a_started_container(task) -> None:
+    provider = PodmanProvider(cli=CLI, warm_pool=1)
+    run_id = f"warm-{uuid.uuid4().hex[:8]}"
+    try:
+        provider.prefetch(task, run_id=run_id)
+        for _ in range(300):
+            if provider._pool.get(task.task_id):
+                break
+            await asyncio.sleep(0.1)
+        pooled = provider._pool[task.task_id][0]
+        start = time.monotonic()
+        sb = await provider.create(task, run_id=run_id)
+        acquire = time.monotonic() - start
+        assert sb is pooled and acquire < 1.0
+        assert (await sb.exec("echo warm")).stdout == "warm\n"
+        await sb.close()
+    finally:
+        await provider.aclose()
+    assert provider.live_sandboxes() == 0
+    assert containers(f"{LABEL_RUN}={run_id}") == []
+
+
+async def test_reap_by_run_id_and_age(task) -> None:
+    run_id = f"reap-{uuid.uuid4().hex[:8]}"
+    provider = PodmanProvider(cli=CLI)
+    sb = await provider.create(task, run_id=run_id)
+    assert await reap(cli=CLI, run_id=run_id, older_than_s=3600) == []
+    assert await reap(cli=CLI, run_id=run_id) == [sb.sandbox_id]
+    assert containers(f"{LABEL_RUN}={run_id}") == []
+    await sb.close()  # already gone: still fine
+
+
+def test_containers_are_removed_at_interpreter_exit() -> None:
+    run_id = f"exit-{uuid.uuid4().hex[:8]}"
+    script = (
+        "import asyncio\n"
+        "from agentrl.sandbox.podman import PodmanProvider\n"
+        "from agentrl.tasks import load_task\n"
+        "async def main():\n"
+        f"    sb = await PodmanProvider(cli={CLI!r}).create(load_task({str(FIXTURES / 'write-hello')!r}), run_id={run_id!r})\n"
+        "    print(sb.sandbox_id, flush=True)\n"
+        "asyncio.run(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("agentrl-")
+    assert containers(f"{LABEL_RUN}={run_id}") == []
