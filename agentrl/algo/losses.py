@@ -1,0 +1,253 @@
+"""GRPO policy loss with PPO clipping, truncated importance sampling, KL and entropy terms.
+
+Notation per token (b, t) with trained-token mask m_{b,t} in {0, 1}:
+    logp      log pi_theta(y_t)        the policy being trained (carries gradient)
+    old_logp  log pi_old(y_t)          recomputed by the trainer before the update (no gradient)
+    roll_logp log pi_rollout(y_t)      what the inference engine reported when sampling
+    A         advantage, broadcast to tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean"]
+TISLevel = Literal["token", "sequence", "geometric"]
+TISMode = Literal["truncate", "mask"]
+KLKind = Literal["k1", "k2", "k3"]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Every loss knob. Defaults follow the GLM-5.2 RL recipe (clip 0.2 / 0.28, TIS 0.5 / 2.0)."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    dual_clip: float | None = None
+    use_tis: bool = True
+    tis_clip_low: float = 0.5
+    tis_clip: float = 2.0
+    tis_level: TISLevel = "token"
+    tis_mode: TISMode = "truncate"
+    kl_coef: float = 0.0
+    kl_kind: KLKind = "k3"
+    entropy_coef: float = 0.0
+    aggregation: Aggregation = "token_mean"
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.eps_clip < 1 and self.eps_clip_high >= 0):
+            raise ValueError(
+                f"eps_clip must be in [0, 1) and eps_clip_high >= 0; got {self.eps_clip}, {self.eps_clip_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(
+                f"dual_clip must be > 1 (it bounds the loss of negative advantages), got {self.dual_clip}"
+            )
+        if not 0 <= self.tis_clip_low <= self.tis_clip:
+            raise ValueError(f"need 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low}, {self.tis_clip}")
+        for name, value, allowed in (
+            ("tis_level", self.tis_level, TISLevel.__args__),
+            ("tis_mode", self.tis_mode, TISMode.__args__),
+            ("kl_kind", self.kl_kind, KLKind.__args__),
+            ("aggregation", self.aggregation, Aggregation.__args__),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Aggregation,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values to a scalar.
+
+    token_mean:           L = sum_{b,t} m v / N_tok,           N_tok = sum m
+    seq_mean_token_mean:  L = sum_b [sum_t m v / n_b] / N_seq,  n_b = sum_t m_{b,t}, over rows with n_b > 0;
+                          N_seq = number of rows with n_b > 0 (a row with nothing to train does not dilute).
+    `num_tokens` / `num_seqs` override the denominators so that micro-batches of one optimizer step
+    sum to the loss of the whole step (gradient accumulation).
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token_mean":
+        denom = mask.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
+        return (values * mask).sum() / denom
+    if mode == "seq_mean_token_mean":
+        n = mask.sum(-1)
+        per_seq = (values * mask).sum(-1) / n.clamp(min=1)
+        denom = (n > 0).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
+        return per_seq.sum() / denom
+    raise ValueError(f"aggregation={mode!r}: choose token_mean or seq_mean_token_mean")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO-clip loss with an asymmetric clip range and an optional dual clip.
+
+        r   = exp(logp - old_logp)
+        L   = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high))
+        dual clip (c > 1), only where A < 0:  L = min(L, -c A)
+    Returns (L [B, T], metrics): clip_frac = share of masked tokens where the clipped term won,
+    dual_clip_frac = share where the dual clip bound was taken.
+    """
+    ratio = torch.exp(logp - old_logp)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    loss = torch.maximum(pg1, pg2)
+    m = mask.to(loss.dtype)
+    metrics = {"clip_frac": _masked_mean((pg2 > pg1).to(loss.dtype), m).detach()}
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["dual_clip_frac"] = _masked_mean(dual.to(loss.dtype), m).detach()
+    return loss, metrics
+
+
+def tis_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    low: float,
+    high: float,
+    level: TISLevel = "token",
+    mode: TISMode = "truncate",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights correcting for the rollout engine's policy differing from the trainer's.
+
+        d_{b,t} = old_logp - rollout_logp  (masked tokens only)
+        token:      w_{b,t} = exp(d_{b,t})
+        sequence:   w_b = exp(sum_t m d)               (broadcast to the row's tokens)
+        geometric:  w_b = exp(sum_t m d / n_b)         (per-token geometric mean)
+        truncate:   w <- clamp(w, low, high)           (truncated IS)
+        mask:       w <- w * 1[low <= w <= high]       (masked IS: out-of-range tokens/rows drop out)
+    Detached (a weight, never a gradient path); 0 on untrained tokens.
+    Metrics: mean / min / max of the raw weights on trained tokens, and the share clipped or masked.
+    """
+    m = mask.to(torch.float32)
+    d = (old_logp.detach().float() - rollout_logp.detach().float()) * m
+    if level == "token":
+        raw = torch.exp(d)
+    elif level == "sequence":
+        raw = torch.exp(d.sum(-1, keepdim=True)).expand_as(d)
+    elif level == "geometric":
+        raw = torch.exp(d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(d)
+    else:
+        raise ValueError(f"tis_level={level!r}: choose token, sequence or geometric")
+    outside = (raw < low) | (raw > high)
+    if mode == "truncate":
+        w = raw.clamp(low, high)
+    elif mode == "mask":
+        w = torch.where(outside, torch.zeros_like(raw), raw)
+    else:
+        raise ValueError(f"tis_mode={mode!r}: choose truncate or mask")
+    w = (w * m).detach()
+    sel = m > 0
+    if sel.any():
+        vals = raw[sel]
+        stats = {"tis_mean": vals.mean(), "tis_min": vals.min(), "tis_max": vals.max()}
+    else:
+        zero = torch.zeros((), device=raw.device)
+        stats = {"tis_mean": zero, "tis_min": zero, "tis_max": zero}
+    stats["tis_clip_frac"] = _masked_mean(outside.float(), m)
+    return w, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "k3") -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimators on tokens sampled from pi_theta, with x = ref_logp - logp:
+    k1 = -x;   k2 = x^2 / 2;   k3 = exp(x) - x - 1  (unbiased, low variance, always >= 0)
+    """
+    x = ref_logp - logp
+    if kind == "k1":
+        return -x
+    if kind == "k2":
+        return 0.5 * x**2
+    if kind == "k3":
+        return torch.exp(x) - x - 1
+    raise ValueError(f"kl_kind={kind!r}: choose k1, k2 or k3")
+
+
+def mismatch_kl(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Rollout-vs-trainer mismatch KL(pi_rollout || pi_old) on the sampled tokens (masked mean):
+        mismatch_k1 = mean(rollout_logp - old_logp);   mismatch_kl = mean(k3) with x = old_logp - rollout_logp
+    ~0 when engine and trainer compute the same distribution.
+    """
+    m = mask.to(torch.float32)
+    x = old_logp.detach().float() - rollout_logp.detach().float()
+    return {
+        "mismatch_k1": _masked_mean(-x, m),
+        "mismatch_kl": _masked_mean(torch.exp(x) - x - 1, m),
+    }
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The full per-token objective, aggregated:
+
+        l_{b,t} = w_{b,t} * L^clip_{b,t} + kl_coef * KL_{b,t} - entropy_coef * H_{b,t}
+    with w the TIS weight (1 when `use_tis` is off). `advantages` is [B, T] (see broadcast_to_tokens).
+    Returns (scalar loss, metrics of detached scalars).
+    """
+    mask = mask.to(torch.float32)
+    pg, metrics = policy_loss(
+        logp, old_logp, advantages, mask,
+        eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
+    )  # fmt: skip
+    per_token = pg
+    if config.use_tis:
+        w, tis_stats = tis_weights(
+            old_logp, rollout_logp, mask,
+            low=config.tis_clip_low, high=config.tis_clip, level=config.tis_level, mode=config.tis_mode,
+        )  # fmt: skip
+        per_token = per_token * w
+        metrics.update(tis_stats)
+    metrics.update(mismatch_kl(old_logp, rollout_logp, mask))
+    metrics["pg_loss"] = aggregate(
+        pg, mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs
+    ).detach()
+    if config.kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp (log-probs of the reference model)")
+        kl = kl_penalty(logp, ref_logp, config.kl_kind)
+        per_token = per_token + config.kl_coef * kl
+        metrics["kl"] = _masked_mean(kl, mask).detach()
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy, mask).detach()
+        if config.entropy_coef:
+            per_token = per_token - config.entropy_coef * entropy
+    elif config.entropy_coef:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy (compute log-probs with_entropy=True)")
+    loss = aggregate(per_token, mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, metrics
