@@ -90,6 +90,19 @@ async def test_timeout_kills_the_whole_process_group(task) -> None:
         assert left.stdout.strip() == "0"
 
 
+async def test_cancelled_command_is_killed_inside(task) -> None:
+    provider = PodmanProvider(cli=CLI)
+    async with await provider.create(task, run_id="cancelkill") as sb:
+        t = asyncio.create_task(sb.exec("sleep 103"))
+        await asyncio.sleep(0.5)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await asyncio.gather(*provider._background)
+        left = await sb.exec("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'sleep 10[3]'")
+        assert left.stdout.strip() == "0"
+
+
 async def test_dead_shell_falls_back_to_exec_per_command(task, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="agentrl.sandbox.podman")
     async with await PodmanProvider(cli=CLI).create(task, run_id="fallback") as sb:

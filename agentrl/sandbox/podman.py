@@ -151,7 +151,7 @@ __ar_run() {
   ( if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
     if [ -n "$3" ]; then cd -- "$3" || exit 1; fi
     eval "$5"; eval "$4" ) </dev/null >$__ar_d/o 2>$__ar_d/e &
-  p=$!
+  p=$!; echo $p > $__ar_d/p
   if [ -n "$t" ]; then
     ( read -t "$t" -u $__ar_fd; echo 1 > $__ar_d/t; kill -KILL -- -$p 2>/dev/null || kill -KILL $p ) 2>/dev/null &
     w=$!
@@ -162,7 +162,7 @@ __ar_run() {
   __ar_emit o "$n" OUT; __ar_emit e "$n" ERR
   printf '__AGENTRL_END_%s %d %d\n' "$n" "$rc" "$to"
 }
-echo __AGENTRL_READY
+echo __AGENTRL_READY $__ar_d
 """
 
 
@@ -172,6 +172,7 @@ class _Shell:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.lock = asyncio.Lock()
+        self.state_dir = ""
 
     @property
     def alive(self) -> bool:
@@ -184,8 +185,10 @@ class _Shell:
         self.proc.stdin.write(script.encode())
         await self.proc.stdin.drain()
         line = await asyncio.wait_for(self.proc.stdout.readline(), wait)
-        if line.strip() != b"__AGENTRL_READY":
+        parts = line.split()
+        if len(parts) != 2 or parts[0] != b"__AGENTRL_READY":
             raise SandboxTransportError(f"persistent shell did not start: {line[:200]!r}")
+        self.state_dir = parts[1].decode()
 
     async def _payload(self, tag: bytes, wait: float) -> tuple[bytes, int]:
         """Read one `__AGENTRL_<tag>_<nonce> <len>` header and its bytes: (data, original size)."""
@@ -334,8 +337,10 @@ class PodmanSandbox(Sandbox):
             self._fallback_noted = True
             return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
         except asyncio.CancelledError:
-            # The shell is mid-command: its framing can no longer be trusted.
+            # The shell is mid-command: its framing can no longer be trusted. Killing the client
+            # does not stop the command inside, so its process group is killed in the background.
             self._shell.kill()
+            self._kill_inside(self._shell.state_dir)
             self._shell = None
             raise
         duration = time.monotonic() - start
@@ -382,6 +387,14 @@ class PodmanSandbox(Sandbox):
             timed_out,
             duration,
         )
+
+    def _kill_inside(self, state_dir: str) -> None:
+        script = f"kill -KILL -- -$(cat {state_dir}/p) 2>/dev/null; rm -rf {state_dir}"
+        t = asyncio.get_running_loop().create_task(
+            run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=30)
+        )
+        self.provider._background.add(t)
+        t.add_done_callback(self.provider._background.discard)
 
     async def _running(self) -> bool:
         rc, out, _ = await run_cli(
@@ -454,6 +467,7 @@ class PodmanProvider(SandboxProvider):
         self._live: set[str] = set()
         self._pool: dict[str, list[PodmanSandbox]] = {}
         self._pool_tasks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[tuple[int, str, str]]] = set()
 
     # -- images ---------------------------------------------------------------------------------
     async def image_for(self, task: Task) -> str:
@@ -598,6 +612,8 @@ class PodmanProvider(SandboxProvider):
         return len(self._live)
 
     async def aclose(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         for t in list(self._pool_tasks):
             t.cancel()
         if self._pool_tasks:
