@@ -42,9 +42,10 @@ class VerifyResult:
 
 
 def parse_reward(json_text: str | None, txt_text: str | None) -> tuple[dict[str, float] | None, str | None]:
-    """Harbor's reward parsing. Returns (rewards, error)."""
+    """Harbor's reward parsing: `(rewards, None)` or `(None, why)`. Arguments are file contents, None
+    for a missing file. One deliberate difference: JSON booleans are not numbers here."""
     if json_text is not None:
-        if not json_text.strip():
+        if json_text == "":
             return None, "reward.json is empty"
         try:
             data = json.loads(json_text)
@@ -57,7 +58,7 @@ def parse_reward(json_text: str | None, txt_text: str | None) -> tuple[dict[str,
                 return None, f"reward.json value {k!r} is not a finite number: {v!r}"
         return {k: float(v) for k, v in data.items()}, None
     if txt_text is not None:
-        if not txt_text.strip():
+        if txt_text == "":
             return None, "reward.txt is empty"
         try:
             value = float(txt_text.strip())

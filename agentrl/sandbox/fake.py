@@ -39,6 +39,17 @@ if TYPE_CHECKING:
 Handler = Callable[["FakeSandbox", str, "re.Match[str]"], "ExecResult | str | None"]
 
 
+@dataclass(frozen=True)
+class FakeCall:
+    """One `exec` as the caller made it (for assertions on cwd, env, user and timeout)."""
+
+    cmd: str
+    timeout: float | None
+    cwd: str | None
+    env: dict[str, str] | None
+    user: str | int | None
+
+
 @dataclass
 class Faults:
     create_failure: float = 0.0
@@ -139,6 +150,7 @@ class FakeSandbox(Sandbox):
         self.sandbox_id = sandbox_id
         self.files: dict[str, bytes] = {}
         self.commands: list[str] = []
+        self.calls: list[FakeCall] = []
         self.last_cwd: str | None = None
         self.last_env: dict[str, str] | None = None
         self.last_user: str | int | None = None
@@ -158,6 +170,7 @@ class FakeSandbox(Sandbox):
         faults = self.provider.faults
         rng = self.provider.rng
         self.commands.append(cmd)
+        self.calls.append(FakeCall(cmd, timeout, cwd, env, user))
         self.last_cwd, self.last_env, self.last_user = cwd, env, user
         if faults.latency_s:
             await asyncio.sleep(faults.latency_s)

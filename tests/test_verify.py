@@ -1,0 +1,140 @@
+"""The verifier: Harbor's reward parsing, and `verify` end to end on the fake backend."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agentrl.errors import TaskFormatError
+from agentrl.sandbox.base import ExecResult
+from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider, Faults
+from agentrl.tasks import load_task
+from agentrl.verify import parse_reward, verify
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
+
+
+@pytest.mark.parametrize(
+    "json_text,txt_text,rewards",
+    [
+        (None, "1", {"reward": 1.0}),
+        (None, " 0.25\n\n", {"reward": 0.25}),
+        (None, "0", {"reward": 0.0}),
+        ('{"reward": 0.5, "style": 1}', "0", {"reward": 0.5, "style": 1.0}),  # json wins
+        ('{"accuracy": 0.75}', None, {"accuracy": 0.75}),
+        ("{}", "1", {}),
+    ],
+)
+def test_parse_reward_accepts(json_text, txt_text, rewards) -> None:
+    assert parse_reward(json_text, txt_text) == (rewards, None)
+
+
+@pytest.mark.parametrize(
+    "json_text,txt_text,why",
+    [
+        (None, None, "neither"),
+        (None, "", "empty"),
+        (None, "   \n", "not a number"),
+        (None, "yes", "not a number"),
+        (None, "nan", "not finite"),
+        (None, "inf", "not finite"),
+        ("", "1", "empty"),
+        ("{bad", "1", "not valid JSON"),
+        ("0.5", None, "object"),
+        ('{"reward": "1"}', None, "not a finite number"),
+        ('{"reward": NaN}', None, "not a finite number"),
+        ('{"reward": 1e309}', None, "not a finite number"),
+        ('{"reward": {"nested": 1}}', None, "not a finite number"),
+        ('{"reward": true}', None, "not a finite number"),
+    ],
+)
+def test_parse_reward_rejects(json_text, txt_text, why) -> None:
+    rewards, error = parse_reward(json_text, txt_text)
+    assert rewards is None
+    assert error is not None and why in error
+
+
+def grader_from_output(sb: FakeSandbox) -> float:
+    return 1.0 if sb.files.get("/app/out.txt") == b"hello\n" else 0.0
+
+
+@pytest.fixture
+def task():
+    return load_task(FIXTURES / "write-hello")
+
+
+async def test_pass_and_fail(task) -> None:
+    provider = FakeSandboxProvider(grader=grader_from_output)
+    async with await provider.create(task, run_id="v") as sb:
+        first = await verify(sb, task)
+        assert (first.outcome, first.reward) == ("fail", 0.0)
+        await sb.exec("echo hello > /app/out.txt")
+        second = await verify(sb, task)
+        assert (second.outcome, second.reward, second.rewards) == ("pass", 1.0, {"reward": 1.0})
+        assert not second.infra_failure
+        # tests arrive only at verification time, with the task's [verifier.env]
+        assert sb.files["/tests/test.sh"] == task.test_script.read_bytes()
+        run = next(c for c in reversed(sb.calls) if c.cmd.startswith("/tests/test.sh"))
+        assert run.env == {"EXPECTED": "hello"} and run.timeout == task.config.verifier.timeout_sec
+
+
+async def test_partial_reward_is_a_fail_with_its_value(task) -> None:
+    provider = FakeSandboxProvider(grader=lambda sb: 0.5)
+    async with await provider.create(task, run_id="v") as sb:
+        res = await verify(sb, task)
+    assert (res.outcome, res.reward) == ("fail", 0.5)
+
+
+async def test_planted_reward_is_cleared_before_the_tests_run(task) -> None:
+    provider = FakeSandboxProvider(grader=lambda sb: None)  # test.sh writes no reward
+    async with await provider.create(task, run_id="v") as sb:
+        sb.files["/logs/verifier/reward.txt"] = b"1\n"
+        sb.files["/logs/verifier/reward.json"] = b'{"reward": 1}'
+        res = await verify(sb, task)
+    assert res.outcome == "verifier-error" and res.reward is None and res.infra_failure
+    assert "neither" in (res.error or "")
+
+
+async def test_verifier_timeout_is_an_infra_failure(task) -> None:
+    provider = FakeSandboxProvider().on(r"^/tests/test\.sh", lambda sb, c, m: ExecResult("", "", None, True))
+    async with await provider.create(task, run_id="v") as sb:
+        res = await verify(sb, task, timeout=0.1)
+    assert res.outcome == "timeout" and res.infra_failure and res.reward is None
+
+
+async def test_reward_json_takes_precedence(task) -> None:
+    def both(sb: FakeSandbox, cmd: str, m) -> ExecResult:
+        sb.files["/logs/verifier/reward.json"] = b'{"reward": 0.25, "lint": 1}'
+        sb.files["/logs/verifier/reward.txt"] = b"1"
+        return ExecResult("", "", 0)
+
+    provider = FakeSandboxProvider().on(r"^/tests/test\.sh", both)
+    async with await provider.create(task, run_id="v") as sb:
+        res = await verify(sb, task)
+    assert res.rewards == {"reward": 0.25, "lint": 1.0} and res.reward == 0.25
+    assert math.isclose(res.reward, 0.25)
+
+
+async def test_transport_errors_propagate_not_scored(task) -> None:
+    from agentrl.sandbox.base import SandboxTransportError
+
+    provider = FakeSandboxProvider(faults=Faults(transport_error=1.0))
+    async with await provider.create(task, run_id="v") as sb:
+        with pytest.raises(SandboxTransportError):
+            await verify(sb, task)
+
+
+@pytest.mark.parametrize(
+    "fixture,message", [("no-test-sh", "missing"), ("test-not-executable", "executable")]
+)
+async def test_bad_test_script_is_a_typed_error(fixture: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / fixture
+    shutil.copytree(FIXTURES / fixture, path)
+    bad = load_task(path)
+    provider = FakeSandboxProvider()
+    async with await provider.create(bad, run_id="v") as sb:
+        with pytest.raises(TaskFormatError, match=message):
+            await verify(sb, bad)
