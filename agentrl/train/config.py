@@ -1,0 +1,60 @@
+"""`TrainConfig`: every knob of the torch trainer backend in one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentrl.algo import LossConfig
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer, batching and loss settings of one trainer.
+
+    `max_tokens_per_micro_batch` bounds rows x padded length of each forward pass (see
+    `agentrl.train.batch.pack`); micro-batches of one optimizer step accumulate gradients.
+    `num_minibatches` splits each `train_step`'s samples into that many optimizer steps, all
+    measured against the same recomputed old log-probs (so PPO clipping has something to clip).
+    `dtype` "auto" trains fp32 on CPU and bf16 autocast over fp32 weights on GPU.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    max_tokens_per_micro_batch: int = 16384
+    num_minibatches: int = 1
+    normalize_adv_std: bool = True
+    logprob_chunk_size: int | None = 1024
+    temperature: float = 1.0
+    gradient_checkpointing: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**self.loss)
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        problems = []
+        if self.lr <= 0:
+            problems.append(f"lr must be > 0 (got {self.lr})")
+        if self.max_tokens_per_micro_batch <= 0:
+            problems.append(f"max_tokens_per_micro_batch must be > 0 (got {self.max_tokens_per_micro_batch})")
+        if self.num_minibatches < 1:
+            problems.append(f"num_minibatches must be >= 1 (got {self.num_minibatches})")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size <= 0:
+            problems.append("logprob_chunk_size must be > 0, or None to compute all logits at once")
+        if self.temperature <= 0:
+            problems.append(
+                f"temperature must be > 0: the sampling temperature of the rollouts (got {self.temperature})"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            problems.append(f"dtype={self.dtype!r}: choose auto, float32 or bfloat16")
+        if problems:
+            raise ValueError("TrainConfig: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

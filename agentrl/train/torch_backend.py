@@ -1,0 +1,194 @@
+"""The torch trainer backend: GRPO + TIS updates of a transformers causal LM.
+
+One `train_step(samples)`:
+  1. drop samples that cannot train (infra failures, no reward), compute GRPO advantages per
+     prompt group over all remaining samples;
+  2. recompute old log-probs (and reference log-probs when a KL term is on) with the current
+     weights, before any update, for every sample;
+  3. split the samples into `num_minibatches` optimizer steps; each packs its samples into
+     micro-batches under the token budget and accumulates their gradients;
+  4. clip the gradient norm and step AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.algo import grpo_loss
+from agentrl.sample import Sample
+from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, sample_advantages
+from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from agentrl.train.config import TrainConfig
+from agentrl.train.forward import model_logprobs
+
+
+class TorchTrainer:
+    """Owns the policy model, its optimizer and the step counter.
+
+    `ref_model` (frozen) is needed only when `config.loss.kl_coef > 0`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: TrainConfig,
+        *,
+        device: str | torch.device | None = None,
+        ref_model: Any | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        want_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and self.device.type == "cuda")
+        # Weights and optimizer state stay fp32; bf16 is the compute dtype (autocast) on GPU.
+        self.autocast_dtype = torch.bfloat16 if want_bf16 else None
+        self.model = model.to(self.device, torch.float32)
+        if config.loss.kl_coef and ref_model is None:
+            raise ValueError("loss.kl_coef > 0 needs ref_model (a frozen copy of the initial policy)")
+        self.ref_model = (
+            ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
+        )
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cfg_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+        self.pad_token_id = (
+            pad_token_id if pad_token_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
+        )
+        torch.manual_seed(config.seed)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.step = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def logprobs(
+        self, mb: MicroBatch, *, model: Any | None = None, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token log-probs [R, L] of a micro-batch under `model` (default: the policy)."""
+        with self._autocast():
+            return model_logprobs(
+                model if model is not None else self.model,
+                mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                chunk_size=self.config.logprob_chunk_size,
+                temperature=self.config.temperature,
+                with_entropy=with_entropy,
+            )
+
+    @torch.no_grad()
+    def _fill_old(self, batch: TrainBatch) -> None:
+        self.model.eval()
+        for i, mb in enumerate(batch.micro_batches):
+            mb = mb.to(self.device)
+            batch.micro_batches[i] = mb
+            mb.old_logprobs = self.logprobs(mb)[0] * mb.loss_mask
+            if self.ref_model is not None:
+                mb.ref_logprobs = self.logprobs(mb, model=self.ref_model)[0] * mb.loss_mask
+
+    def prepare(self, samples: Sequence[Sample]) -> tuple[list[TrainBatch], dict[str, float]]:
+        """Filter, compute advantages, pack into per-optimizer-step batches and recompute old log-probs."""
+        trainable = [s for s in samples if s.trainable]
+        if not trainable:
+            raise ValueError(
+                f"none of the {len(samples)} samples can train (infra failures or missing rewards): "
+                "check the rollout's failure counts"
+            )
+        adv = sample_advantages(trainable, normalize_std=self.config.normalize_adv_std)
+        n = min(self.config.num_minibatches, len(trainable))
+        bounds = [round(k * len(trainable) / n) for k in range(n + 1)]
+        batches = []
+        for a, b in itertools.pairwise(bounds):
+            batch = build_batch(
+                trainable[a:b],
+                adv[a:b],
+                max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+                pad_token_id=self.pad_token_id,
+            )
+            self._fill_old(batch)
+            batches.append(batch)
+        rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
+        stats = {
+            "num_samples": float(len(trainable)),
+            "num_dropped": float(len(samples) - len(trainable)),
+            "reward_mean": rewards.mean().item(),
+            "adv_abs_mean": adv.abs().mean().item(),
+        }
+        return batches, stats
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        want_entropy = self.config.loss.entropy_coef > 0
+        sums: dict[str, float] = {}
+        total = 0.0
+        for mb in batch.micro_batches:
+            logp, ent = self.logprobs(mb, with_entropy=want_entropy)
+            assert mb.old_logprobs is not None
+            loss, metrics = grpo_loss(
+                logp * mb.loss_mask,
+                mb.old_logprobs,
+                mb.rollout_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                self.config.loss,
+                entropy=ent,
+                ref_logp=mb.ref_logprobs,
+                num_tokens=batch.num_loss_tokens,
+                num_seqs=batch.num_loss_seqs,
+            )
+            loss.backward()
+            total += loss.item()
+            weight = mb.loss_mask.sum().item() / max(batch.num_loss_tokens, 1)
+            for k, v in metrics.items():
+                if k != "pg_loss":
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return {"loss": total, "grad_norm": float(grad_norm), **sums, **batch.stats}
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One rollout batch -> `num_minibatches` optimizer steps. Returns metrics of the last plus totals."""
+        t0 = time.perf_counter()
+        batches, stats = self.prepare(samples)
+        metrics: dict[str, float] = {}
+        for batch in batches:
+            metrics = self._update(batch)
+        metrics.update(stats)
+        metrics["step"] = float(self.step)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["step_seconds"] = time.perf_counter() - t0
+        return metrics
+
+    def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
+        """Checkpoint model, optimizer, step and the caller's buffer position under `root`."""
+        return save_checkpoint(
+            root,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=TrainState(
+                step=self.step, buffer_state=dict(buffer_state or {}), config=self.config.to_dict()
+            ),
+        )
+
+    def load(self, path: str | Path) -> TrainState:
+        """Restore from a checkpoint directory (or a root holding `latest`); returns the saved state."""
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self.step = state.step
+        return state
