@@ -182,10 +182,7 @@ async def test_warm_pool_hands_out_a_started_container(task) -> None:
     run_id = f"warm-{uuid.uuid4().hex[:8]}"
     try:
         provider.prefetch(task, run_id=run_id)
-        for _ in range(300):
-            if provider._pool.get(task.task_id):
-                break
-            await asyncio.sleep(0.1)
+        assert await provider.wait_warm(task) == 1
         pooled = provider._pool[task.task_id][0]
         start = time.monotonic()
         sb = await provider.create(task, run_id=run_id)

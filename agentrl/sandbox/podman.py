@@ -70,13 +70,22 @@ def build_ca_dir(bundle: Path = HOST_CA_BUNDLE) -> Path | None:
     return directory
 
 
+def is_podman(cli: str) -> bool:
+    return "podman" in Path(cli).name
+
+
+def rm_args(cli: str) -> list[str]:
+    """Force removal at once: PID 1 (sleep) ignores SIGTERM, so do not wait for it to stop."""
+    return ["rm", "-f", "-t", "0"] if is_podman(cli) else ["rm", "-f"]
+
+
 # Containers this process started and has not removed; removed synchronously at interpreter exit.
 _LIVE: dict[str, str] = {}
 
 
 def _remove_live_at_exit() -> None:
     for name, cli in list(_LIVE.items()):
-        subprocess.run([cli, "rm", "-f", "-t", "0", name], capture_output=True, timeout=60, check=False)
+        subprocess.run([cli, *rm_args(cli), name], capture_output=True, timeout=60, check=False)
         _LIVE.pop(name, None)
 
 
@@ -459,7 +468,8 @@ class PodmanProvider(SandboxProvider):
         self.allow_network = allow_network  # None: the task decides; True/False: user override
         self.pids_limit = pids_limit
         # docker build has no build-time mounts; podman's `-v` on build is what makes this work.
-        self._ca_dir = build_ca_dir() if inject_ca and Path(self.cli).name == "podman" else None
+        self._podman = is_podman(self.cli)
+        self._ca_dir = build_ca_dir() if inject_ca and self._podman else None
         self.output_limit = output_limit
         self.warm_pool = warm_pool
         self.default_memory_mb = default_memory_mb
@@ -491,7 +501,8 @@ class PodmanProvider(SandboxProvider):
         bases = _from_images(task.dockerfile)
         local = [(await run_cli(self.cli, "image", "inspect", b, timeout=60))[0] == 0 for b in bases]
         if bases and all(local):
-            args.append("--pull=never")
+            # docker never pulls a base it has unless told to; its --pull takes no value.
+            args.append("--pull=never" if self._podman else "--pull=false")
         if self._ca_dir is not None:
             args += ["-v", f"{self._ca_dir}:{BUILD_PIP_DIR}:ro"]
         args.append(str(task.environment_dir))
@@ -593,6 +604,13 @@ class PodmanProvider(SandboxProvider):
             self._pool_tasks.add(t)
             t.add_done_callback(self._pool_tasks.discard)
 
+    async def wait_warm(self, task: Task) -> int:
+        """Wait for the pre-starts of `task` in flight; return how many sandboxes are pooled."""
+        pending = [t for t in self._pool_tasks if t.get_name() == task.task_id]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return len(self._pool.get(task.task_id, []))
+
     async def _warm_one(self, task: Task, run_id: str) -> None:
         try:
             sandbox = await self._start(task, run_id, await self.image_for(task))
@@ -603,7 +621,7 @@ class PodmanProvider(SandboxProvider):
 
     async def _remove(self, name: str) -> None:
         try:
-            await run_cli(self.cli, "rm", "-f", "-t", "0", name, timeout=120)
+            await run_cli(self.cli, *rm_args(self.cli), name, timeout=120)
         finally:
             self._live.discard(name)
             _LIVE.pop(name, None)
@@ -654,5 +672,5 @@ async def reap(
             continue
         doomed.append(name)
     for name in doomed:
-        await run_cli(cli, "rm", "-f", "-t", "0", name, timeout=120)
+        await run_cli(cli, *rm_args(cli), name, timeout=120)
     return doomed

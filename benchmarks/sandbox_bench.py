@@ -1,0 +1,127 @@
+"""Sandbox speed, side by side in one run on real podman containers.
+
+1. Per-command latency: the persistent shell vs one `podman exec` per command (p50, p95, ratio).
+   Goal: p50 <= 5 ms and >= 20x faster.
+2. Warm-pool acquire (a pre-started, liveness-checked container handed out), p50. Goal <= 20 ms.
+3. Cold start from a cached image (`podman run` + /logs set-up + first command), p50.
+4. Oracle sweep wall time over envs/tbench2/tasks at concurrency 2 (skipped if that is empty).
+
+    .venv/bin/python benchmarks/sandbox_bench.py [--commands 300] [--tasks-dir envs/tbench2/tasks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+from agentrl.sandbox.podman import PodmanProvider, PodmanSandbox, reap
+from agentrl.tasks import discover_tasks, load_task
+from agentrl.tasks.oracle import run_oracle
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ROOT / "tests" / "fixtures" / "sandbox_tasks" / "write-hello"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def ms(x: float) -> str:
+    return f"{x * 1000:.2f} ms"
+
+
+async def exec_latency(sb: PodmanSandbox, n: int, fallback: bool) -> list[float]:
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        res = await (
+            sb._exec_cli(f"echo {i}", timeout=30, cwd=None, env=None, user=None)
+            if fallback
+            else sb.exec(f"echo {i}", timeout=30)
+        )
+        times.append(time.perf_counter() - start)
+        assert res.stdout == f"{i}\n", res
+    return times
+
+
+async def main(args: argparse.Namespace) -> None:
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    task = load_task(TASK)
+    provider = PodmanProvider(cli=args.cli)
+    await provider.image_for(task)
+    try:
+        print("== 1. per-command latency (`echo i`, timeout set, one container)")
+        async with await provider.create(task, run_id=run_id) as sb:
+            assert isinstance(sb, PodmanSandbox)
+            await exec_latency(sb, 10, fallback=False)  # warm-up
+            shell = await exec_latency(sb, args.commands, fallback=False)
+            per_exec = await exec_latency(sb, args.exec_commands, fallback=True)
+        s50, s95, e50, e95 = pct(shell, 0.5), pct(shell, 0.95), pct(per_exec, 0.5), pct(per_exec, 0.95)
+        print(f"persistent shell  n={len(shell):4d}  p50 {ms(s50)}  p95 {ms(s95)}")
+        print(f"podman exec each  n={len(per_exec):4d}  p50 {ms(e50)}  p95 {ms(e95)}")
+        print(f"ratio p50 {e50 / s50:.1f}x  p95 {e95 / s95:.1f}x  (goal: shell p50 <= 5 ms, >= 20x)")
+
+        print("== 2. warm-pool acquire (liveness check included)")
+        warm = PodmanProvider(cli=args.cli, warm_pool=1)
+        acquire = []
+        try:
+            for _ in range(args.rounds):
+                warm.prefetch(task, run_id=run_id)
+                assert await warm.wait_warm(task) >= 1
+                start = time.perf_counter()
+                sb = await warm.create(task, run_id=run_id)
+                acquire.append(time.perf_counter() - start)
+                await sb.close()
+        finally:
+            await warm.aclose()
+        print(
+            f"acquire  n={len(acquire)}  p50 {ms(pct(acquire, 0.5))}  p95 {ms(pct(acquire, 0.95))}  (goal p50 <= 20 ms)"
+        )
+
+        print("== 3. cold start from a cached image (create + first command)")
+        cold = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            sb = await provider.create(task, run_id=run_id)
+            await sb.exec("true")
+            cold.append(time.perf_counter() - start)
+            await sb.close()
+        print(f"cold start  n={len(cold)}  p50 {ms(pct(cold, 0.5))}  p95 {ms(pct(cold, 0.95))}")
+        print(f"warm acquire is {pct(cold, 0.5) / pct(acquire, 0.5):.0f}x faster than a cold start (p50)")
+
+        print(f"== 4. oracle sweep over {args.tasks_dir} at concurrency 2")
+        tasks_dir = Path(args.tasks_dir)
+        tasks = discover_tasks(tasks_dir) if tasks_dir.is_dir() else []
+        if not tasks:
+            print("skipped: no tasks there")
+            return
+        start = time.perf_counter()
+        results = await run_oracle(PodmanProvider(cli=args.cli), tasks, run_id=run_id, concurrency=2)
+        wall = time.perf_counter() - start
+        ok = sum(r.ok for r in results)
+        print(
+            f"{len(tasks)} tasks in {wall:.1f} s wall ({wall / len(tasks):.1f} s a task), {ok}/{len(tasks)} rewarded 1"
+        )
+        for r in results:
+            if not r.ok:
+                print(f"  {r.task_id}: {r.cause} reward={r.reward} {r.detail[-300:]!r}")
+        print(f"per-task seconds: median {statistics.median(r.seconds for r in results):.1f}")
+    finally:
+        await provider.aclose()
+        left = await reap(cli=args.cli, run_id=run_id)
+        print(f"containers left behind: {len(left)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cli", default="podman")
+    parser.add_argument("--commands", type=int, default=300)
+    parser.add_argument("--exec-commands", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--tasks-dir", default=str(ROOT / "envs" / "tbench2" / "tasks"))
+    asyncio.run(main(parser.parse_args()))
