@@ -49,7 +49,7 @@ async def exec_latency(sb: PodmanSandbox, n: int, fallback: bool) -> list[float]
     return times
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace, tasks: list) -> None:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     task = load_task(TASK)
     provider = PodmanProvider(cli=args.cli)
@@ -95,8 +95,6 @@ async def main(args: argparse.Namespace) -> None:
         print(f"warm acquire is {pct(cold, 0.5) / pct(acquire, 0.5):.0f}x faster than a cold start (p50)")
 
         print(f"== 4. oracle sweep over {args.tasks_dir} at concurrency 2")
-        tasks_dir = Path(args.tasks_dir)
-        tasks = discover_tasks(tasks_dir) if tasks_dir.is_dir() else []
         if not tasks:
             print("skipped: no tasks there")
             return
@@ -124,4 +122,6 @@ if __name__ == "__main__":
     parser.add_argument("--exec-commands", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tasks-dir", default=str(ROOT / "envs" / "tbench2" / "tasks"))
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    tasks_dir = Path(args.tasks_dir)
+    asyncio.run(main(args, discover_tasks(tasks_dir) if tasks_dir.is_dir() else []))
