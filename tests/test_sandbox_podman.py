@@ -177,6 +177,16 @@ async def test_docker_image_is_used_directly(tmp_path: Path) -> None:
         assert "bookworm" in (await sb.exec("cat /etc/os-release")).stdout
 
 
+async def test_unavailable_docker_image_falls_back_to_the_dockerfile(tmp_path: Path) -> None:
+    path = copy_task(tmp_path)
+    toml = (path / "task.toml").read_text().replace(
+        "[environment]\n", '[environment]\ndocker_image = "localhost/agentrl-no-such-image:none"\n'
+    )
+    (path / "task.toml").write_text(toml)
+    async with await PodmanProvider(cli=CLI).create(load_task(path), run_id="fallback-build") as sb:
+        assert (await sb.exec("cat /app/seed.txt")).stdout == "seed\n"  # built from the Dockerfile
+
+
 async def test_warm_pool_hands_out_a_started_container(task) -> None:
     provider = PodmanProvider(cli=CLI, warm_pool=1)
     run_id = f"warm-{uuid.uuid4().hex[:8]}"

@@ -481,9 +481,18 @@ class PodmanProvider(SandboxProvider):
 
     # -- images ---------------------------------------------------------------------------------
     async def image_for(self, task: Task) -> str:
+        """The image to run `task` in: `docker_image` when it is local or can be pulled (Harbor's
+        default), else the image built from environment/Dockerfile."""
         env = task.config.environment
-        if env.docker_image and task.dockerfile is None:
-            return env.docker_image
+        if env.docker_image:
+            if await self._have_or_pull(env.docker_image):
+                return env.docker_image
+            if task.dockerfile is None:
+                raise SandboxCreateError(
+                    f"{task.task_id}: docker_image {env.docker_image!r} is neither local nor pullable"
+                    " and there is no environment/Dockerfile to build instead"
+                )
+            log.info("%s: %s unavailable; building environment/Dockerfile", task.task_id, env.docker_image)
         if task.dockerfile is None:
             raise SandboxCreateError(f"{task.task_id}: no environment/Dockerfile and no docker_image")
         tag = f"localhost/agentrl-task/{task.task_id.lower()}:{context_hash(task.environment_dir)}"
@@ -494,6 +503,16 @@ class PodmanProvider(SandboxProvider):
                 return tag
             await self._build(task, tag)
         return tag
+
+    async def _have_or_pull(self, image: str) -> bool:
+        lock = self._build_locks.setdefault(image, asyncio.Lock())
+        async with lock:
+            if (await run_cli(self.cli, "image", "inspect", image, timeout=60))[0] == 0:
+                return True
+            try:
+                return (await run_cli(self.cli, "pull", "--quiet", image, timeout=600))[0] == 0
+            except TimeoutError:
+                return False
 
     async def _build(self, task: Task, tag: str) -> None:
         assert task.dockerfile is not None
