@@ -22,10 +22,12 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 if ! grep -qs 'agentrl' "$conf" && ! grep -qs '^runtime *= *"runc"' "$conf"; then
   mkdir -p "$(dirname "$conf")"
-  if [ -s "$conf" ]; then
-    echo "setup_host: $conf exists without runc; leaving it alone (set runtime = \"runc\" yourself)" >&2
+  if grep -qs '^\[containers\]\|^\[engine\]' "$conf"; then
+    # Appending would repeat a TOML table; merging by hand is the safe route.
+    echo "setup_host: $conf has its own [containers]/[engine] tables; add runtime = \"runc\" and" \
+      'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"] there yourself' >&2
   else
-    cat > "$conf" <<'CONF'
+    cat >> "$conf" <<'CONF'
 # written by agentrl sandbox_images/setup_host.sh
 [containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
