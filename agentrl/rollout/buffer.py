@@ -1,0 +1,185 @@
+"""Buffer: completed GRPO groups in, whole-group batches out.
+
+The trainer awaits `get_batch(batch_size, timeout=...)`; groups are never split. The buffer records
+the uid of every group it hands out (`consumed`) and tells the prompt source, so a checkpoint
+knows exactly which prompts were trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.errors import AgentRLError
+from agentrl.sample import Sample
+
+
+class BufferError(AgentRLError):
+    """The buffer cannot deliver: bad request, producer crashed, or no more data."""
+
+
+class BufferTimeout(BufferError, TimeoutError):
+    """No full batch within the timeout (rollout too slow, or stuck: look at the step metrics)."""
+
+
+class RolloutFinished(BufferError):
+    """Every prompt of every epoch was rolled out and consumed; no further batch will come."""
+
+
+def sample_oldest_version(sample: Sample) -> int | None:
+    versions = list(sample.weight_versions)
+    start = sample.metadata.get("start_version")
+    if start is not None:
+        versions.append(int(start))
+    return min(versions) if versions else None
+
+
+@dataclass
+class Group:
+    """The `n` samples of one prompt. `complete` is False when a sample exhausted its infra retry
+    budget: that slot then holds a FAILED_INFRA sample with no reward (never a reward of 0)."""
+
+    uid: str
+    prompt_id: str
+    row: dict[str, Any]
+    n: int
+    samples: list[Sample | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [None] * self.n
+
+    @property
+    def filled(self) -> int:
+        return sum(s is not None for s in self.samples)
+
+    @property
+    def done(self) -> bool:
+        return self.filled == self.n
+
+    @property
+    def complete(self) -> bool:
+        return self.done and all(s is not None and s.trainable for s in self.samples)
+
+    @property
+    def trainable_samples(self) -> list[Sample]:
+        return [s for s in self.samples if s is not None and s.trainable]
+
+    def oldest_version(self) -> int | None:
+        found = [v for s in self.samples if s is not None and (v := sample_oldest_version(s)) is not None]
+        return min(found) if found else None
+
+
+class Buffer:
+    """Completed groups waiting for the trainer.
+
+    `get_batch` takes the groups generated on the oldest weights first. With `current_version` and
+    `max_staleness`, a group older than the bound is never returned: it goes to `on_stale` (the
+    manager re-queues its prompt) and is counted in `stale_groups`.
+    """
+
+    def __init__(self, *, on_consumed: Callable[[str], None] | None = None,
+                 on_stale: Callable[[Group], None] | None = None) -> None:
+        self._groups: list[Group] = []
+        self._changed = asyncio.Event()
+        self._error: BaseException | None = None
+        self._finished = False
+        self._on_consumed = on_consumed
+        self._on_stale = on_stale
+        self.consumed: list[str] = []
+        self.consumed_samples = 0
+        self.stale_groups = 0
+
+    def put(self, group: Group) -> None:
+        if not group.done:
+            raise BufferError(f"group {group.uid} has {group.filled}/{group.n} samples: only finished groups go in")
+        self._groups.append(group)
+        self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The producer died: waiting and future `get_batch` calls raise with this as the cause."""
+        self._error = error
+        self._changed.set()
+
+    def finish(self) -> None:
+        """No more groups will come."""
+        self._finished = True
+        self._changed.set()
+
+    def reopen(self) -> None:
+        """More groups will come after all (a prompt was re-queued)."""
+        self._finished = False
+
+    @property
+    def n_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def n_samples(self) -> int:
+        return sum(g.n for g in self._groups)
+
+    def record_consumed(self, uid: str) -> None:
+        self.consumed.append(uid)
+        if self._on_consumed is not None:
+            self._on_consumed(uid)
+
+    def _evict_stale(self, current_version: int | None, max_staleness: int | None) -> None:
+        if current_version is None or max_staleness is None:
+            return
+        keep: list[Group] = []
+        for g in self._groups:
+            oldest = g.oldest_version()
+            if oldest is not None and current_version - oldest > max_staleness:
+                self.stale_groups += 1
+                if self._on_stale is not None:
+                    self._on_stale(g)
+            else:
+                keep.append(g)
+        self._groups = keep
+
+    async def get_batch(self, batch_size: int, *, timeout: float, current_version: int | None = None,
+                        max_staleness: int | None = None) -> list[Group]:
+        """Wait up to `timeout` seconds for `batch_size` samples in whole groups."""
+        if batch_size <= 0:
+            raise BufferError(f"batch_size must be positive, got {batch_size}")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._error is not None:
+                raise BufferError(f"the rollout producer failed: {self._error!r}") from self._error
+            self._evict_stale(current_version, max_staleness)
+            picked = self._pick(batch_size)
+            if picked is not None:
+                for g in picked:
+                    self._groups.remove(g)
+                    self.consumed_samples += g.n
+                    self.record_consumed(g.uid)
+                return picked
+            if self._finished:
+                raise RolloutFinished(f"rollout finished with {self.n_samples} samples left, fewer than {batch_size}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BufferTimeout(
+                    f"no batch of {batch_size} samples within {timeout:.1f}s ({self.n_samples} buffered): "
+                    "raise the timeout or max_in_flight, or check the failure counters"
+                )
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
+            except TimeoutError:
+                continue
+
+    def _pick(self, batch_size: int) -> list[Group] | None:
+        ordered = sorted(self._groups, key=lambda g: (g.oldest_version() or 0))
+        picked: list[Group] = []
+        total = 0
+        for g in ordered:
+            if total + g.n <= batch_size:
+                picked.append(g)
+                total += g.n
+            if total == batch_size:
+                return picked
+        return None

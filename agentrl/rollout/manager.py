@@ -1,0 +1,457 @@
+"""RolloutManager: a fully asynchronous producer of GRPO groups with staleness-bounded admission.
+
+Shape: one producer task owns a TaskGroup; each running sample is one child task that calls
+`EpisodeRunner.run` (a fresh sandbox per attempt, owned and closed by the runner) under a
+wall-clock cap. A finished sample frees its slot at once and wakes the producer, which admits
+the next sample: a retry first, then the next index of the open group, then a new prompt.
+
+Admission (AReaL's rule). Let B = batch_size, s = max_staleness, k = weight updates since start
+(`control.weight_version` - its value at start), C = samples consumed by the trainer, R = samples
+running, D = samples done and not consumed (in the buffer or in unfinished groups). A sample
+starts only while C + R + D + 1 <= (s + k + 1) * B. Since the trainer takes B samples per
+version, at most (s + 1) batches' worth of samples exist beyond what the trainer has taken, so
+with in-order completion every sample is trained at most s versions after it started.
+
+Completion is not in order (episode lengths are heavy-tailed): a long episode can be overtaken
+by later ones, which the count rule alone cannot bound. The buffer therefore also checks the
+version at consumption: a group whose oldest token (start version, or any turn's version) is
+more than s versions behind is never handed to the trainer; its prompt is re-queued and counted
+(`stale_groups`). So the bound holds strictly, and the admission rule keeps such re-queues rare.
+
+Failures. `run` returns a Sample for completed, truncated and policy-failed episodes (real
+outcomes with their reward) and raises `InfraError` for infrastructure failures; those are
+counted by `cause` and retried in a fresh attempt, up to `max_attempts` per sample. A sample
+that exhausts its budget is logged at ERROR, counted (`samples_exhausted`) and stored in its
+group as a FAILED_INFRA sample without a reward; the group is still emitted, flagged
+`complete=False`, and the trainer masks that sample (`Sample.trainable`). No group is dropped
+for a failed sample, and no infrastructure failure becomes a reward.
+
+Weight updates: `update_weights(sync_fn, mode)` closes admission, pauses the engines
+("in_place": in-flight turns finish on the old weights; "abort": in-flight generation is
+aborted and the agent loop retries that turn on the new weights, keeping per-turn versions),
+runs `sync_fn`, and always resumes the engines and admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from agentrl.errors import AgentRLError, InfraError
+from agentrl.rollout.buffer import Buffer, Group
+from agentrl.rollout.source import Prompt, PromptSource
+from agentrl.sample import Sample, Status
+
+log = logging.getLogger("agentrl.rollout")
+
+PauseMode = Literal["in_place", "abort"]
+
+
+class RolloutError(AgentRLError):
+    """The rollout manager was misconfigured or used out of order."""
+
+
+class EpisodeRunner(Protocol):
+    """One prompt row -> one Sample; raises InfraError (with `.cause`) on infrastructure failure.
+    The runner owns its sandbox and closes it, also when cancelled."""
+
+    async def run(self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int,
+                  eval: bool = False) -> Sample: ...
+
+
+class ControlPlane(Protocol):
+    """The engines' control plane as the manager needs it."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def pause(self, *, mode: str = "in_place") -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int  # samples per trainer step; a multiple of n_samples_per_prompt
+    n_samples_per_prompt: int = 8
+    max_in_flight: int = 64
+    max_staleness: int | None = 1  # None: no bound (pure throughput runs)
+    max_attempts: int = 3  # per sample, counting the first
+    retry_backoff_s: float = 0.5  # doubled per attempt
+    episode_timeout_s: float = 1800.0
+    control_timeout_s: float = 300.0  # engine pause / resume
+    sync_timeout_s: float = 1800.0  # one weight sync
+    shutdown_timeout_s: float = 60.0  # for runners to close their sandboxes after cancel
+    dynamic_filter: bool = False  # drop groups whose rewards are all equal (DAPO)
+    pass_threshold: float = 1.0  # reward at or above which an episode counts as passed
+
+    def __post_init__(self) -> None:
+        n = self.n_samples_per_prompt
+        if n < 1 or self.batch_size < 1 or self.batch_size % n:
+            raise RolloutError(
+                f"batch_size {self.batch_size} must be a positive multiple of n_samples_per_prompt {n}: "
+                "groups are never split across batches"
+            )
+        if self.max_in_flight < 1 or self.max_attempts < 1:
+            raise RolloutError("max_in_flight and max_attempts must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise RolloutError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+
+
+@dataclass
+class Counters:
+    """Cumulative; StepMetrics reports the change per step."""
+
+    started: int = 0
+    finished: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    samples_exhausted: int = 0
+    episode_timeouts: int = 0
+    groups_emitted: int = 0
+    groups_incomplete: int = 0
+    groups_filtered: int = 0
+    stale_groups: int = 0
+    infra_scored: int = 0  # must stay 0: an infra failure that reached a group with a reward
+
+    def snapshot(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["failures"] = dict(self.failures)
+        return d
+
+
+@dataclass
+class EvalReport:
+    n: int
+    pass_at_1: float
+    mean_reward: float
+    failures: dict[str, int]
+    exhausted: int
+    samples: list[Sample]
+
+
+class RolloutManager:
+    """Usage::
+
+        async with RolloutManager(runner, control, source, config) as mgr:
+            for step in range(steps):
+                groups = await mgr.get_batch(timeout=600)
+                ...train...
+                await mgr.update_weights(sync_fn)
+
+    Leaving the block (also by Ctrl-C or an error) cancels every running episode and waits up to
+    `shutdown_timeout_s` for the runners to close their sandboxes.
+    """
+
+    def __init__(self, runner: EpisodeRunner, control: ControlPlane, source: PromptSource | Sequence[dict[str, Any]],
+                 config: RolloutConfig, *, seed: int = 0) -> None:
+        self.runner = runner
+        self.control = control
+        self.source = source if isinstance(source, PromptSource) else PromptSource(list(source), seed=seed)
+        self.config = config
+        self.counters = Counters()
+        self.buffer = Buffer(on_consumed=self.source.mark_consumed, on_stale=self._on_stale)
+        self._open: Group | None = None
+        self._open_next = 0
+        self._unfinished: dict[str, Group] = {}
+        self._retries: deque[tuple[Group, int, int]] = deque()
+        self._running = 0
+        self._retry_waiting = 0
+        self._done_unbuffered = 0
+        self._pauses = 0
+        self._admit_open = asyncio.Event()
+        self._admit_open.set()
+        self._wake = asyncio.Event()
+        self._producer: asyncio.Task[None] | None = None
+        self._base_version = control.weight_version
+        self.started_at = time.monotonic()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutManager:
+        if self._producer is not None:
+            raise RolloutError("this RolloutManager is already running")
+        self._base_version = self.control.weight_version
+        self.started_at = time.monotonic()
+        self._producer = asyncio.create_task(self._produce(), name="rollout-producer")
+        self._producer.add_done_callback(self._producer_done)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Cancel every running episode and wait for the runners to clean up."""
+        task, self._producer = self._producer, None
+        if task is None or task.done():
+            return
+        task.cancel()
+        try:
+            async with asyncio.timeout(self.config.shutdown_timeout_s):
+                await asyncio.gather(task, return_exceptions=True)
+        except TimeoutError:
+            log.error("rollout runners did not finish cleaning up within %.0fs of cancel",
+                      self.config.shutdown_timeout_s)
+
+    def _producer_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("rollout producer failed: %r", exc)
+            self.buffer.fail(exc)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.control.weight_version - self._base_version
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def unfinished_groups(self) -> int:
+        """Groups with a sample still running or waiting for a retry."""
+        return len(self._unfinished)
+
+    @property
+    def outstanding(self) -> int:
+        """C + R + D of the admission rule, in samples."""
+        return self.buffer.consumed_samples + self._running + self._done_unbuffered + self.buffer.n_samples
+
+    def admission_limit(self) -> int | None:
+        s = self.config.max_staleness
+        return None if s is None else (s + self.step + 1) * self.config.batch_size
+
+    def _can_admit(self) -> bool:
+        if self._pauses or self._running >= self.config.max_in_flight:
+            return False
+        limit = self.admission_limit()
+        return limit is None or self.outstanding + 1 <= limit
+
+    def _next_job(self) -> tuple[Group, int, int] | None:
+        if self._retries:
+            return self._retries.popleft()
+        if self._open is None or self._open_next >= self._open.n:
+            prompt = self.source.next()
+            if prompt is None:
+                return None
+            self._open = self._new_group(prompt)
+            self._open_next = 0
+        idx = self._open_next
+        self._open_next += 1
+        return self._open, idx, 0
+
+    def _new_group(self, prompt: Prompt) -> Group:
+        group = Group(prompt.uid, prompt.prompt_id, prompt.row, self.config.n_samples_per_prompt)
+        self._unfinished[group.uid] = group
+        return group
+
+    def _idle_and_exhausted(self) -> bool:
+        return (self._running == 0 and not self._retries and not self._unfinished and self.source.exhausted())
+
+    async def _produce(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                while self._can_admit():
+                    job = self._next_job()
+                    if job is None:
+                        break
+                    self._running += 1
+                    self.counters.started += 1
+                    group, idx, attempt = job
+                    tg.create_task(self._run_sample(group, idx, attempt), name=f"episode-{group.uid}-{idx}")
+                if self._idle_and_exhausted():
+                    self.buffer.finish()
+                self._wake.clear()
+                await self._wake.wait()
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    # -- one sample --------------------------------------------------------------------------
+
+    async def _attempt(self, group: Group, idx: int, attempt: int, *, eval: bool = False) -> Sample | str:
+        """One fresh episode; the Sample, or the failure cause."""
+        version = self.control.weight_version
+        try:
+            async with asyncio.timeout(self.config.episode_timeout_s):
+                sample = await self.runner.run(group.row, group_id=group.uid, sample_index=idx,
+                                               attempt=attempt, eval=eval)
+        except InfraError as exc:
+            log.warning("infra failure (%s) in %s/%d attempt %d: %s", exc.cause, group.uid, idx, attempt, exc)
+            return exc.cause
+        except TimeoutError:
+            self.counters.episode_timeouts += 1
+            log.warning("episode %s/%d attempt %d hit the %.0fs cap", group.uid, idx, attempt,
+                        self.config.episode_timeout_s)
+            return "episode_timeout"
+        if sample.status is Status.FAILED_INFRA:
+            return sample.failure_cause or "infra"
+        sample.prompt_id = group.uid
+        sample.sample_index = idx
+        sample.metadata["start_version"] = version
+        sample.metadata["attempt"] = attempt
+        return sample
+
+    def _exhausted_sample(self, group: Group, idx: int, causes: list[str]) -> Sample:
+        self.counters.samples_exhausted += 1
+        log.error("sample %s/%d failed %d attempts (%s): its group is emitted incomplete",
+                  group.uid, idx, len(causes), ", ".join(causes))
+        return Sample(prompt_id=group.uid, tokens=[], prompt_length=0, loss_mask=[], rollout_logprobs=[],
+                      reward=None, status=Status.FAILED_INFRA, failure_cause=causes[-1], sample_index=idx,
+                      metadata={"attempts": len(causes), "causes": causes})
+
+    async def _run_sample(self, group: Group, idx: int, attempt: int) -> None:
+        causes: list[str] = []
+        try:
+            while True:
+                result = await self._attempt(group, idx, attempt)
+                if isinstance(result, Sample):
+                    break
+                causes.append(result)
+                self.counters.failures[result] += 1
+                attempt += 1
+                if attempt >= self.config.max_attempts:
+                    result = self._exhausted_sample(group, idx, causes)
+                    break
+                # The slot stays ours while backing off; a new attempt is a new start, so it
+                # waits for admission to reopen (weight update or eval in progress).
+                await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+                await self._admit_open.wait()
+        finally:
+            self._running -= 1
+            self._kick()
+        self.counters.finished += 1
+        self._fill(group, idx, result)
+
+    def _fill(self, group: Group, idx: int, sample: Sample) -> None:
+        group.samples[idx] = sample
+        if not group.done:
+            self._done_unbuffered += 1
+            return
+        self._done_unbuffered -= group.n - 1
+        self._unfinished.pop(group.uid, None)
+        if any(s is not None and s.status is Status.FAILED_INFRA and s.reward is not None for s in group.samples):
+            self.counters.infra_scored += 1
+        if not group.complete:
+            self.counters.groups_incomplete += 1
+        rewards = {s.reward for s in group.trainable_samples}
+        if self.config.dynamic_filter and group.complete and len(rewards) == 1:
+            self.counters.groups_filtered += 1
+            self.buffer.record_consumed(group.uid)
+        else:
+            self.counters.groups_emitted += 1
+            self.buffer.put(group)
+        self._kick()
+
+    def _on_stale(self, group: Group) -> None:
+        self.counters.stale_groups += 1
+        log.info("group %s exceeded max_staleness before training: prompt re-queued", group.uid)
+        self.source.requeue(group.uid)
+        self.buffer.reopen()
+        self._kick()
+
+    # -- trainer side ------------------------------------------------------------------------
+
+    async def get_batch(self, *, timeout: float, batch_size: int | None = None) -> list[Group]:
+        """The next batch (whole groups; `batch_size` samples, default the configured one), none
+        of it more than `max_staleness` versions behind the current weights."""
+        groups = await self.buffer.get_batch(batch_size or self.config.batch_size, timeout=timeout,
+                                             current_version=self.control.weight_version,
+                                             max_staleness=self.config.max_staleness)
+        self._kick()
+        return groups
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Close admission for the duration (running episodes continue)."""
+        self._pauses += 1
+        self._admit_open.clear()
+        try:
+            yield
+        finally:
+            self._pauses -= 1
+            if not self._pauses:
+                self._admit_open.set()
+            self._kick()
+
+    async def update_weights(self, sync_fn: Callable[[], Awaitable[None]], mode: PauseMode = "in_place") -> None:
+        """Pause admission and engines, run `sync_fn`, then always resume both."""
+        if mode not in ("in_place", "abort"):
+            raise RolloutError(f"pause mode must be 'in_place' or 'abort', got {mode!r}")
+        cfg = self.config
+        async with self.paused():
+            try:
+                async with asyncio.timeout(cfg.control_timeout_s):
+                    await self.control.pause(mode=mode)
+                async with asyncio.timeout(cfg.sync_timeout_s):
+                    await sync_fn()
+            finally:
+                async with asyncio.timeout(cfg.control_timeout_s):
+                    await self.control.resume()
+
+    async def evaluate(self, rows: Sequence[dict[str, Any]], *, n_samples: int = 1,
+                       max_in_flight: int | None = None) -> EvalReport:
+        """Pause the producer, run `rows` with the runner's eval settings, report, resume.
+
+        Training episodes already running finish normally; eval failures are retried and counted
+        like training ones, and an exhausted eval sample is reported, not scored.
+        """
+        if not rows:
+            raise RolloutError("the eval set is empty")
+        sem = asyncio.Semaphore(max_in_flight or self.config.max_in_flight)
+        failures: Counter[str] = Counter()
+        results: list[Sample] = []
+
+        async def one(i: int, row: dict[str, Any], k: int) -> None:
+            group = Group(f"eval:{i}", str(i), row, n_samples)
+            causes: list[str] = []
+            async with sem:
+                for attempt in range(self.config.max_attempts):
+                    res = await self._attempt(group, k, attempt, eval=True)
+                    if isinstance(res, Sample):
+                        results.append(res)
+                        return
+                    causes.append(res)
+                    failures[res] += 1
+                    self.counters.failures[res] += 1
+                    if attempt + 1 < self.config.max_attempts:
+                        await asyncio.sleep(self.config.retry_backoff_s * 2 ** attempt)
+            results.append(self._exhausted_sample(group, k, causes))
+
+        async with self.paused():
+            async with asyncio.TaskGroup() as tg:
+                for i, row in enumerate(rows):
+                    for k in range(n_samples):
+                        tg.create_task(one(i, row, k))
+        scored = [s for s in results if s.trainable]
+        rewards = [float(s.reward) for s in scored if s.reward is not None]
+        return EvalReport(
+            n=len(results),
+            pass_at_1=sum(r >= self.config.pass_threshold for r in rewards) / len(rewards) if rewards else 0.0,
+            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+            failures=dict(failures),
+            exhausted=len(results) - len(scored),
+            samples=results,
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: the source position and the prompts to redo (in flight or buffered
+        now, never trained). Counters are kept for continuity of the metrics."""
+        return {"source": self.source.state_dict(), "counters": self.counters.snapshot()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._producer is not None:
+            raise RolloutError("load the state before entering the manager")
+        self.source.load_state_dict(state["source"])
+

@@ -1,0 +1,128 @@
+"""Prompt source: rows shuffled per epoch with a seed, resumable without repeats or skips.
+
+A prompt is identified by `uid = "<epoch>:<row index>"`. The source remembers every uid it has
+issued and not yet seen consumed (trained on, or filtered out by dynamic sampling); a checkpoint
+stores those as `pending`, and a restored source issues them again first. So a resumed run redoes
+exactly the prompts that were in flight or buffered at the checkpoint, and nothing else.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentrl.errors import AgentRLError
+from agentrl.tasks.dataset import read_jsonl
+
+
+class PromptSourceError(AgentRLError):
+    """The prompt rows or a saved state cannot be used."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: str
+    prompt_id: str
+    epoch: int
+    index: int
+    row: dict[str, Any]
+
+
+def row_prompt_id(row: dict[str, Any], index: int) -> str:
+    """A readable id: the task id when the row has one, else the row index."""
+    meta = row.get("metadata") or {}
+    return str(meta.get("task_id") or row.get("id") or index)
+
+
+class PromptSource:
+    """Rows in a seeded per-epoch order; `max_epochs=None` cycles forever."""
+
+    def __init__(self, rows: list[dict[str, Any]], *, seed: int = 0, max_epochs: int | None = None) -> None:
+        if not rows:
+            raise PromptSourceError("the prompt source has no rows: give a non-empty list or jsonl file")
+        if max_epochs is not None and max_epochs < 1:
+            raise PromptSourceError(f"max_epochs must be >= 1 or None, got {max_epochs}")
+        self.rows = rows
+        self.seed = seed
+        self.max_epochs = max_epochs
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+        self._requeued: deque[str] = deque()
+        self._unfinished: OrderedDict[str, None] = OrderedDict()
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, **kwargs: Any) -> PromptSource:
+        return cls(read_jsonl(path), **kwargs)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _prompt(self, uid: str) -> Prompt:
+        epoch_s, index_s = uid.split(":", 1)
+        index = int(index_s)
+        if not 0 <= index < len(self.rows):
+            raise PromptSourceError(f"prompt {uid} points past the {len(self.rows)} rows: resumed with other data?")
+        row = self.rows[index]
+        return Prompt(uid, row_prompt_id(row, index), int(epoch_s), index, row)
+
+    def exhausted(self) -> bool:
+        return not self._requeued and self.max_epochs is not None and self.epoch >= self.max_epochs
+
+    def next(self) -> Prompt | None:
+        """The next prompt to roll out (re-queued ones first), or None when all epochs are issued."""
+        if self._requeued:
+            return self._prompt(self._requeued.popleft())
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._epoch_order(self.epoch)
+        if self.max_epochs is not None and self.epoch >= self.max_epochs:
+            return None
+        uid = f"{self.epoch}:{self._order[self.position]}"
+        self.position += 1
+        self._unfinished[uid] = None
+        return self._prompt(uid)
+
+    def requeue(self, uid: str) -> None:
+        """Issue `uid` again before any new prompt (its group could not be used)."""
+        if uid not in self._unfinished:
+            raise PromptSourceError(f"prompt {uid} was not issued or is already consumed")
+        self._requeued.append(uid)
+
+    def mark_consumed(self, uid: str) -> None:
+        self._unfinished.pop(uid, None)
+
+    @property
+    def pending(self) -> list[str]:
+        """Issued and not consumed: in flight, buffered or re-queued."""
+        return list(self._unfinished)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "n_rows": len(self.rows),
+            "epoch": self.epoch,
+            "position": self.position,
+            "pending": self.pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("n_rows") != len(self.rows) or state.get("seed") != self.seed:
+            raise PromptSourceError(
+                f"saved prompt state is for {state.get('n_rows')} rows with seed {state.get('seed')}, "
+                f"this source has {len(self.rows)} rows with seed {self.seed}: resume with the same data and seed"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+        pending = [str(u) for u in state["pending"]]
+        for uid in pending:
+            self._prompt(uid)
+        self._unfinished = OrderedDict.fromkeys(pending)
+        self._requeued = deque(pending)
