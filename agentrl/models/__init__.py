@@ -1,0 +1,1 @@
+"""Small models built locally for tests, demos and CPU training runs (nothing downloaded)."""
