@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.sandbox.base import ImageBuildError
+from agentrl.sandbox.base import ImageBuildError, SandboxTransportError
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, PodmanSandbox, context_hash, reap, run_cli
 from agentrl.tasks import load_task
 from tests.sandbox_contract import SandboxContract
@@ -118,6 +118,25 @@ async def test_dead_shell_falls_back_to_exec_per_command(task, caplog) -> None:
         assert (await sb.exec("sleep 30", timeout=1)).timed_out
     warnings = [r for r in caplog.records if "persistent shell" in r.getMessage()]
     assert len(warnings) == 1
+
+
+async def test_shell_dying_mid_command_is_a_transport_error_never_a_rerun(task) -> None:
+    async with await PodmanProvider(cli=CLI).create(task, run_id="midcmd") as sb:
+        assert isinstance(sb, PodmanSandbox)
+        await sb.exec("true")
+        assert sb._shell is not None
+        shell = sb._shell
+
+        async def kill_soon() -> None:
+            await asyncio.sleep(0.5)
+            shell.kill()
+
+        killer = asyncio.create_task(kill_soon())
+        with pytest.raises(SandboxTransportError, match="mid-command"):
+            await sb.exec("echo ran >> /tmp/runs; sleep 5")
+        await killer
+        assert (await sb.exec("cat /tmp/runs")).stdout == "ran\n"  # exactly once
+        assert (await sb.exec("echo via-exec")).stdout == "via-exec\n"
 
 
 async def test_image_is_reused_and_built_once_under_concurrency(tmp_path: Path) -> None:

@@ -175,6 +175,10 @@ echo __AGENTRL_READY $__ar_d
 """
 
 
+class _NotSent(Exception):
+    """The command never reached the persistent shell, so running it another way is safe."""
+
+
 class _Shell:
     """One persistent bash inside the container, driven over a pipe with length-prefixed replies."""
 
@@ -220,8 +224,13 @@ class _Shell:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._half = limit // 2
         async with self.lock:
-            self.proc.stdin.write(line.encode())
-            await self.proc.stdin.drain()
+            if not self.alive:
+                raise _NotSent("the persistent shell has exited")
+            try:
+                self.proc.stdin.write(line.encode())
+                await self.proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise _NotSent(repr(exc)) from exc
             out, out_size = await self._payload(f"__AGENTRL_OUT_{nonce}".encode(), wait)
             err, err_size = await self._payload(f"__AGENTRL_ERR_{nonce}".encode(), 30.0)
             end = await asyncio.wait_for(self.proc.stdout.readline(), 30.0)
@@ -307,15 +316,13 @@ class PodmanSandbox(Sandbox):
         cwd = cwd or self.workdir
         if user not in (None, "root", 0, "0"):
             return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
-        if self._shell is None or not self._shell.alive:
-            if self._shell is not None and not self._fallback_noted:
-                log.warning(
-                    "persistent shell of %s died; using one `%s exec` per command", self.sandbox_id, self.cli
-                )
-                self._fallback_noted = True
-            if self._fallback_noted:
-                return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
-            await self._start_shell()
+        if self._fallback_noted:
+            return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
+        if self._shell is None:
+            try:
+                await self._start_shell()
+            except (TimeoutError, SandboxTransportError, OSError) as exc:
+                return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
         assert self._shell is not None
         nonce = uuid.uuid4().hex
         start = time.monotonic()
@@ -327,24 +334,17 @@ class PodmanSandbox(Sandbox):
                 wait,
                 self.output_limit,
             )
-        except (
-            TimeoutError,
-            SandboxTransportError,
-            BrokenPipeError,
-            ConnectionResetError,
-            asyncio.IncompleteReadError,
-        ) as exc:
+        except _NotSent as exc:
+            return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
+        except (TimeoutError, SandboxTransportError, OSError, asyncio.IncompleteReadError) as exc:
+            # The command may have run, partly or fully: never run it a second time.
             self._shell.kill()
-            if not await self._running():
-                raise SandboxTransportError(f"container {self.sandbox_id} is gone: {exc!r}") from exc
-            log.warning(
-                "persistent shell of %s failed (%r); falling back to `%s exec`",
-                self.sandbox_id,
-                exc,
-                self.cli,
-            )
-            self._fallback_noted = True
-            return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
+            self._kill_inside(self._shell.state_dir)
+            self._shell = None
+            running = await self._running()
+            self._note_fallback(exc)
+            where = "its persistent shell failed mid-command" if running else "the container is gone"
+            raise SandboxTransportError(f"exec in {self.sandbox_id}: {where}: {exc!r}") from exc
         except asyncio.CancelledError:
             # The shell is mid-command: its framing can no longer be trusted. Killing the client
             # does not stop the command inside, so its process group is killed in the background.
@@ -356,6 +356,31 @@ class PodmanSandbox(Sandbox):
         return ExecResult(
             _bounded(out, out_size), _bounded(err, err_size), None if timed_out else rc, timed_out, duration
         )
+
+    def _note_fallback(self, exc: BaseException) -> None:
+        if not self._fallback_noted:
+            log.warning(
+                "persistent shell of %s failed (%r); using one `%s exec` per command from now on",
+                self.sandbox_id,
+                exc,
+                self.cli,
+            )
+            self._fallback_noted = True
+
+    async def _fall_back(
+        self,
+        exc: BaseException,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+    ) -> ExecResult:
+        if self._shell is not None:
+            self._shell.kill()
+            self._shell = None
+        self._note_fallback(exc)
+        return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=None)
 
     async def _exec_cli(
         self,
@@ -398,6 +423,8 @@ class PodmanSandbox(Sandbox):
         )
 
     def _kill_inside(self, state_dir: str) -> None:
+        if not state_dir:
+            return
         script = f"kill -KILL -- -$(cat {state_dir}/p) 2>/dev/null; rm -rf {state_dir}"
         t = asyncio.get_running_loop().create_task(
             run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=30)
