@@ -250,3 +250,10 @@ def test_containers_are_removed_at_interpreter_exit() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("agentrl-")
     assert containers(f"{LABEL_RUN}={run_id}") == []
+
+
+async def test_missing_cli_is_a_typed_error(task) -> None:
+    from agentrl.sandbox.base import SandboxError
+
+    with pytest.raises(SandboxError, match=r"setup_host\.sh"):
+        await PodmanProvider(cli="agentrl-no-such-cli").create(task, run_id="nocli")

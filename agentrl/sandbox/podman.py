@@ -16,7 +16,8 @@
   instead of ~150 ms for `podman exec`). Each command runs in its own subshell (cwd, env and shell
   state do not leak between commands, like Harbor's exec), under `timeout`, with stdout and stderr
   captured to files, bounded head+tail inside the container, and sent back base64-framed. If the
-  shell dies, the sandbox falls back to one `podman exec` per command and says so once.
+  shell dies, the sandbox falls back to one `podman exec` per command and says so once; a command
+  the dying shell may have started is reported as a transport error, never run twice.
 """
 
 from __future__ import annotations
@@ -96,13 +97,19 @@ async def run_cli(
     cli: str, *args: str, timeout: float = 120, stdin: bytes | None = None
 ) -> tuple[int, str, str]:
     """Run a container CLI command; kill it on timeout or cancellation."""
-    proc = await asyncio.create_subprocess_exec(
-        cli,
-        *args,
-        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            cli,
+            *args,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except FileNotFoundError:
+        raise SandboxError(
+            f"container CLI {cli!r} not found: run `bash sandbox_images/setup_host.sh`, or pick another"
+            " with AGENTRL_CONTAINER_CLI / --backend"
+        ) from None
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
     except BaseException:
