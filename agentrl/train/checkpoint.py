@@ -125,7 +125,10 @@ def load_checkpoint(
     for name in ("model.safetensors", "state.json"):
         if not (path / name).exists():
             raise CheckpointError(f"{path} has no {name}: not a complete agentrl checkpoint")
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    try:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(f"{path} does not match the model: {str(exc)[:400]}") from exc
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"

@@ -56,7 +56,13 @@ class TorchTrainer:
             ref_model.to(self.device).eval().requires_grad_(False) if ref_model is not None else None
         )
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.x renamed the switch; older releases only have the first name.
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
         cfg_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
         self.pad_token_id = (
             pad_token_id if pad_token_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
