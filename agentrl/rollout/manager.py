@@ -313,6 +313,9 @@ class RolloutManager:
         causes: list[str] = []
         try:
             while True:
+                # A start happens only while admission is open: a task admitted just before a
+                # pause (weight update, eval) starts after it, and so does a retry.
+                await self._admit_open.wait()
                 result = await self._attempt(group, idx, attempt)
                 if isinstance(result, Sample):
                     break
@@ -322,10 +325,8 @@ class RolloutManager:
                 if attempt >= self.config.max_attempts:
                     result = self._exhausted_sample(group, idx, causes)
                     break
-                # The slot stays ours while backing off; a new attempt is a new start, so it
-                # waits for admission to reopen (weight update or eval in progress).
+                # The slot stays ours while backing off.
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
-                await self._admit_open.wait()
         finally:
             self._running -= 1
             self._kick()
