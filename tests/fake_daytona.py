@@ -1,0 +1,423 @@
+"""An in-process Daytona for tests: the part of `AsyncDaytona` agentrl uses, method for method with
+the installed SDK's signatures (`tests/test_daytona.py` compares them with `inspect.signature`, so
+the fake cannot drift from the SDK), returning the SDK's own response types.
+
+`FakeDaytonaServer` holds the state an account would: sandboxes by id and name, labels, the create
+parameters it received, deletions and activity refreshes. Its sandboxes run on a `PodmanRuntime`
+when one is given: the rendered Dockerfile and its context are built with podman, and every
+`process.exec` / session command / file transfer happens in a real container, with Daytona's
+semantics (a command string run by `sh -c`, combined output from `exec`, split streams from
+session logs, uploads that need the parent directory to exist). Without a runtime the server only
+keeps records, which is what create / delete / fault tests need.
+
+Faults: `create_errors` are raised by the next create calls before anything exists (throttling,
+quota); `start_errors` after the sandbox exists (a failed start); `start_delay_s` keeps a create
+"starting" with the sandbox already present (cancellation mid-create), signalled by `starting`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from daytona import (
+    CreateSandboxFromImageParams,
+    CreateSandboxFromSnapshotParams,
+    DaytonaConflictError,
+    DaytonaError,
+    DaytonaNotFoundError,
+    ExecuteResponse,
+    FileDownloadRequest,
+    FileDownloadResponse,
+    FileUpload,
+    Image,
+    ListSandboxesQuery,
+    SessionExecuteRequest,
+    SessionExecuteResponse,
+)
+from daytona.common.errors import DaytonaProcessExecutionTimeoutError
+from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
+from daytona_toolbox_api_client_async import Command
+
+from agentrl.sandbox.podman import run_cli
+
+FAKE_LABEL = "agentrl-fake-daytona"
+
+
+class PodmanRuntime:
+    """Runs fake Daytona sandboxes as podman containers built from the rendered Dockerfile."""
+
+    def __init__(self, cli: str = "podman", server_tag: str | None = None) -> None:
+        self.cli = cli
+        self.server_tag = server_tag or uuid.uuid4().hex[:12]
+
+    async def _build(self, image: Image) -> str:
+        dockerfile = image.dockerfile()
+        h = hashlib.sha256(dockerfile.encode())
+        for ctx in image._context_list:
+            src = Path(ctx.source_path)
+            files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+            for f in files:
+                h.update(str(ctx.archive_path).encode() + f.name.encode() + f.read_bytes())
+        tag = f"localhost/fake-daytona/image:{h.hexdigest()[:16]}"
+        if (await run_cli(self.cli, "image", "exists", tag, timeout=60))[0] == 0:
+            return tag
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "Dockerfile").write_text(dockerfile)
+            for ctx in image._context_list:
+                src, dest = Path(ctx.source_path), root / (ctx.archive_path or Path(ctx.source_path).name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if src.is_dir():
+                    shutil.copytree(src, dest, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(src, dest)
+            rc, out, err = await run_cli(
+                self.cli, "build", "--pull=never", "--network=none", "-t", tag, str(root), timeout=600
+            )
+        if rc != 0:
+            raise DaytonaError(f"Sandbox failed to start: build failed: {(out + err)[-1000:]}")
+        return tag
+
+    async def start(self, sandbox_id: str, params: CreateSandboxFromImageParams) -> str:
+        image = params.image if isinstance(params.image, Image) else Image.base(params.image)
+        tag = await self._build(image)
+        name = f"fake-daytona-{sandbox_id}"
+        args = ["run", "-d", "--name", name, "--label", f"{FAKE_LABEL}={self.server_tag}"]
+        if params.network_block_all:
+            args += ["--network", "none"]
+        if params.resources is not None and params.resources.memory:
+            args += ["--memory", f"{params.resources.memory}g"]
+        if params.os_user:
+            args += ["--user", params.os_user]
+        for key, value in (params.env_vars or {}).items():
+            args += ["-e", f"{key}={value}"]
+        args += ["--entrypoint", "sleep", tag, "infinity"]
+        rc, _, err = await run_cli(self.cli, *args, timeout=120)
+        if rc != 0:
+            raise DaytonaError(f"Sandbox failed to start: {err[-500:]}")
+        return name
+
+    async def remove(self, container: str) -> None:
+        await run_cli(self.cli, "rm", "-f", "-t", "0", container, timeout=120)
+
+    def exec_args(
+        self, container: str, command: str, cwd: str | None, env: dict[str, str] | None
+    ) -> list[str]:
+        args = [self.cli, "exec"]
+        if cwd:
+            args += ["-w", cwd]
+        for key, value in (env or {}).items():
+            args += ["-e", f"{key}={value}"]
+        return [*args, container, "sh", "-c", command]
+
+
+class FakeDaytonaServer:
+    """The account-side state shared by every `FakeAsyncDaytona` client made from it."""
+
+    def __init__(self, runtime: PodmanRuntime | None = None) -> None:
+        self.runtime = runtime
+        self.sandboxes: dict[str, FakeAsyncSandbox] = {}
+        self.create_params: list[CreateSandboxFromImageParams | CreateSandboxFromSnapshotParams] = []
+        self.create_errors: list[BaseException] = []
+        self.start_errors: list[BaseException] = []
+        self.start_delay_s = 0.0
+        self.starting = asyncio.Event()
+        self.deleted: list[str] = []
+        self.refreshes: dict[str, int] = {}
+        self.clients_closed = 0
+
+    def client(self) -> FakeAsyncDaytona:
+        return FakeAsyncDaytona(self)
+
+    def find(self, id_or_name: str) -> FakeAsyncSandbox:
+        for sb in self.sandboxes.values():
+            if id_or_name in (sb.id, sb.name):
+                return sb
+        raise DaytonaNotFoundError(f"Sandbox with ID or name {id_or_name} not found", status_code=404)
+
+    async def shutdown(self) -> None:
+        for sb in list(self.sandboxes.values()):
+            await sb.delete()
+
+
+class FakeAsyncDaytona:
+    """`AsyncDaytona`'s create / delete / get / list / close against a `FakeDaytonaServer`."""
+
+    def __init__(self, server: FakeDaytonaServer) -> None:
+        self.server = server
+
+    async def create(
+        self,
+        params: CreateSandboxFromSnapshotParams | CreateSandboxFromImageParams | None = None,
+        *,
+        timeout: float = 60,
+        on_snapshot_create_logs: Callable[[str], None] | None = None,
+    ) -> FakeAsyncSandbox:
+        server = self.server
+        if params is None:
+            raise DaytonaError("the fake needs explicit create parameters")
+        server.create_params.append(params)
+        if server.create_errors:
+            raise server.create_errors.pop(0)
+        if params.name and any(sb.name == params.name for sb in server.sandboxes.values()):
+            raise DaytonaConflictError(f"Sandbox with name {params.name} already exists", status_code=409)
+        sandbox = FakeAsyncSandbox(server, params)
+        server.sandboxes[sandbox.id] = sandbox
+        if server.runtime is not None and isinstance(params, CreateSandboxFromImageParams):
+            sandbox.container = await server.runtime.start(sandbox.id, params)
+        server.starting.set()
+        if server.start_delay_s:
+            await asyncio.sleep(server.start_delay_s)
+        if server.start_errors:
+            sandbox.state = "error"
+            raise server.start_errors.pop(0)
+        sandbox.state = "started"
+        return sandbox
+
+    async def delete(self, sandbox: FakeAsyncSandbox, timeout: float = 60, wait: bool = False) -> None:
+        await sandbox.delete(timeout, wait=wait)
+
+    async def get(self, sandbox_id_or_name: str, request_timeout: float | None = None) -> FakeAsyncSandbox:
+        return self.server.find(sandbox_id_or_name)
+
+    async def list(
+        self, query: ListSandboxesQuery | None = None, request_timeout: float | None = None
+    ) -> AsyncIterator[FakeAsyncSandbox]:
+        q = query or ListSandboxesQuery()
+        for sb in list(self.server.sandboxes.values()):
+            if q.labels and any(sb.labels.get(k) != v for k, v in q.labels.items()):
+                continue
+            if q.created_at_before is not None and not sb.created < q.created_at_before:
+                continue
+            yield sb
+
+    async def close(self):
+        self.server.clients_closed += 1
+
+
+class FakeAsyncSandbox:
+    """A sandbox as `AsyncSandbox` presents it: attributes, `process`, `fs`, delete, activity."""
+
+    def __init__(
+        self,
+        server: FakeDaytonaServer,
+        params: CreateSandboxFromImageParams | CreateSandboxFromSnapshotParams,
+    ) -> None:
+        self.server = server
+        self.id = uuid.uuid4().hex
+        self.name = params.name or self.id
+        self.labels = dict(params.labels or {})
+        self.env = dict(params.env_vars or {})
+        self.user = params.os_user or "daytona"
+        self.network_block_all = bool(params.network_block_all)
+        self.domain_allow_list = params.domain_allow_list
+        self.auto_stop_interval = params.auto_stop_interval
+        self.auto_delete_interval = params.auto_delete_interval
+        self.created = datetime.now(UTC)
+        self.created_at = self.created.isoformat()
+        self.state = "creating"
+        self.container: str | None = None
+        self.process = FakeAsyncProcess(self)
+        self.fs = FakeAsyncFileSystem(self)
+
+    def runtime(self) -> tuple[PodmanRuntime, str]:
+        if self.id not in self.server.sandboxes:
+            raise DaytonaNotFoundError(f"Sandbox {self.id} not found", status_code=404)
+        if self.server.runtime is None or self.container is None:
+            raise DaytonaError("this fake Daytona server keeps records only: give it a PodmanRuntime")
+        return self.server.runtime, self.container
+
+    async def delete(self, timeout: float | None = 60, wait: bool = False) -> None:
+        if self.server.sandboxes.pop(self.id, None) is None:
+            raise DaytonaNotFoundError(f"Sandbox {self.id} not found", status_code=404)
+        await self.process.kill_all()
+        if self.container is not None and self.server.runtime is not None:
+            await self.server.runtime.remove(self.container)
+        self.state = "destroyed"
+        self.server.deleted.append(self.id)
+
+    async def refresh_activity(self, request_timeout: float | None = None) -> None:
+        if self.id not in self.server.sandboxes:
+            raise DaytonaNotFoundError(f"Sandbox {self.id} not found", status_code=404)
+        self.server.refreshes[self.id] = self.server.refreshes.get(self.id, 0) + 1
+
+
+class _SessionCommand:
+    def __init__(self, command: str, proc: asyncio.subprocess.Process) -> None:
+        self.id = uuid.uuid4().hex
+        self.command = command
+        self.proc = proc
+        self.stdout = ""
+        self.stderr = ""
+        self.exit_code: int | None = None
+        self.reader: asyncio.Task[None] | None = None
+
+    async def collect(self) -> None:
+        out, err = await self.proc.communicate()
+        self.stdout, self.stderr = out.decode(errors="replace"), err.decode(errors="replace")
+        self.exit_code = self.proc.returncode
+
+
+class FakeAsyncProcess:
+    def __init__(self, sandbox: FakeAsyncSandbox) -> None:
+        self.sandbox = sandbox
+        self.sessions: dict[str, dict[str, _SessionCommand]] = {}
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: int | None = None,
+    ) -> ExecuteResponse:
+        runtime, container = self.sandbox.runtime()
+        proc = await asyncio.create_subprocess_exec(
+            *runtime.exec_args(container, command, cwd, env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout or None)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise DaytonaProcessExecutionTimeoutError("Command execution timeout") from None
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+            raise
+        result = out.decode(errors="replace")
+        return ExecuteResponse(
+            exit_code=proc.returncode or 0, result=result, artifacts=ExecutionArtifacts(stdout=result)
+        )
+
+    async def create_session(self, session_id: str, request_timeout: float | None = None) -> None:
+        self.sandbox.runtime()
+        if session_id in self.sessions:
+            raise DaytonaConflictError(f"session {session_id} already exists", status_code=409)
+        self.sessions[session_id] = {}
+
+    def _session(self, session_id: str) -> dict[str, _SessionCommand]:
+        if session_id not in self.sessions:
+            raise DaytonaNotFoundError(f"session {session_id} not found", status_code=404)
+        return self.sessions[session_id]
+
+    async def execute_session_command(
+        self,
+        session_id: str,
+        req: SessionExecuteRequest,
+        timeout: int | None = None,
+    ) -> SessionExecuteResponse:
+        runtime, container = self.sandbox.runtime()
+        commands = self._session(session_id)
+        proc = await asyncio.create_subprocess_exec(
+            *runtime.exec_args(container, req.command, None, None),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        cmd = _SessionCommand(req.command, proc)
+        commands[cmd.id] = cmd
+        cmd.reader = asyncio.get_running_loop().create_task(cmd.collect())
+        if not req.run_async:
+            await cmd.reader
+            return SessionExecuteResponse(
+                cmd_id=cmd.id,
+                output=cmd.stdout + cmd.stderr,
+                stdout=cmd.stdout,
+                stderr=cmd.stderr,
+                exit_code=cmd.exit_code,
+            )
+        return SessionExecuteResponse(cmd_id=cmd.id)
+
+    async def get_session_command(
+        self, session_id: str, command_id: str, request_timeout: float | None = None
+    ) -> Command:
+        cmd = self._command(session_id, command_id)
+        return Command(id=cmd.id, command=cmd.command, exit_code=cmd.exit_code)
+
+    def _command(self, session_id: str, command_id: str) -> _SessionCommand:
+        self.sandbox.runtime()
+        commands = self._session(session_id)
+        if command_id not in commands:
+            raise DaytonaNotFoundError(f"command {command_id} not found", status_code=404)
+        return commands[command_id]
+
+    async def get_session_command_logs(
+        self, session_id: str, command_id: str, request_timeout: float | None = None
+    ) -> SessionCommandLogsResponse:
+        cmd = self._command(session_id, command_id)
+        return SessionCommandLogsResponse(
+            output=cmd.stdout + cmd.stderr, stdout=cmd.stdout, stderr=cmd.stderr
+        )
+
+    async def delete_session(self, session_id: str, request_timeout: float | None = None) -> None:
+        for cmd in self._session(session_id).values():
+            await self._stop(cmd)
+        del self.sessions[session_id]
+
+    @staticmethod
+    async def _stop(cmd: _SessionCommand) -> None:
+        if cmd.proc.returncode is None:
+            cmd.proc.kill()
+        if cmd.reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await cmd.reader
+
+    async def kill_all(self) -> None:
+        for commands in self.sessions.values():
+            for cmd in commands.values():
+                await self._stop(cmd)
+        self.sessions.clear()
+
+
+class FakeAsyncFileSystem:
+    def __init__(self, sandbox: FakeAsyncSandbox) -> None:
+        self.sandbox = sandbox
+
+    async def upload_files(self, files: list[FileUpload], timeout: int = 30 * 60) -> None:
+        runtime, container = self.sandbox.runtime()
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, f in enumerate(files):
+                source = f.source
+                if isinstance(source, bytes | bytearray):
+                    path = Path(tmp) / f"upload-{i}"
+                    path.write_bytes(source)
+                    source = str(path)
+                rc, _, err = await run_cli(
+                    runtime.cli, "cp", source, f"{container}:{f.destination}", timeout=120
+                )
+                if rc != 0:
+                    raise DaytonaError(f"400: cannot write {f.destination}: {err.strip()}", status_code=400)
+
+    async def download_files(
+        self, files: list[FileDownloadRequest], timeout: int = 30 * 60
+    ) -> list[FileDownloadResponse]:
+        runtime, container = self.sandbox.runtime()
+        responses = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, f in enumerate(files):
+                local = Path(tmp) / f"download-{i}"
+                rc, _, err = await run_cli(
+                    runtime.cli, "cp", f"{container}:{f.source}", str(local), timeout=120
+                )
+                if rc != 0 or not local.is_file():
+                    responses.append(FileDownloadResponse(source=f.source, error=f"not found: {err.strip()}"))
+                    continue
+                data = local.read_bytes()
+                if f.destination:
+                    Path(f.destination).write_bytes(data)
+                    responses.append(FileDownloadResponse(source=f.source, result=f.destination))
+                else:
+                    responses.append(FileDownloadResponse(source=f.source, result=data))
+        return responses
