@@ -59,6 +59,13 @@ class EngineAborted(EngineError):
     cause = "engine_abort"
 
 
+class EngineBadRequest(EngineError):
+    """The request itself is invalid (empty or too long input, bad sampling parameters, unknown
+    weight names): retrying it unchanged will fail again. SGLang answers these with HTTP 400."""
+
+    cause = "engine_bad_request"
+
+
 class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate(

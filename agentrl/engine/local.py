@@ -1,0 +1,342 @@
+"""`LocalEngine`: a transformers causal LM in this process, sampling with a KV cache.
+
+Log-prob semantics follow SGLang 0.5.16 (`layers/sampler.py`): the returned log-prob of a sampled
+token is taken from `log_softmax(logits / T)`, *before* top-k / top-p truncation; greedy requests
+(T < 1e-6) take the argmax and report `log_softmax(logits)` (T = 1). `logprob_mode="original"` is
+SGLang's `SGLANG_RETURN_ORIGINAL_LOGPROB=1`: plain `log_softmax(logits)` whatever the temperature.
+At T = 1 both equal what a trainer recomputes with `log_softmax` of the raw logits.
+
+Generation runs on one dedicated worker thread, so concurrent episodes queue in arrival order and
+never touch the model at the same time; weight loads queue on the same thread, so an update waits
+for the requests ahead of it to finish, as SGLang's writer lock makes it. Cancelling the awaiting
+coroutine aborts its request at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import itertools
+import threading
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.engine.base import Engine, EngineBadRequest, EngineError, Generation, SamplingParams
+
+_GREEDY_T = 1e-6
+_GATE_POLL_S = 0.05
+
+
+@dataclass
+class _Request:
+    rid: str
+    abort: threading.Event = field(default_factory=threading.Event)
+    submitted: bool = False  # past the pause gate: handed to the worker thread
+
+
+class LocalEngine(Engine):
+    """In-process engine over a transformers causal LM (see the module docstring for semantics).
+
+    `tokenizer_or_eos_ids` is a tokenizer (its eos id, and stop strings become usable) or an
+    iterable of eos token ids. The model's `generation_config.eos_token_id` is added either way.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer_or_eos_ids: Any,
+        device: str = "cpu",
+        *,
+        weight_version: int = 0,
+        logprob_mode: str = "processed",
+        context_length: int | None = None,
+    ) -> None:
+        if logprob_mode not in ("processed", "original"):
+            raise ValueError(f"logprob_mode={logprob_mode!r}: use 'processed' (SGLang default) or 'original'")
+        self.model = model.to(device).eval()
+        self.device = device
+        self.logprob_mode = logprob_mode
+        self.weight_version = weight_version
+        self.tokenizer: Any = None
+        eos: set[int] = set()
+        if isinstance(tokenizer_or_eos_ids, Iterable) and not hasattr(tokenizer_or_eos_ids, "encode"):
+            eos.update(int(i) for i in tokenizer_or_eos_ids)
+        else:
+            self.tokenizer = tokenizer_or_eos_ids
+            eos.update(_as_ids(getattr(self.tokenizer, "eos_token_id", None)))
+        gen_config = getattr(model, "generation_config", None)
+        eos.update(_as_ids(getattr(gen_config, "eos_token_id", None)))
+        self.eos_ids = frozenset(eos)
+        self.context_length = context_length or int(
+            getattr(model.config, "max_position_embeddings", 0) or 1 << 30
+        )
+        self.vocab_size = int(model.config.vocab_size)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-engine")
+        self._requests: dict[str, _Request] = {}
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._gate = threading.Event()  # clear while paused "in_place": running requests wait
+        self._gate.set()
+        self._closed = False
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+    ) -> Generation:
+        """Sample a continuation of `input_ids`. Returns finish_reason "stop", "length" or
+        "abort" (with the tokens produced before the abort). Waits while the engine is paused."""
+        self._check(input_ids, sampling)
+        if self._closed:
+            raise EngineError("the local engine is closed", cause="engine_closed")
+        rid = rid or uuid.uuid4().hex
+        if rid in self._requests:
+            raise EngineBadRequest(f"Duplicate request ID detected: {rid}")
+        request = _Request(rid)
+        self._requests[rid] = request
+        try:
+            await self._resumed.wait()
+            request.submitted = True
+            fn = functools.partial(self._generate_sync, list(input_ids), sampling, request)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        finally:
+            # On cancellation the worker thread notices the flag at its next token and stops.
+            request.abort.set()
+            self._requests.pop(rid, None)
+
+    def _check(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        if not input_ids:
+            raise EngineBadRequest("input_ids cannot be empty.")
+        if any(not 0 <= int(i) < self.vocab_size for i in input_ids):
+            raise EngineBadRequest(f"input_ids must be token ids in [0, {self.vocab_size})")
+        if len(input_ids) >= self.context_length:
+            raise EngineBadRequest(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        if sampling.temperature < 0 or sampling.temperature != sampling.temperature:
+            raise EngineBadRequest(f"temperature must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise EngineBadRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_k == 0 or sampling.top_k < -1:
+            raise EngineBadRequest(f"top_k must be -1 (whole vocabulary) or >= 1, got {sampling.top_k}")
+        if sampling.max_new_tokens < 0:
+            raise EngineBadRequest(f"max_new_tokens must be >= 0, got {sampling.max_new_tokens}")
+        if sampling.stop and self.tokenizer is None:
+            raise EngineBadRequest("stop strings need a tokenizer: build LocalEngine with one")
+
+    def _generate_sync(self, input_ids: list[int], sampling: SamplingParams, request: _Request) -> Generation:
+        import torch
+
+        version = self.weight_version
+        if request.abort.is_set():
+            return Generation(
+                [], [], "abort", version, meta={"message": "Abort in waiting queue", "id": request.rid}
+            )
+        # As SGLang's scheduler: never run past the context (minus the 2 positions it reserves).
+        budget = max(0, min(sampling.max_new_tokens, self.context_length - len(input_ids) - 2))
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        stop_ids = self.eos_ids | set(sampling.stop_token_ids)
+        out_ids: list[int] = []
+        logps: list[float] = []
+        finish, matched = "length", None
+        with torch.no_grad():
+            if budget > 0:
+                out = self.model(torch.tensor([input_ids], device=self.device), use_cache=True)
+                cache = out.cache if "cache" in out else out.past_key_values
+            for step in range(budget):
+                if self._stopped(request):
+                    finish = "abort"
+                    break
+                logits = out.logits[0, -1].float()
+                token, logp = self._sample(logits, sampling, gen)
+                out_ids.append(token)
+                logps.append(logp)
+                if token in stop_ids:
+                    finish, matched = "stop", token
+                    break
+                if sampling.stop and (hit := self._stop_string(out_ids, sampling.stop)):
+                    finish, matched = "stop", hit
+                    break
+                if step + 1 < budget:
+                    out = self.model(torch.tensor([[token]], device=self.device), cache=cache, use_cache=True)
+                    cache = out.cache if "cache" in out else out.past_key_values
+        meta: dict[str, Any] = {"id": request.rid, "prompt_tokens": len(input_ids)}
+        if finish == "stop":
+            meta["matched"] = matched
+        elif finish == "length":
+            meta["length"] = budget
+        return Generation(out_ids, logps, finish, version, meta=meta)
+
+    def _stopped(self, request: _Request) -> bool:
+        while not self._gate.wait(_GATE_POLL_S):
+            if request.abort.is_set():
+                return True
+        return request.abort.is_set()
+
+    def _stop_string(self, out_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        text = self.tokenizer.decode(out_ids[-32:], skip_special_tokens=False)
+        return next((s for s in stops if s in text), None)
+
+    def _sample(self, logits: Any, sampling: SamplingParams, gen: Any) -> tuple[int, float]:
+        import torch
+
+        if sampling.temperature < _GREEDY_T:
+            logp = torch.log_softmax(logits, -1)
+            token = int(torch.argmax(logits))
+            return token, float(logp[token])
+        logp = torch.log_softmax(logits / sampling.temperature, -1)
+        probs = logp.exp()
+        if 0 < sampling.top_k < probs.numel():
+            kth = torch.topk(probs, sampling.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if sampling.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, 0)
+            drop = (cum - sorted_p) > sampling.top_p * cum[-1]
+            sorted_p = torch.where(drop, torch.zeros_like(sorted_p), sorted_p)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        token = int(torch.multinomial(probs, 1, generator=gen))
+        if self.logprob_mode == "original":
+            return token, float(torch.log_softmax(logits, -1)[token])
+        return token, float(logp[token])
+
+    # --- control plane -------------------------------------------------------------------------
+
+    def abort(self, rid: str = "", *, abort_all: bool = False, submitted_only: bool = False) -> int:
+        """Abort requests whose id starts with `rid` (SGLang matches by prefix), or all of them.
+        Returns how many were flagged; unknown ids are ignored."""
+        hit = 0
+        for request in list(self._requests.values()):
+            if submitted_only and not request.submitted:
+                continue
+            if abort_all or (rid and request.rid.startswith(rid)):
+                request.abort.set()
+                hit += 1
+        return hit
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def pause(self, *, mode: str = "in_place", timeout: float = 60.0) -> None:
+        """Stop admitting requests. "in_place" / "retract": running requests wait between tokens
+        until `resume` (this engine keeps their KV cache in both modes). "abort": running and
+        queued requests finish now with finish_reason "abort"; returns once none is in flight."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise EngineBadRequest(f"pause mode {mode!r}: use 'abort', 'retract' or 'in_place'")
+        self._resumed.clear()
+        if mode != "abort":
+            self._gate.clear()
+            return
+        # Requests that arrive now wait at the gate (as on SGLang); only submitted ones end.
+        async with asyncio.timeout(timeout):
+            while any(r.submitted for r in self._requests.values()):
+                self.abort(abort_all=True, submitted_only=True)
+                await asyncio.sleep(0.01)
+
+    async def resume(self) -> None:
+        self._gate.set()
+        self._resumed.set()
+
+    async def flush_cache(self) -> None:
+        """Nothing to flush: this engine keeps no prefix cache across requests, only each
+        request's own KV cache, which is dropped when the request ends."""
+
+    async def load_state_dict(self, state_dict: Mapping[str, Any], weight_version: int | None = None) -> int:
+        """Copy weights in (names as in `model.state_dict()`; a subset is fine) and bump the weight
+        version (to `weight_version` when given). Queues behind the requests already submitted.
+        Returns the new version."""
+        fn = functools.partial(self._load_sync, dict(state_dict), weight_version)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _load_sync(self, state_dict: dict[str, Any], weight_version: int | None) -> int:
+        import torch
+
+        own = self.model.state_dict()
+        unknown = sorted(set(state_dict) - set(own))
+        if unknown:
+            raise EngineBadRequest(
+                f"unknown parameter names {unknown[:5]}: names must match model.state_dict()"
+            )
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise EngineBadRequest(
+                    f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(own[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        return self.weight_version
+
+    async def load_from_disk(self, model_path: str | Path, weight_version: int | None = None) -> int:
+        """Load weights from a directory of safetensors: either files whose names match
+        `model.state_dict()`, or a `save_pretrained` checkpoint (converted through transformers)."""
+        state = await asyncio.to_thread(_read_weights, Path(model_path), self.model)
+        return await self.load_state_dict(state, weight_version)
+
+    async def update_weights(
+        self,
+        *,
+        state_dict: Mapping[str, Any] | None = None,
+        model_path: str | Path | None = None,
+        weight_version: int | None = None,
+        **_: Any,
+    ) -> None:
+        if (state_dict is None) == (model_path is None):
+            raise EngineBadRequest("update_weights needs exactly one of state_dict= or model_path=")
+        if state_dict is not None:
+            await self.load_state_dict(state_dict, weight_version)
+        else:
+            await self.load_from_disk(model_path, weight_version)  # type: ignore[arg-type]
+
+    async def health(self) -> bool:
+        return not self._closed
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self.abort(abort_all=True)
+        self._gate.set()
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _read_weights(path: Path, model: Any) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    if not path.is_dir():
+        raise EngineBadRequest(f"model_path {path} is not a directory of safetensors files")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise EngineBadRequest(f"no *.safetensors files in {path}")
+    state = dict(itertools.chain.from_iterable(load_file(str(f)).items() for f in files))
+    if set(state) <= set(model.state_dict()):
+        return state
+    # A save_pretrained checkpoint stores some weights in the hub layout (e.g. one tensor per MoE
+    # expert); transformers converts them to the runtime layout on load.
+    try:
+        fresh = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype)
+    except Exception as e:  # any loader failure means the directory is not a usable checkpoint
+        raise EngineBadRequest(f"cannot load weights from {path}: {e}") from e
+    return fresh.state_dict()

@@ -1,0 +1,248 @@
+"""LocalEngine: exact log-probs, sampling controls, stops, pause/abort, weight loads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from agentrl.engine.base import EngineBadRequest, SamplingParams  # noqa: E402
+from agentrl.engine.local import LocalEngine  # noqa: E402
+from agentrl.models.tiny import load_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tiny()
+
+
+@pytest.fixture
+async def engine(tiny):
+    model, tok = tiny
+    eng = LocalEngine(model, tok)
+    yield eng
+    await eng.aclose()
+
+
+def _prompt(tok) -> list[int]:
+    msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "List /app."}]
+    return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def recompute(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    """What a trainer does: one plain forward over prompt + output, log_softmax of the logits."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return logp[pos, torch.tensor(output)].tolist()
+
+
+async def test_logprobs_equal_a_full_forward_recomputation(engine, tiny) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok)
+    gen = await engine.generate(prompt, SamplingParams(max_new_tokens=24, seed=1))
+    assert len(gen.output_ids) == len(gen.logprobs) > 0
+    ref = recompute(model, prompt, gen.output_ids)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) <= 1e-4
+
+
+async def test_logprobs_are_of_the_tempered_distribution_before_truncation(engine, tiny) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=12, seed=3)
+    gen = await engine.generate(prompt, sp)
+    ref = recompute(model, prompt, gen.output_ids, temperature=0.7)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) <= 1e-4
+    engine.logprob_mode = "original"
+    again = await engine.generate(prompt, sp)
+    assert again.output_ids == gen.output_ids
+    raw = recompute(model, prompt, gen.output_ids)
+    assert max(abs(a - b) for a, b in zip(again.logprobs, raw, strict=True)) <= 1e-4
+
+
+async def test_seed_makes_sampling_reproducible(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    a = await engine.generate(prompt, SamplingParams(max_new_tokens=16, seed=7))
+    b = await engine.generate(prompt, SamplingParams(max_new_tokens=16, seed=7))
+    c = await engine.generate(prompt, SamplingParams(max_new_tokens=16, seed=8))
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+    assert c.output_ids != a.output_ids
+
+
+async def test_greedy_is_argmax_and_top_k_1_matches_it(engine, tiny) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok)
+    greedy = await engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8))
+    with torch.no_grad():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    assert greedy.output_ids[0] == first
+    topk1 = await engine.generate(prompt, SamplingParams(top_k=1, max_new_tokens=8, seed=5))
+    assert topk1.output_ids == greedy.output_ids
+
+
+async def test_top_p_restricts_samples_to_the_nucleus(engine, tiny) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+    sorted_p, order = torch.sort(probs, descending=True)
+    nucleus = set(order[: int((torch.cumsum(sorted_p, 0) < 0.05).sum()) + 1].tolist())
+    firsts = set()
+    for seed in range(12):
+        gen = await engine.generate(prompt, SamplingParams(top_p=0.05, max_new_tokens=1, seed=seed))
+        firsts.add(gen.output_ids[0])
+    assert firsts <= nucleus
+
+
+async def test_stops_on_stop_token_and_reports_length(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    free = await engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=2))
+    assert free.finish_reason == "length" and len(free.output_ids) == 10
+    assert free.meta["length"] == 10
+    stop_at = free.output_ids[3]
+    first = free.output_ids.index(stop_at)
+    stopped = await engine.generate(
+        prompt, SamplingParams(max_new_tokens=10, seed=2, stop_token_ids=(stop_at,))
+    )
+    assert stopped.finish_reason == "stop" and stopped.output_ids == free.output_ids[: first + 1]
+    assert stopped.meta["matched"] == stop_at
+
+
+async def test_stop_string_ends_generation(engine, tiny) -> None:
+    tok = tiny[1]
+    prompt = _prompt(tok)
+    free = await engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=2))
+    piece = tok.decode(free.output_ids[4:6])
+    stopped = await engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=2, stop=(piece,)))
+    assert stopped.finish_reason == "stop" and stopped.meta["matched"] == piece
+    assert len(stopped.output_ids) <= 6
+
+
+async def test_max_new_tokens_zero_and_bad_requests(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    zero = await engine.generate(prompt, SamplingParams(max_new_tokens=0))
+    assert zero.output_ids == [] and zero.finish_reason == "length"
+    for bad in (
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_k=0),
+        SamplingParams(temperature=-1.0),
+    ):
+        with pytest.raises(EngineBadRequest):
+            await engine.generate(prompt, bad)
+    with pytest.raises(EngineBadRequest, match="empty"):
+        await engine.generate([], SamplingParams())
+    with pytest.raises(EngineBadRequest, match="context length"):
+        await engine.generate([5] * 5000, SamplingParams())
+
+
+async def test_abort_returns_partial_tokens_with_their_logprobs(engine, tiny) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok)
+    task = asyncio.create_task(
+        engine.generate(prompt, SamplingParams(max_new_tokens=2000, seed=1), rid="abc-1")
+    )
+    await until(lambda: "abc-1" in engine._requests and engine._requests["abc-1"].submitted)
+    await asyncio.sleep(0.2)
+    assert engine.abort("abc") == 1
+    gen = await asyncio.wait_for(task, 10)
+    assert gen.finish_reason == "abort" and 0 < len(gen.output_ids) < 2000
+    ref = recompute(model, prompt, gen.output_ids)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) <= 1e-4
+
+
+async def test_pause_in_place_holds_requests_until_resume(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    await engine.pause(mode="in_place")
+    task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=4, seed=1)))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    await engine.resume()
+    gen = await asyncio.wait_for(task, 10)
+    assert gen.finish_reason == "length" and len(gen.output_ids) == 4
+
+
+async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    running = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=2000)))
+    await until(lambda: any(r.submitted for r in engine._requests.values()))
+    await asyncio.wait_for(engine.pause(mode="abort"), 10)
+    assert running.done() and running.result().finish_reason == "abort"
+    late = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=2)))
+    await asyncio.sleep(0.2)
+    assert not late.done()
+    await engine.resume()
+    assert (await asyncio.wait_for(late, 10)).finish_reason == "length"
+
+
+async def test_cancelling_the_caller_stops_the_worker(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=2000)))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    quick = await asyncio.wait_for(engine.generate(prompt, SamplingParams(max_new_tokens=2)), 5)
+    assert len(quick.output_ids) == 2
+
+
+async def test_concurrent_requests_queue_and_match_sequential_results(engine, tiny) -> None:
+    prompt = _prompt(tiny[1])
+    params = [SamplingParams(max_new_tokens=6, seed=s) for s in range(4)]
+    together = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+    alone = [await engine.generate(prompt, p) for p in params]
+    assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+
+
+async def test_load_state_dict_bumps_version_and_changes_logprobs(tiny) -> None:
+    model, tok = tiny
+    import copy
+
+    eng = LocalEngine(copy.deepcopy(model), tok)
+    try:
+        prompt = _prompt(tok)
+        before = await eng.generate(prompt, SamplingParams(max_new_tokens=6, seed=1))
+        assert before.weight_version == 0
+        new = {"lm_head.weight": model.lm_head.weight * 3.0}
+        assert await eng.load_state_dict(new) == 1
+        after = await eng.generate(prompt, SamplingParams(max_new_tokens=6, seed=1))
+        assert after.weight_version == 1 and after.logprobs != before.logprobs
+        await eng.load_state_dict(dict(model.state_dict()), weight_version=7)
+        back = await eng.generate(prompt, SamplingParams(max_new_tokens=6, seed=1))
+        assert back.weight_version == 7 and back.logprobs == before.logprobs
+        with pytest.raises(EngineBadRequest, match="unknown parameter"):
+            await eng.load_state_dict({"nope": torch.zeros(1)})
+        with pytest.raises(EngineBadRequest, match="shape"):
+            await eng.load_state_dict({"lm_head.weight": torch.zeros(2, 2)})
+    finally:
+        await eng.aclose()
+
+
+async def test_load_from_a_save_pretrained_directory(tiny, tmp_path) -> None:
+    model, tok = tiny
+    import copy
+
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.5)
+    changed.save_pretrained(tmp_path)
+    eng = LocalEngine(copy.deepcopy(model), tok)
+    try:
+        assert await eng.load_from_disk(tmp_path, weight_version=3) == 3
+        for (name, a), (_, b) in zip(
+            eng.model.state_dict().items(), changed.state_dict().items(), strict=True
+        ):
+            assert torch.equal(a, b), name
+    finally:
+        await eng.aclose()
