@@ -157,9 +157,8 @@ async def test_image_is_reused_and_built_once_under_concurrency(tmp_path: Path) 
         tags = await asyncio.gather(*(provider.image_for(task) for _ in range(3)))
         assert len(set(tags)) == 1 and builds == 1
         assert tags[0].endswith(":" + context_hash(path / "environment"))
-        start = time.monotonic()
         assert await provider.image_for(task) == tags[0]
-        assert time.monotonic() - start < 5 and builds == 1
+        assert builds == 1
     finally:
         await run_cli(CLI, "rmi", "-f", tags[0])
 
@@ -198,8 +197,10 @@ async def test_docker_image_is_used_directly(tmp_path: Path) -> None:
 
 async def test_unavailable_docker_image_falls_back_to_the_dockerfile(tmp_path: Path) -> None:
     path = copy_task(tmp_path)
-    toml = (path / "task.toml").read_text().replace(
-        "[environment]\n", '[environment]\ndocker_image = "localhost/agentrl-no-such-image:none"\n'
+    toml = (
+        (path / "task.toml")
+        .read_text()
+        .replace("[environment]\n", '[environment]\ndocker_image = "localhost/agentrl-no-such-image:none"\n')
     )
     (path / "task.toml").write_text(toml)
     async with await PodmanProvider(cli=CLI).create(load_task(path), run_id="fallback-build") as sb:
@@ -213,10 +214,8 @@ async def test_warm_pool_hands_out_a_started_container(task) -> None:
         provider.prefetch(task, run_id=run_id)
         assert await provider.wait_warm(task) == 1
         pooled = provider._pool[task.task_id][0]
-        start = time.monotonic()
         sb = await provider.create(task, run_id=run_id)
-        acquire = time.monotonic() - start
-        assert sb is pooled and acquire < 1.0
+        assert sb is pooled
         assert (await sb.exec("echo warm")).stdout == "warm\n"
         await sb.close()
     finally:
