@@ -326,3 +326,31 @@ async def test_a_rejected_http_update_resumes_the_server(policy, http_engine, tm
     with pytest.raises(WeightSyncError, match="HTTP 400"):
         await DiskSync([client], tmp_path).sync(wrong, version=9)
     assert not engine.paused and await client.weight_version() == "0"
+
+
+# ---------- the real in-process engine ----------
+
+
+async def test_after_in_process_sync_local_engine_samples_with_the_trainers_logprobs(policy):  # noqa: F811
+    from agentrl.engine.base import SamplingParams
+    from agentrl.engine.local import LocalEngine
+
+    trainer = _trained(policy)
+    engine = LocalEngine(_perturbed(policy), [0])
+    try:
+        prompt = make_samples(policy, seed=23)[0].tokens[:6]
+        before = await engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1))
+        await InProcessSync([engine]).sync(trainer.model, version=3)
+        assert not engine.paused
+        gen = await engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1))
+        assert gen.weight_version == 3 and before.weight_version == 0
+        ids = torch.tensor([prompt + gen.output_ids])
+        with torch.no_grad():
+            mine = model_logprobs(trainer.model, ids, chunk_size=5)[0][:, len(prompt) :]
+        theirs = torch.tensor([gen.logprobs])
+        mask = torch.ones_like(mine)
+        kl = mismatch_kl(mine, theirs, mask)["mismatch_kl"].item()
+        assert kl < 1e-9, kl
+        assert (mine - theirs).abs().max().item() < 1e-4
+    finally:
+        await engine.aclose()
