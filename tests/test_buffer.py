@@ -15,9 +15,17 @@ from agentrl.tasks.dataset import write_jsonl
 def _group(uid: str, n: int = 2, version: int = 0, reward: float = 1.0) -> Group:
     g = Group(uid, uid, {}, n)
     for i in range(n):
-        g.samples[i] = Sample(prompt_id=uid, tokens=[1, 2], prompt_length=1, loss_mask=[1], rollout_logprobs=[-1.0],
-                              reward=reward, sample_index=i, weight_versions=[version],
-                              metadata={"start_version": version})
+        g.samples[i] = Sample(
+            prompt_id=uid,
+            tokens=[1, 2],
+            prompt_length=1,
+            loss_mask=[1],
+            rollout_logprobs=[-1.0],
+            reward=reward,
+            sample_index=i,
+            weight_versions=[version],
+            metadata={"start_version": version},
+        )
     return g
 
 

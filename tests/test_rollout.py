@@ -27,33 +27,64 @@ from agentrl.rollout import (
 from agentrl.rollout.sim import SimEngine, SimFaults, SimSandboxProvider, SimulatedRunner, SimWorkload
 from agentrl.sample import Sample, Status
 
-FAST = SimWorkload(engine_per_token_s=0.00005, sandbox_create_s=0.001, sandbox_exec_s=0.001, verifier_s=0.001,
-                   median_turns=3, max_turns=12, engine_retry_backoff_s=0.002)
+FAST = SimWorkload(
+    engine_per_token_s=0.00005,
+    sandbox_create_s=0.001,
+    sandbox_exec_s=0.001,
+    verifier_s=0.001,
+    median_turns=3,
+    max_turns=12,
+    engine_retry_backoff_s=0.002,
+)
 
 
 def rows(n: int, p_pass: float = 0.5) -> list[dict[str, Any]]:
     return [{"prompt": f"task {i}", "metadata": {"task_id": f"t{i}", "p_pass": p_pass}} for i in range(n)]
 
 
-def build(faults: SimFaults | None = None, workload: SimWorkload = FAST, data: list | None = None,
-          seed: int = 0, **cfg: Any) -> tuple[RolloutManager, SimEngine, SimSandboxProvider, SimulatedRunner]:
+def build(
+    faults: SimFaults | None = None,
+    workload: SimWorkload = FAST,
+    data: list | None = None,
+    seed: int = 0,
+    **cfg: Any,
+) -> tuple[RolloutManager, SimEngine, SimSandboxProvider, SimulatedRunner]:
     faults = faults or SimFaults()
     engine = SimEngine(workload, faults, seed=seed)
     provider = SimSandboxProvider(workload, faults, seed=seed)
     runner = SimulatedRunner(engine, provider, workload, faults, seed=seed)
-    config = RolloutConfig(**{"batch_size": 8, "n_samples_per_prompt": 4, "max_in_flight": 16,
-                              "retry_backoff_s": 0.001, "episode_timeout_s": 5.0, **cfg})
-    return RolloutManager(runner, engine, data if data is not None else rows(20), config, seed=seed), engine, provider, runner
+    config = RolloutConfig(
+        **{
+            "batch_size": 8,
+            "n_samples_per_prompt": 4,
+            "max_in_flight": 16,
+            "retry_backoff_s": 0.001,
+            "episode_timeout_s": 5.0,
+            **cfg,
+        }
+    )
+    return (
+        RolloutManager(runner, engine, data if data is not None else rows(20), config, seed=seed),
+        engine,
+        provider,
+        runner,
+    )
 
 
 def bump(engine: SimEngine):
     async def sync() -> None:
         await engine.set_weights(engine.weight_version + 1)
+
     return sync
 
 
-async def train(mgr: RolloutManager, engine: SimEngine, steps: int, mode: str = "in_place",
-                tracker: MetricsTracker | None = None) -> list[list]:
+async def train(
+    mgr: RolloutManager,
+    engine: SimEngine,
+    steps: int,
+    mode: str = "in_place",
+    tracker: MetricsTracker | None = None,
+) -> list[list]:
     batches = []
     for step in range(steps):
         groups = await mgr.get_batch(timeout=20)
@@ -87,7 +118,9 @@ async def test_no_trained_sample_is_more_than_max_staleness_versions_behind(max_
         batches = await train(mgr, engine, steps=8)
     lags = Counter(s.metadata["consumed_version"] - s.metadata["start_version"] for s in samples_of(batches))
     assert max(lags) <= max_staleness and sum(lags.values()) == 64
-    assert all(min(s.weight_versions) >= s.metadata["consumed_version"] - max_staleness for s in samples_of(batches))
+    assert all(
+        min(s.weight_versions) >= s.metadata["consumed_version"] - max_staleness for s in samples_of(batches)
+    )
     assert all(limit is not None and out <= limit for out, limit in seen)
     if max_staleness:
         assert max(lags) >= 1, "an async run that never overlaps generation with training proves nothing"
@@ -120,10 +153,17 @@ async def test_a_finished_sample_frees_its_slot_at_once() -> None:
 
 
 async def test_fault_injection_run_completes_with_every_failure_counted_and_nothing_leaked() -> None:
-    faults = SimFaults(create_failure=0.10, transport_error=0.05, engine_burst_rate=0.01, engine_burst_s=0.02,
-                       verifier_timeout=0.02, policy_failure=0.05)
-    mgr, engine, provider, runner = build(faults, data=rows(40), max_in_flight=32, max_staleness=1,
-                                          max_attempts=6, batch_size=16)
+    faults = SimFaults(
+        create_failure=0.10,
+        transport_error=0.05,
+        engine_burst_rate=0.01,
+        engine_burst_s=0.02,
+        verifier_timeout=0.02,
+        policy_failure=0.05,
+    )
+    mgr, engine, provider, runner = build(
+        faults, data=rows(40), max_in_flight=32, max_staleness=1, max_attempts=6, batch_size=16
+    )
     tracker = MetricsTracker(mgr)
     steps = 12
     async with mgr:
@@ -132,7 +172,9 @@ async def test_fault_injection_run_completes_with_every_failure_counted_and_noth
     assert len(batches) == steps and all(sum(g.n for g in b) == 16 for b in batches)
     # every failure the runner raised is counted, by cause; the run saw each kind of fault
     assert dict(mgr.counters.failures) == runner.raised
-    assert {"sandbox_create", "sandbox_transport", "engine_unavailable", "verifier_timeout"} <= set(runner.raised)
+    assert {"sandbox_create", "sandbox_transport", "engine_unavailable", "verifier_timeout"} <= set(
+        runner.raised
+    )
     assert engine.rejected_503 > 0
     # no infrastructure failure became a reward; policy failures are outcomes with their reward
     trained = samples_of(batches)
@@ -189,8 +231,9 @@ async def test_dynamic_filter_drops_groups_whose_rewards_are_all_equal() -> None
 
 
 async def test_hung_episode_hits_the_wall_clock_cap_is_retried_and_closes_its_sandbox() -> None:
-    mgr, _engine, provider, _runner = build(SimFaults(hang=0.2), episode_timeout_s=0.3, max_attempts=10,
-                                          max_staleness=None)
+    mgr, _engine, provider, _runner = build(
+        SimFaults(hang=0.2), episode_timeout_s=0.3, max_attempts=10, max_staleness=None
+    )
     groups = []
     async with mgr:
         while mgr.counters.episode_timeouts < 3:
@@ -250,8 +293,14 @@ def test_ctrl_c_closes_every_sandbox() -> None:
 
 @pytest.mark.parametrize("mode", ["in_place", "abort"])
 async def test_weight_update_modes_keep_per_turn_versions(mode: str) -> None:
-    slower = SimWorkload(engine_per_token_s=0.0005, sandbox_create_s=0.001, sandbox_exec_s=0.001,
-                         verifier_s=0.001, median_turns=4, max_turns=20)
+    slower = SimWorkload(
+        engine_per_token_s=0.0005,
+        sandbox_create_s=0.001,
+        sandbox_exec_s=0.001,
+        verifier_s=0.001,
+        median_turns=4,
+        max_turns=20,
+    )
     mgr, engine, _provider, _runner = build(workload=slower, max_staleness=2, max_in_flight=24)
     async with mgr:
         batches = await train(mgr, engine, steps=6, mode=mode)
@@ -355,9 +404,15 @@ async def test_step_metrics_go_to_jsonl_and_a_table(tmp_path) -> None:
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert sum(x["samples"] for x in lines) == 24
-    assert sum(sum(x["failures_by_cause"].values()) for x in lines) == mgr.counters.failures["sandbox_create"] > 0
-    assert all(x["engine_s"] > 0 and x["sandbox_s"] > 0 and x["verifier_s"] > 0 and x["tokens_per_s"] > 0
-               for x in lines)
+    assert (
+        sum(sum(x["failures_by_cause"].values()) for x in lines)
+        == mgr.counters.failures["sandbox_create"]
+        > 0
+    )
+    assert all(
+        x["engine_s"] > 0 and x["sandbox_s"] > 0 and x["verifier_s"] > 0 and x["tokens_per_s"] > 0
+        for x in lines
+    )
     assert sum(sum(x["staleness_hist"].values()) for x in lines) == 24
     console = Console(record=True, width=120)
     console.print(render(tracker.history[-1]))

@@ -81,9 +81,15 @@ class Buffer:
     manager re-queues its prompt) and is counted in `stale_groups`.
     """
 
-    def __init__(self, *, on_consumed: Callable[[str], None] | None = None,
-                 on_stale: Callable[[Group], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        on_consumed: Callable[[str], None] | None = None,
+        on_stale: Callable[[Group], None] | None = None,
+    ) -> None:
         self._groups: list[Group] = []
+        self._samples = 0
+        self._versions: dict[str, int | None] = {}  # oldest version per buffered group, fixed once done
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
         self._finished = False
@@ -95,8 +101,12 @@ class Buffer:
 
     def put(self, group: Group) -> None:
         if not group.done:
-            raise BufferError(f"group {group.uid} has {group.filled}/{group.n} samples: only finished groups go in")
+            raise BufferError(
+                f"group {group.uid} has {group.filled}/{group.n} samples: only finished groups go in"
+            )
         self._groups.append(group)
+        self._samples += group.n
+        self._versions[group.uid] = group.oldest_version()
         self._changed.set()
 
     def fail(self, error: BaseException) -> None:
@@ -119,7 +129,12 @@ class Buffer:
 
     @property
     def n_samples(self) -> int:
-        return sum(g.n for g in self._groups)
+        return self._samples
+
+    def _remove(self, group: Group) -> None:
+        self._groups.remove(group)
+        self._samples -= group.n
+        del self._versions[group.uid]
 
     def record_consumed(self, uid: str) -> None:
         self.consumed.append(uid)
@@ -129,19 +144,22 @@ class Buffer:
     def _evict_stale(self, current_version: int | None, max_staleness: int | None) -> None:
         if current_version is None or max_staleness is None:
             return
-        keep: list[Group] = []
-        for g in self._groups:
-            oldest = g.oldest_version()
+        for g in list(self._groups):
+            oldest = self._versions[g.uid]
             if oldest is not None and current_version - oldest > max_staleness:
+                self._remove(g)
                 self.stale_groups += 1
                 if self._on_stale is not None:
                     self._on_stale(g)
-            else:
-                keep.append(g)
-        self._groups = keep
 
-    async def get_batch(self, batch_size: int, *, timeout: float, current_version: int | None = None,
-                        max_staleness: int | None = None) -> list[Group]:
+    async def get_batch(
+        self,
+        batch_size: int,
+        *,
+        timeout: float,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+    ) -> list[Group]:
         """Wait up to `timeout` seconds for `batch_size` samples in whole groups."""
         if batch_size <= 0:
             raise BufferError(f"batch_size must be positive, got {batch_size}")
@@ -153,12 +171,14 @@ class Buffer:
             picked = self._pick(batch_size)
             if picked is not None:
                 for g in picked:
-                    self._groups.remove(g)
+                    self._remove(g)
                     self.consumed_samples += g.n
                     self.record_consumed(g.uid)
                 return picked
             if self._finished:
-                raise RolloutFinished(f"rollout finished with {self.n_samples} samples left, fewer than {batch_size}")
+                raise RolloutFinished(
+                    f"rollout finished with {self.n_samples} samples left, fewer than {batch_size}"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise BufferTimeout(
@@ -173,7 +193,9 @@ class Buffer:
                 continue
 
     def _pick(self, batch_size: int) -> list[Group] | None:
-        ordered = sorted(self._groups, key=lambda g: (g.oldest_version() or 0))
+        if self._samples < batch_size:
+            return None
+        ordered = sorted(self._groups, key=lambda g: self._versions[g.uid] or 0)
         picked: list[Group] = []
         total = 0
         for g in ordered:

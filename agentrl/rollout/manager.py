@@ -61,8 +61,9 @@ class EpisodeRunner(Protocol):
     """One prompt row -> one Sample; raises InfraError (with `.cause`) on infrastructure failure.
     The runner owns its sandbox and closes it, also when cancelled."""
 
-    async def run(self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int,
-                  eval: bool = False) -> Sample: ...
+    async def run(
+        self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int, eval: bool = False
+    ) -> Sample: ...
 
 
 class ControlPlane(Protocol):
@@ -148,8 +149,15 @@ class RolloutManager:
     `shutdown_timeout_s` for the runners to close their sandboxes.
     """
 
-    def __init__(self, runner: EpisodeRunner, control: ControlPlane, source: PromptSource | Sequence[dict[str, Any]],
-                 config: RolloutConfig, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        control: ControlPlane,
+        source: PromptSource | Sequence[dict[str, Any]],
+        config: RolloutConfig,
+        *,
+        seed: int = 0,
+    ) -> None:
         self.runner = runner
         self.control = control
         self.source = source if isinstance(source, PromptSource) else PromptSource(list(source), seed=seed)
@@ -195,8 +203,10 @@ class RolloutManager:
             async with asyncio.timeout(self.config.shutdown_timeout_s):
                 await asyncio.gather(task, return_exceptions=True)
         except TimeoutError:
-            log.error("rollout runners did not finish cleaning up within %.0fs of cancel",
-                      self.config.shutdown_timeout_s)
+            log.error(
+                "rollout runners did not finish cleaning up within %.0fs of cancel",
+                self.config.shutdown_timeout_s,
+            )
 
     def _producer_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -255,7 +265,7 @@ class RolloutManager:
         return group
 
     def _idle_and_exhausted(self) -> bool:
-        return (self._running == 0 and not self._retries and not self._unfinished and self.source.exhausted())
+        return self._running == 0 and not self._retries and not self._unfinished and self.source.exhausted()
 
     async def _produce(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -283,15 +293,21 @@ class RolloutManager:
         version = self.control.weight_version
         try:
             async with asyncio.timeout(self.config.episode_timeout_s):
-                sample = await self.runner.run(group.row, group_id=group.uid, sample_index=idx,
-                                               attempt=attempt, eval=eval)
+                sample = await self.runner.run(
+                    group.row, group_id=group.uid, sample_index=idx, attempt=attempt, eval=eval
+                )
         except InfraError as exc:
             log.warning("infra failure (%s) in %s/%d attempt %d: %s", exc.cause, group.uid, idx, attempt, exc)
             return exc.cause
         except TimeoutError:
             self.counters.episode_timeouts += 1
-            log.warning("episode %s/%d attempt %d hit the %.0fs cap", group.uid, idx, attempt,
-                        self.config.episode_timeout_s)
+            log.warning(
+                "episode %s/%d attempt %d hit the %.0fs cap",
+                group.uid,
+                idx,
+                attempt,
+                self.config.episode_timeout_s,
+            )
             return "episode_timeout"
         if sample.status is Status.FAILED_INFRA:
             return sample.failure_cause or "infra"
@@ -303,11 +319,25 @@ class RolloutManager:
 
     def _exhausted_sample(self, group: Group, idx: int, causes: list[str]) -> Sample:
         self.counters.samples_exhausted += 1
-        log.error("sample %s/%d failed %d attempts (%s): its group is emitted incomplete",
-                  group.uid, idx, len(causes), ", ".join(causes))
-        return Sample(prompt_id=group.uid, tokens=[], prompt_length=0, loss_mask=[], rollout_logprobs=[],
-                      reward=None, status=Status.FAILED_INFRA, failure_cause=causes[-1], sample_index=idx,
-                      metadata={"attempts": len(causes), "causes": causes})
+        log.error(
+            "sample %s/%d failed %d attempts (%s): its group is emitted incomplete",
+            group.uid,
+            idx,
+            len(causes),
+            ", ".join(causes),
+        )
+        return Sample(
+            prompt_id=group.uid,
+            tokens=[],
+            prompt_length=0,
+            loss_mask=[],
+            rollout_logprobs=[],
+            reward=None,
+            status=Status.FAILED_INFRA,
+            failure_cause=causes[-1],
+            sample_index=idx,
+            metadata={"attempts": len(causes), "causes": causes},
+        )
 
     async def _run_sample(self, group: Group, idx: int, attempt: int) -> None:
         causes: list[str] = []
@@ -340,7 +370,9 @@ class RolloutManager:
             return
         self._done_unbuffered -= group.n - 1
         self._unfinished.pop(group.uid, None)
-        if any(s is not None and s.status is Status.FAILED_INFRA and s.reward is not None for s in group.samples):
+        if any(
+            s is not None and s.status is Status.FAILED_INFRA and s.reward is not None for s in group.samples
+        ):
             self.counters.infra_scored += 1
         if not group.complete:
             self.counters.groups_incomplete += 1
@@ -365,9 +397,12 @@ class RolloutManager:
     async def get_batch(self, *, timeout: float, batch_size: int | None = None) -> list[Group]:
         """The next batch (whole groups; `batch_size` samples, default the configured one), none
         of it more than `max_staleness` versions behind the current weights."""
-        groups = await self.buffer.get_batch(batch_size or self.config.batch_size, timeout=timeout,
-                                             current_version=self.control.weight_version,
-                                             max_staleness=self.config.max_staleness)
+        groups = await self.buffer.get_batch(
+            batch_size or self.config.batch_size,
+            timeout=timeout,
+            current_version=self.control.weight_version,
+            max_staleness=self.config.max_staleness,
+        )
         self._kick()
         return groups
 
@@ -384,7 +419,9 @@ class RolloutManager:
                 self._admit_open.set()
             self._kick()
 
-    async def update_weights(self, sync_fn: Callable[[], Awaitable[None]], mode: PauseMode = "in_place") -> None:
+    async def update_weights(
+        self, sync_fn: Callable[[], Awaitable[None]], mode: PauseMode = "in_place"
+    ) -> None:
         """Pause admission and engines, run `sync_fn`, then always resume both."""
         if mode not in ("in_place", "abort"):
             raise RolloutError(f"pause mode must be 'in_place' or 'abort', got {mode!r}")
@@ -399,8 +436,9 @@ class RolloutManager:
                 async with asyncio.timeout(cfg.control_timeout_s):
                     await self.control.resume()
 
-    async def evaluate(self, rows: Sequence[dict[str, Any]], *, n_samples: int = 1,
-                       max_in_flight: int | None = None) -> EvalReport:
+    async def evaluate(
+        self, rows: Sequence[dict[str, Any]], *, n_samples: int = 1, max_in_flight: int | None = None
+    ) -> EvalReport:
         """Pause the producer, run `rows` with the runner's eval settings, report, resume.
 
         Training episodes already running finish normally; eval failures are retried and counted
@@ -425,7 +463,7 @@ class RolloutManager:
                     failures[res] += 1
                     self.counters.failures[res] += 1
                     if attempt + 1 < self.config.max_attempts:
-                        await asyncio.sleep(self.config.retry_backoff_s * 2 ** attempt)
+                        await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
             results.append(self._exhausted_sample(group, k, causes))
 
         async with self.paused():
@@ -437,7 +475,9 @@ class RolloutManager:
         rewards = [float(s.reward) for s in scored if s.reward is not None]
         return EvalReport(
             n=len(results),
-            pass_at_1=sum(r >= self.config.pass_threshold for r in rewards) / len(rewards) if rewards else 0.0,
+            pass_at_1=sum(r >= self.config.pass_threshold for r in rewards) / len(rewards)
+            if rewards
+            else 0.0,
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             failures=dict(failures),
             exhausted=len(results) - len(scored),
@@ -455,4 +495,3 @@ class RolloutManager:
         if self._producer is not None:
             raise RolloutError("load the state before entering the manager")
         self.source.load_state_dict(state["source"])
-

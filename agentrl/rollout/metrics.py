@@ -83,8 +83,9 @@ class MetricsTracker:
             if oldest is not None:
                 hist[version - oldest] += 1
         before_fail = self._last.get("failures", {})
-        failures = {c: n - before_fail.get(c, 0) for c, n in counters["failures"].items()
-                    if n - before_fail.get(c, 0)}
+        failures = {
+            c: n - before_fail.get(c, 0) for c, n in counters["failures"].items() if n - before_fail.get(c, 0)
+        }
         tokens = sum(sum(s.loss_mask) for s in scored)
         wall = max(now_t - self._last_t, 1e-9)
         m = StepMetrics(
@@ -95,7 +96,9 @@ class MetricsTracker:
             groups=len(groups),
             groups_incomplete=sum(not g.complete for g in groups),
             reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
-            pass_rate=(sum(r >= mgr.config.pass_threshold for r in rewards) / len(rewards)) if rewards else 0.0,
+            pass_rate=(sum(r >= mgr.config.pass_threshold for r in rewards) / len(rewards))
+            if rewards
+            else 0.0,
             truncation_ratio=sum(s.status is Status.TRUNCATED for s in scored) / max(len(scored), 1),
             policy_failure_ratio=sum(s.status is Status.FAILED_POLICY for s in scored) / max(len(scored), 1),
             failures_by_cause=failures,
@@ -129,7 +132,9 @@ def render(m: StepMetrics) -> Table:
     table.add_column("metric", style="bold")
     table.add_column("value")
     busy = m.engine_s + m.sandbox_s + m.verifier_s
-    split = " / ".join(f"{100 * x / busy:.0f}%" if busy else "-" for x in (m.engine_s, m.sandbox_s, m.verifier_s))
+    split = " / ".join(
+        f"{100 * x / busy:.0f}%" if busy else "-" for x in (m.engine_s, m.sandbox_s, m.verifier_s)
+    )
     rows = [
         ("samples / groups", f"{m.samples} / {m.groups} ({m.groups_incomplete} incomplete)"),
         ("reward mean", f"{m.reward_mean:.3f}"),
@@ -138,7 +143,10 @@ def render(m: StepMetrics) -> Table:
         ("infra failures", ", ".join(f"{c}={n}" for c, n in sorted(m.failures_by_cause.items())) or "0"),
         ("exhausted / filtered / stale", f"{m.samples_exhausted} / {m.groups_filtered} / {m.stale_groups}"),
         ("staleness", " ".join(f"{k}:{v}" for k, v in sorted(m.staleness_hist.items())) or "-"),
-        ("in flight / buffered / open groups", f"{m.in_flight} / {m.buffered_groups} / {m.unfinished_groups}"),
+        (
+            "in flight / buffered / open groups",
+            f"{m.in_flight} / {m.buffered_groups} / {m.unfinished_groups}",
+        ),
         ("time engine / sandbox / verifier", split),
         ("tokens/s", f"{m.tokens_per_s:,.0f} ({m.response_tokens} tokens in {m.wall_s:.2f}s)"),
     ]

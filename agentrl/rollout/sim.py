@@ -47,7 +47,8 @@ class SimWorkload:
     """Latencies in seconds. Turns per episode ~ lognormal(log(median_turns), turns_sigma)."""
 
     engine_per_token_s: float = 0.0001
-    tokens_per_turn: int = 32
+    tokens_per_turn: int = 32  # mean; each turn draws uniformly from +-`jitter` of it
+    jitter: float = 0.5
     obs_tokens_per_turn: int = 16
     prompt_tokens: int = 16
     sandbox_create_s: float = 0.002
@@ -97,7 +98,9 @@ class SimEngine:
         await self._open.wait()
         self.calls += 1
         now = time.monotonic()
-        if now < self._burst_until or (self.faults.engine_burst_rate and self.rng.random() < self.faults.engine_burst_rate):
+        if now < self._burst_until or (
+            self.faults.engine_burst_rate and self.rng.random() < self.faults.engine_burst_rate
+        ):
             if now >= self._burst_until:
                 self._burst_until = now + self.faults.engine_burst_s
             self.rejected_503 += 1
@@ -132,7 +135,9 @@ class SimEngine:
 
     async def set_weights(self, version: int) -> None:
         if not self._idle.is_set() or self._open.is_set():
-            raise EngineError("weights changed while generating: pause the engine first", cause="engine_control")
+            raise EngineError(
+                "weights changed while generating: pause the engine first", cause="engine_control"
+            )
         self.weight_version = version
 
 
@@ -202,8 +207,9 @@ class SimulatedRunner:
     raised: dict[str, int] = field(default_factory=dict)
     eval_runs: int = 0
 
-    async def run(self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0,
-                  eval: bool = False) -> Sample:
+    async def run(
+        self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0, eval: bool = False
+    ) -> Sample:
         self.runs += 1
         self.eval_runs += eval
         try:
@@ -212,7 +218,9 @@ class SimulatedRunner:
             self.raised[exc.cause] = self.raised.get(exc.cause, 0) + 1
             raise
 
-    async def _run(self, row: dict[str, Any], group_id: str, sample_index: int, attempt: int, eval: bool) -> Sample:
+    async def _run(
+        self, row: dict[str, Any], group_id: str, sample_index: int, attempt: int, eval: bool
+    ) -> Sample:
         w, f = self.workload, self.faults
         rng = random.Random(zlib.crc32(f"{self.seed}|{group_id}|{sample_index}|{attempt}".encode()))
         n_turns = max(1, math.ceil(rng.lognormvariate(math.log(w.median_turns), w.turns_sigma)))
@@ -224,6 +232,10 @@ class SimulatedRunner:
         policy_fail_turn = rng.randrange(n_turns) if rng.random() < f.policy_failure else -1
         p_pass = float((row.get("metadata") or {}).get("p_pass", 0.5))
         passed = rng.random() < p_pass
+        span = round(w.tokens_per_turn * w.jitter)
+        turn_tokens = [
+            rng.randint(w.tokens_per_turn - span, w.tokens_per_turn + span) or 1 for _ in range(n_turns)
+        ]
         timings = {"engine_s": 0.0, "sandbox_s": 0.0, "verifier_s": 0.0}
         versions: list[int] = []
         t0 = time.monotonic()
@@ -232,20 +244,24 @@ class SimulatedRunner:
         try:
             for turn in range(n_turns):
                 t = time.monotonic()
-                versions.append(await self._generate(w.tokens_per_turn))
+                versions.append(await self._generate(turn_tokens[turn]))
                 timings["engine_s"] += time.monotonic() - t
                 self.turns += 1
                 if turn == policy_fail_turn:
                     n_turns = turn + 1
                     break
                 t = time.monotonic()
-                await sandbox.exec(w.sandbox_exec_s, hang=turn == hang_turn, transport_error=turn == transport_turn)
+                await sandbox.exec(
+                    w.sandbox_exec_s, hang=turn == hang_turn, transport_error=turn == transport_turn
+                )
                 timings["sandbox_s"] += time.monotonic() - t
             t = time.monotonic()
             await asyncio.sleep(w.verifier_s)
             timings["verifier_s"] += time.monotonic() - t
             if verifier_timeout:
-                raise VerifierInfraError(f"verifier of {group_id} timed out (injected)", cause="verifier_timeout")
+                raise VerifierInfraError(
+                    f"verifier of {group_id} timed out (injected)", cause="verifier_timeout"
+                )
         finally:
             await sandbox.close()
         if policy_fail_turn >= 0:
@@ -254,8 +270,14 @@ class SimulatedRunner:
             status, reward, end = Status.TRUNCATED, 1.0 if passed else 0.0, "max_turns"
         else:
             status, reward, end = Status.COMPLETED, 1.0 if passed else 0.0, "done"
-        per_turn = [1] * w.tokens_per_turn + [0] * w.obs_tokens_per_turn
-        mask = per_turn * n_turns
+        mask = [m for k in turn_tokens[:n_turns] for m in [1] * k + [0] * w.obs_tokens_per_turn]
+        # What the episode would take on an idle machine: the benchmark's Little's-law ideal.
+        timings["nominal_s"] = (
+            w.sandbox_create_s
+            + w.verifier_s
+            + n_turns * w.sandbox_exec_s
+            + sum(turn_tokens[:n_turns]) * w.engine_per_token_s
+        )
         return Sample(
             prompt_id=group_id,
             tokens=[1] * (w.prompt_tokens + len(mask)),

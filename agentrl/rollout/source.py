@@ -67,7 +67,9 @@ class PromptSource:
         epoch_s, index_s = uid.split(":", 1)
         index = int(index_s)
         if not 0 <= index < len(self.rows):
-            raise PromptSourceError(f"prompt {uid} points past the {len(self.rows)} rows: resumed with other data?")
+            raise PromptSourceError(
+                f"prompt {uid} points past the {len(self.rows)} rows: resumed with other data?"
+            )
         row = self.rows[index]
         return Prompt(uid, row_prompt_id(row, index), int(epoch_s), index, row)
 
