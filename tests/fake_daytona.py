@@ -42,7 +42,7 @@ from daytona import (
     SessionExecuteRequest,
     SessionExecuteResponse,
 )
-from daytona.common.errors import DaytonaProcessExecutionTimeoutError
+from daytona.common.errors import DaytonaProcessExecutionTimeoutError, DaytonaTimeoutError
 from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
 from daytona_toolbox_api_client_async import Command
 
@@ -175,7 +175,14 @@ class FakeAsyncDaytona:
             sandbox.container = await server.runtime.start(sandbox.id, params)
         server.starting.set()
         if server.start_delay_s:
-            await asyncio.sleep(server.start_delay_s)
+            try:
+                async with asyncio.timeout(timeout or None):
+                    await asyncio.sleep(server.start_delay_s)
+            except TimeoutError:
+                # Like the SDK: the create gives up, the sandbox stays, the error names it.
+                err = DaytonaTimeoutError(f"Function 'create' exceeded timeout of {timeout} seconds.")
+                err._attach_sandbox_id(sandbox.id)
+                raise err from None
         if server.start_errors:
             sandbox.state = "error"
             raise server.start_errors.pop(0)

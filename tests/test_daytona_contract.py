@@ -5,6 +5,7 @@ Daytona would build, no secret inside, deletion at interpreter exit)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import subprocess
@@ -107,6 +108,53 @@ async def test_no_host_secret_reaches_the_sandbox_environment(server, monkeypatc
         res = await sb.exec("env; cat /proc/1/environ | tr '\\0' '\\n'", timeout=30)
         assert res.exit_code == 0 and "dtn_secret_contract_key" not in res.stdout
     await provider.aclose()
+
+
+KEY = "dtn_secret_episode_key_42"
+
+
+async def test_oracle_run_leaves_the_key_out_of_logs_and_results(server, monkeypatch, caplog) -> None:
+    from agentrl.tasks.oracle import run_oracle
+
+    monkeypatch.setenv("DAYTONA_API_KEY", KEY)
+    caplog.set_level(logging.DEBUG)
+    (result,) = await run_oracle(make_provider(server), [load_task(TASK)], run_id="oracle")
+    assert result.ok and result.reward == 1.0, result
+    assert caplog.records and KEY not in caplog.text and KEY not in repr(result)
+
+
+async def test_a_recorded_episode_leaves_the_key_out_of_its_record(server, monkeypatch, tmp_path) -> None:
+    fake_engine = pytest.importorskip("agentrl.engine.fake")
+    from agentrl.agent.loop import AgentConfig
+    from agentrl.agent.tokens import ChatRenderer
+    from agentrl.engine.base import SamplingParams
+    from agentrl.episode import EpisodeConfig, run_episode
+    from tests.chat_tokenizer import byte_tokenizer
+
+    monkeypatch.setenv("DAYTONA_API_KEY", KEY)
+    tok = byte_tokenizer()
+    engine = fake_engine.ScriptedEngine(
+        ["```bash\nenv; echo hello > /app/out.txt\n```", "TASK_COMPLETE"], tok
+    )
+    provider = make_provider(server)
+    config = EpisodeConfig(
+        action_format="fenced-bash", agent=AgentConfig(), sampling=SamplingParams(max_new_tokens=64)
+    )
+    episode = await run_episode(
+        load_task(TASK),
+        provider=provider,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=config,
+        run_id="ep",
+        record_dir=tmp_path,
+    )
+    await provider.aclose()
+    (sample,) = episode.samples
+    assert sample.reward == 1.0
+    record = episode.record_path.read_text()
+    assert "PATH=" in record  # the agent's `env` output is in the record...
+    assert KEY not in record  # ...and the key is not
 
 
 def test_sandboxes_left_open_are_deleted_at_interpreter_exit(server) -> None:

@@ -479,6 +479,8 @@ class DaytonaSandbox(Sandbox):
             self._keepalive.cancel()
         # Shielded: a cancelled owner must still not leave a (billed) sandbox behind.
         await asyncio.shield(self.provider._delete(self))
+        if self._keepalive is not None:
+            await asyncio.wait([self._keepalive], timeout=5)
 
 
 class DaytonaProvider(SandboxProvider):
@@ -627,6 +629,9 @@ class DaytonaProvider(SandboxProvider):
             wait=self._wait,
             retry=retry_if_exception_type(_TransientCreateError),
             reraise=True,
+            before_sleep=lambda state: log.info(
+                "retrying a Daytona create (attempt %d): %s", state.attempt_number, state.outcome.exception()
+            ),
         )
         attempt = 0
         try:
@@ -638,6 +643,7 @@ class DaytonaProvider(SandboxProvider):
         except _TransientCreateError as exc:
             raise SandboxCreateError(f"{exc} (gave up after {attempt} attempts)") from exc
         sandbox = DaytonaSandbox(self, sdk_sandbox, task.task_id, task.config.environment.workdir)
+        log.debug("daytona sandbox %s started for %s (attempt %d)", sandbox.sandbox_id, task.task_id, attempt)
         self._live[sandbox.sandbox_id] = sandbox
         _LIVE[sandbox.sandbox_id] = self.client_factory
         sandbox.start_keepalive(self.keepalive_s)
@@ -664,7 +670,9 @@ class DaytonaProvider(SandboxProvider):
         if isinstance(exc, DaytonaError) and status is not None and 400 <= status < 500:
             return  # the API refused the request: nothing was created
         sandbox_id = getattr(exc, "sandbox_id", None) or name
-        ambiguous = isinstance(exc, asyncio.CancelledError | TimeoutError | DaytonaConnectionError)
+        ambiguous = isinstance(
+            exc, asyncio.CancelledError | TimeoutError | DaytonaConnectionError | DaytonaTimeoutError
+        )
         client = await self.client()
         for i in range(3 if ambiguous else 1):
             try:
@@ -698,6 +706,7 @@ class DaytonaProvider(SandboxProvider):
         try:
             if await self._delete_sdk(sandbox.sdk):
                 _LIVE.pop(sandbox.sandbox_id, None)
+                log.debug("daytona sandbox %s deleted", sandbox.sandbox_id)
         finally:
             self._live.pop(sandbox.sandbox_id, None)
 
