@@ -105,6 +105,18 @@ def main() -> None:
         a, _ = full_logprobs(hidden[:, :2048], weight, targets[:, :2048])
         b, _ = chunked_logprobs(hidden[:, :2048], weight, targets[:, :2048], chunk_size=chunks[0])
     print(f"max |chunked - full| log-prob on 2048 tokens: {(a - b).abs().max().item():.2e}")
+    grads = []
+    for fn in (full_logprobs, chunked_logprobs):
+        h = hidden[:, :2048].detach().requires_grad_(True)
+        w = weight.detach().requires_grad_(True)
+        kw = {"chunk_size": chunks[0]} if fn is chunked_logprobs else {}
+        lp, _ = fn(h, w, targets[:, :2048], **kw)
+        (lp * adv[:, :2048]).sum().backward()
+        grads.append((h.grad.float(), w.grad.float()))
+    for name, k in (("hidden", 0), ("weight", 1)):
+        ref, got = grads[0][k], grads[1][k]
+        print(f"gradient wrt {name}: relative error {((got - ref).norm() / ref.norm()).item():.2e}")
+    del grads
 
     def head(chunk: int | None):
         def run() -> None:

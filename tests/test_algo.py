@@ -346,3 +346,18 @@ def test_chunk_size_must_be_positive():
         chunked_logprobs(
             torch.zeros(1, 2, 4), torch.zeros(3, 4), torch.zeros(1, 2, dtype=torch.long), chunk_size=0
         )
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_logprob_backward_passes_gradcheck(with_entropy, temperature):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(7, 5, generator=g, requires_grad=True)
+    w = torch.randn(11, 5, generator=g, requires_grad=True)
+    y = torch.randint(0, 11, (7,), generator=g)
+
+    def f(h, w):
+        lp, ent = chunked_logprobs(h, w, y, chunk_size=3, temperature=temperature, with_entropy=with_entropy)
+        return (lp, ent) if with_entropy else lp
+
+    assert torch.autograd.gradcheck(f, (h, w))

@@ -2,35 +2,88 @@
 
 Full-vocabulary logits for a long sequence are the largest tensor of a training step (16k tokens x
 150k vocab x 4 bytes = 10 GB in fp32, several copies during backward). `chunked_logprobs` computes
-them `chunk_size` positions at a time under activation checkpointing, so forward and backward each
-hold one chunk's logits at most: memory O(chunk_size * V) instead of O(T * V).
+them `chunk_size` positions at a time and keeps only per-token scalars (log-sum-exp, expected logit)
+for backward, which recomputes one chunk's logits at a time and applies the closed-form gradient:
+memory O(chunk_size * V) instead of O(T * V) in both directions.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
-def _head(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(y_t) = z_{t,y_t} - logsumexp_v z_{t,v};  H_t = logsumexp_v z_{t,v} - sum_v p_{t,v} z_{t,v},
-    with z = (h W^T) / temperature computed in fp32.
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 (bf16 logits lose the log-prob), fp64 kept for exact checks."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = h @ weight.t()
+    z = z.to(_acc_dtype(z.dtype))
+    return z / temperature if temperature != 1.0 else z
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    """With z = (h W^T) / T per position, p = softmax(z), y the target:
+
+        forward:   logp = z_y - lse(z),   H = lse(z) - sum_v p_v z_v
+        backward:  dlogp/dz = onehot(y) - p,   dH/dz = p * (E_p[z] - z)
+                   dL/dh = (dL/dz / T) W,   dL/dW = sum_t (dL/dz_t / T)^T h_t
+    Only lse and E_p[z] (one scalar per position each) are saved between the passes.
     """
-    logits = (hidden @ weight.t()).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_size, temperature, with_entropy):  # type: ignore[override]
+        n = h.shape[0]
+        logp = torch.empty(n, device=h.device, dtype=_acc_dtype(h.dtype))
+        lse = torch.empty_like(logp)
+        ez = torch.empty_like(logp)
+        for s in range(0, n, chunk_size):
+            z = _logits(h[s : s + chunk_size], weight, temperature)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[s : s + chunk_size] = lse_c
+            logp[s : s + chunk_size] = z.gather(-1, targets[s : s + chunk_size, None])[:, 0] - lse_c
+            if with_entropy:
+                z.sub_(lse_c[:, None])
+                ez[s : s + chunk_size] = (z.exp() * z).sum(-1) + lse_c  # E_p[z] = sum p (z - lse) + lse
+        entropy = lse - ez if with_entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(h, weight, targets, lse, ez)
+        ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
+        ctx.mark_non_differentiable(lse)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):  # type: ignore[override]
+        h, weight, targets, lse, ez = ctx.saved_tensors
+        cs, temp = ctx.chunk_size, ctx.temperature
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = (
+            torch.zeros(weight.shape, device=weight.device, dtype=_acc_dtype(weight.dtype))
+            if need_w
+            else None
+        )
+        for s in range(0, h.shape[0], cs):
+            hc = h[s : s + cs]
+            z = _logits(hc, weight, temp)
+            p = torch.exp(z - lse[s : s + cs, None])
+            gl = g_logp[s : s + cs, None].to(p.dtype)
+            if ctx.with_entropy:
+                # dL/dz = g_lp (onehot - p) + g_H p (E[z] - z)
+                ge = g_ent[s : s + cs, None].to(p.dtype)
+                dz = p * (ge * (ez[s : s + cs, None] - z) - gl)
+            else:
+                dz = p.mul_(-gl)
+            dz.scatter_add_(-1, targets[s : s + cs, None], gl)
+            if temp != 1.0:
+                dz.div_(temp)
+            dz = dz.to(h.dtype)
+            if need_h:
+                grad_h[s : s + cs] = dz @ weight
+            if need_w:
+                # Product in the compute dtype (tensor cores), summed over chunks in fp32.
+                grad_w += dz.t() @ hc
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def chunked_logprobs(
@@ -45,8 +98,7 @@ def chunked_logprobs(
     """Log-prob of `targets` under softmax(hidden @ weight^T / temperature), `chunk_size` positions at a time.
 
     hidden: [..., T, H]; weight: [V, H]; targets: [..., T] (the token each position predicts).
-    Returns (logp [..., T] fp32, entropy [..., T] fp32 or None). Each chunk runs under
-    `torch.utils.checkpoint`, so backward recomputes that chunk's logits instead of keeping them.
+    Returns (logp [..., T], entropy [..., T] or None) in fp32 (fp64 for fp64 inputs), differentiable in hidden and weight.
     """
     if chunk_size <= 0:
         raise ValueError(
@@ -55,21 +107,8 @@ def chunked_logprobs(
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    logps, ents = [], []
-    for start in range(0, h.shape[0], chunk_size):
-        hc, yc = h[start : start + chunk_size], y[start : start + chunk_size]
-        if need_grad:
-            lp, ent = checkpoint(_head, hc, weight, yc, temperature, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = _head(hc, weight, yc, temperature, with_entropy)
-        logps.append(lp)
-        ents.append(ent)
-    if not logps:
-        empty = h.new_zeros(lead, dtype=torch.float32)
-        return empty, (empty.clone() if with_entropy else None)
-    logp = torch.cat(logps).reshape(lead)
-    return logp, (torch.cat(ents).reshape(lead) if with_entropy else None)
+    logp, ent = _ChunkedLogprob.apply(h, weight, y, chunk_size, float(temperature), with_entropy)
+    return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)
 
 
 def full_logprobs(
@@ -80,6 +119,11 @@ def full_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The unchunked computation (all logits at once): the reference and the benchmark baseline."""
-    logp, ent = _head(hidden, weight, targets, temperature, with_entropy)
-    return logp, (ent if with_entropy else None)
+    """The unchunked computation (all logits at once, autograd through them): the reference and
+    the benchmark baseline."""
+    z = _logits(hidden, weight, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    return logp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
