@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import threading
@@ -77,6 +78,8 @@ class LocalEngine(Engine):
         self.vocab_size = int(model.config.vocab_size)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-engine")
         self._requests: dict[str, _Request] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._gate = threading.Event()  # clear while paused "in_place": running requests wait
@@ -101,6 +104,7 @@ class LocalEngine(Engine):
             raise EngineBadRequest(f"Duplicate request ID detected: {rid}")
         request = _Request(rid)
         self._requests[rid] = request
+        self._idle.clear()
         try:
             await self._resumed.wait()
             request.submitted = True
@@ -110,6 +114,8 @@ class LocalEngine(Engine):
             # On cancellation the worker thread notices the flag at its next token and stops.
             request.abort.set()
             self._requests.pop(rid, None)
+            if not self._requests:
+                self._idle.set()
 
     def _check(self, input_ids: list[int], sampling: SamplingParams) -> None:
         if not input_ids:
@@ -177,6 +183,23 @@ class LocalEngine(Engine):
             meta["length"] = budget
         return Generation(out_ids, logps, finish, version, meta=meta)
 
+    async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
+        """log p(input_ids[j] | input_ids[:j]) for j >= 1 from the raw logits (no temperature), as
+        SGLang's `input_token_logprobs`. Queues with generation on the worker thread."""
+        if not input_ids:
+            raise EngineBadRequest("input_ids cannot be empty.")
+        fn = functools.partial(self._prompt_logprobs_sync, list(input_ids))
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _prompt_logprobs_sync(self, input_ids: list[int]) -> list[float]:
+        import torch
+
+        with torch.no_grad():
+            ids = torch.tensor([input_ids], device=self.device)
+            logits = self.model(ids).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(1, ids[0, 1:, None])[:, 0].tolist()
+
     def _stopped(self, request: _Request) -> bool:
         while not self._gate.wait(_GATE_POLL_S):
             if request.abort.is_set():
@@ -227,6 +250,13 @@ class LocalEngine(Engine):
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for no request to be queued or running."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        return not self._requests
 
     @property
     def paused(self) -> bool:

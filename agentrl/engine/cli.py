@@ -1,0 +1,40 @@
+"""`agentrl engine ...`: serve a local model over SGLang-compatible HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inference engines.")
+
+
+@app.command("serve")
+def serve_cmd(
+    model: str = typer.Option(..., "--model", help="Model directory (transformers format)."),
+    port: int = typer.Option(30000, "--port"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address; loopback unless you mean it."),
+    device: str = typer.Option("cpu", "--device"),
+    logprob_mode: str = typer.Option(
+        "processed",
+        "--logprob-mode",
+        help="'processed': log-probs of softmax(logits/T), as SGLang; 'original': of softmax(logits).",
+    ),
+) -> None:
+    """Serve MODEL with SGLang's /generate and control-plane endpoints (see agentrl.engine.server)."""
+    from agentrl.engine.server import serve
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(model, host=host, port=port, device=device, logprob_mode=logprob_mode))
+
+
+@app.command("tiny")
+def tiny_cmd(
+    seed: int = typer.Option(0, "--seed"),
+    cache_dir: str = typer.Option(None, "--cache-dir", help="Defaults to $AGENTRL_CACHE/tiny."),
+) -> None:
+    """Build (once) the tiny GLM-family test model and print its directory."""
+    from agentrl.models.tiny import tiny_model_dir
+
+    typer.echo(str(tiny_model_dir(cache_dir, seed=seed)))

@@ -1,0 +1,454 @@
+"""`SGLangEngine`: an aiohttp client for SGLang workers, directly or through the SGLang router.
+
+Shapes match SGLang 0.5.16 (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`) and the
+sgl-model-gateway router (consistent-hashing policy), as restated in the project's SGLang reference.
+
+Data plane: `POST /generate` with `input_ids`, `sampling_params`, `return_logprob: true` and a
+fresh `rid` per call. Tokens and log-probs are read from `meta_info.output_token_logprobs`
+(`[logprob, token_id, text]` triples, as Miles does), the finish reason from
+`meta_info.finish_reason.type` and the weight version from `meta_info.weight_version`.
+
+Stickiness: every turn of an episode goes to the same worker, so its prefix stays in that worker's
+radix cache. Through a router the episode's `session_id` is sent as the `X-SMG-Routing-Key`
+header, the key the router's `consistent_hashing` policy hashes. Given worker URLs directly, the
+client hashes `session_id` itself onto a ring of 150 virtual nodes per worker (as the router does;
+blake2b here instead of blake3, so the mapping is consistent but not the router's own).
+
+Retries (tenacity, jittered exponential backoff) only where re-sending cannot run a generation
+twice: a connection that could not be opened, and 502/503/504 answers (the request was not served:
+router with no healthy worker, worker starting or overloaded). A `/generate` whose connection broke
+or timed out after it was sent may still be running on the worker: it is not re-sent; the client
+aborts it by rid (`/abort_request`) and raises `EngineError`, and the caller decides (the agent
+loop retries the turn; the rollout retries the sample). Cancelling `generate` aborts the request
+on the worker the same way.
+
+Control plane (pause, continue, flush, weight updates, model info, abort) goes to every worker
+directly: the router does not forward these paths (404). Through a router the worker list comes
+from its `GET /workers` (or the older `GET /list_workers`) unless `worker_urls` is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import uuid
+from typing import Any
+
+import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from agentrl.engine.base import Engine, EngineBadRequest, EngineError, Generation, SamplingParams
+
+SGLANG_VERSION = "0.5.16"
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+_VNODES = 150
+_RETRY_STATUSES = frozenset({502, 503, 504})
+# Miles sends these with every /generate: keep special tokens and stop text in `text`, so text and
+# token ids agree.
+_TEXT_FIELDS = {"skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False}
+
+
+class _NotServed(Exception):
+    """The request was provably not served (no connection, or 502/503/504): safe to re-send."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def _ring_hash(data: str) -> int:
+    return int.from_bytes(hashlib.blake2b(data.encode(), digest_size=8).digest(), "little")
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang weight versions are strings ("default" until set); agentrl numbers them. A
+    non-numeric version (e.g. "default") counts as 0."""
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+class SGLangEngine(Engine):
+    """Client for SGLang workers (`base_urls`) or a router (`router_url`). See the module docstring."""
+
+    def __init__(
+        self,
+        base_urls: str | list[str] | None = None,
+        *,
+        router_url: str | None = None,
+        worker_urls: list[str] | None = None,
+        request_timeout_s: float = 1800.0,
+        control_timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 5,
+        api_key_env: str | None = None,
+        extra_sampling: dict[str, Any] | None = None,
+    ) -> None:
+        if isinstance(base_urls, str):
+            base_urls = [base_urls]
+        if bool(base_urls) == bool(router_url):
+            raise ValueError("SGLangEngine needs either base_urls (workers) or router_url, not both")
+        self.base_urls = [u.rstrip("/") for u in base_urls or []]
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self._workers = [u.rstrip("/") for u in worker_urls] if worker_urls else list(self.base_urls)
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = max(1, retries)
+        self._api_key_env = api_key_env
+        self.extra_sampling = dict(extra_sampling or {})
+        self._session: aiohttp.ClientSession | None = None
+        self._rr = itertools.count()
+        self._ring: list[tuple[int, str]] = sorted(
+            (_ring_hash(f"{url}#{v}"), url) for url in self.base_urls for v in range(_VNODES)
+        )
+        self._ring_keys = [h for h, _ in self._ring]
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        if self._api_key_env:
+            key = os.environ.get(self._api_key_env)
+            if not key:
+                raise EngineError(
+                    f"environment variable {self._api_key_env} is empty: set it to the SGLang API key",
+                    cause="engine_auth",
+                )
+            return {"Authorization": f"Bearer {key}"}
+        return {}
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60),
+                timeout=aiohttp.ClientTimeout(total=self.control_timeout_s, connect=self.connect_timeout_s),
+            )
+        return self._session
+
+    def worker_for(self, session_id: str | None) -> str:
+        """The worker URL a direct-mode request of this session goes to."""
+        if self.router_url:
+            return self.router_url
+        if session_id is None:
+            return self.base_urls[next(self._rr) % len(self.base_urls)]
+        i = bisect.bisect_left(self._ring_keys, _ring_hash(session_id)) % len(self._ring)
+        return self._ring[i][1]
+
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        *,
+        json_body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        params: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """One HTTP exchange; returns (status, parsed JSON or text). Raises `_NotServed` when
+        re-sending is safe, `EngineError` otherwise."""
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s or self.control_timeout_s, connect=self.connect_timeout_s
+        )
+        try:
+            async with self._http().request(
+                method,
+                url,
+                json=json_body,
+                headers={**self._headers(), **(headers or {})},
+                timeout=timeout,
+                params=params,
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+                ctype = resp.content_type
+        except aiohttp.ClientConnectorError as e:
+            raise _NotServed(f"cannot connect to {url}: {e}") from e
+        except TimeoutError as e:
+            raise EngineError(
+                f"{method} {url} timed out after {timeout.total} s", cause="engine_timeout"
+            ) from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{method} {url} failed: {type(e).__name__}: {e}", cause="engine_http") from e
+        if status in _RETRY_STATUSES:
+            raise _NotServed(f"{method} {url} answered {status}: {raw[:300]!r}")
+        body: Any = raw.decode("utf-8", "replace")
+        if ctype == "application/json" and raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                pass
+        return status, body
+
+    async def _request(self, method: str, url: str, **kw: Any) -> tuple[int, Any]:
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(_NotServed),
+                stop=stop_after_attempt(self.retries),
+                wait=wait_random_exponential(multiplier=0.05, max=2.0),
+                reraise=True,
+            ):
+                with attempt:
+                    return await self._call(method, url, **kw)
+        except _NotServed as e:
+            raise EngineError(
+                f"{e} (gave up after {self.retries} attempts)", cause="engine_unavailable"
+            ) from e
+        raise AssertionError("unreachable: tenacity either returns or raises")
+
+    @staticmethod
+    def _message(body: Any) -> str:
+        if isinstance(body, dict):
+            err = body.get("error")
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])
+            if "message" in body:
+                return str(body["message"])
+        return str(body)[:500]
+
+    def _raise_for(self, status: int, body: Any, what: str) -> None:
+        if status == 400:
+            raise EngineBadRequest(f"{what}: {self._message(body)}")
+        if status >= 300:
+            raise EngineError(f"{what}: HTTP {status}: {self._message(body)}", cause=f"engine_http_{status}")
+
+    # --- data plane ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+    ) -> Generation:
+        rid = rid or uuid.uuid4().hex
+        url = self.worker_for(session_id)
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {**_TEXT_FIELDS, **sampling.to_sglang(), **self.extra_sampling},
+            "return_logprob": True,
+            "rid": rid,
+        }
+        headers = {ROUTING_KEY_HEADER: session_id} if (self.router_url and session_id) else None
+        try:
+            status, reply = await self._request(
+                "POST", f"{url}/generate", json_body=body, headers=headers, timeout_s=self.request_timeout_s
+            )
+        except asyncio.CancelledError:
+            await self._abort_quietly(url, rid)
+            raise
+        except EngineError as e:
+            if e.cause != "engine_unavailable":  # it may have been accepted and still be running
+                await self._abort_quietly(url, rid)
+            raise
+        self._raise_for(status, reply, "SGLang /generate")
+        return self._parse(reply)
+
+    def _parse(self, reply: Any) -> Generation:
+        try:
+            meta = reply["meta_info"]
+            finish = meta["finish_reason"] or {}
+            triples = meta.get("output_token_logprobs") or []
+            ids = [int(t[1]) for t in triples]
+            logps = [float(t[0]) for t in triples]
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise EngineError(f"SGLang /generate reply has no usable meta_info: {str(reply)[:300]}") from e
+        kind = finish.get("type")
+        if kind == "abort" and finish.get("status_code") not in (None, 200):
+            code = finish.get("status_code")
+            if code == 400:
+                raise EngineBadRequest(f"SGLang /generate: {finish.get('message')}")
+            raise EngineError(f"SGLang /generate aborted with {code}: {finish.get('message')}")
+        if kind not in ("stop", "length", "abort"):
+            raise EngineError(f"SGLang /generate: unknown finish_reason {finish!r}")
+        if "output_ids" in reply and reply["output_ids"] != ids and triples:
+            raise EngineError("SGLang /generate: output_ids and output_token_logprobs disagree")
+        version = meta.get("weight_version")
+        return Generation(
+            output_ids=ids,
+            logprobs=logps,
+            finish_reason=kind,
+            weight_version=parse_weight_version(version),
+            text=reply.get("text"),
+            meta={
+                "id": meta.get("id"),
+                "finish": finish,
+                "weight_version": version,
+                "cached_tokens": meta.get("cached_tokens"),
+                "prompt_tokens": meta.get("prompt_tokens"),
+            },
+        )
+
+    async def _abort_quietly(self, url: str, rid: str) -> None:
+        """Best-effort abort of one request on its worker (through a router: on every worker)."""
+        targets = [url] if not self.router_url else await self._worker_urls_quietly()
+
+        async def one(target: str) -> None:
+            with contextlib.suppress(EngineError, _NotServed, aiohttp.ClientError, TimeoutError):
+                await self._call("POST", f"{target}/abort_request", json_body={"rid": rid}, timeout_s=5.0)
+
+        await asyncio.shield(asyncio.gather(*(one(t) for t in targets)))
+
+    async def _worker_urls_quietly(self) -> list[str]:
+        try:
+            return await self.worker_urls()
+        except EngineError:
+            return []
+
+    # --- control plane -------------------------------------------------------------------------
+
+    async def worker_urls(self) -> list[str]:
+        """The workers behind this client (asked of the router when not given)."""
+        if self._workers:
+            return list(self._workers)
+        assert self.router_url is not None
+        status, body = await self._request("GET", f"{self.router_url}/workers")
+        if status == 200 and isinstance(body, dict) and "workers" in body:
+            urls = [w.get("url") for w in body["workers"]]
+        else:
+            status, body = await self._request("GET", f"{self.router_url}/list_workers")
+            self._raise_for(status, body, "router /list_workers")
+            urls = body.get("urls", []) if isinstance(body, dict) else []
+        # Data-parallel-aware routers list workers as base@rank; control calls go to the base.
+        return sorted({u.split("@")[0].rstrip("/") for u in urls if u})
+
+    async def _fan_out(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout_s: float | None = None,
+        check_success: bool = False,
+    ) -> list[Any]:
+        urls = await self.worker_urls()
+        if not urls:
+            raise EngineError("no SGLang workers to send the control call to", cause="engine_unavailable")
+
+        async def one(url: str) -> Any:
+            status, reply = await self._request(method, f"{url}{path}", json_body=body, timeout_s=timeout_s)
+            self._raise_for(status, reply, f"SGLang {path} on {url}")
+            if check_success and not (isinstance(reply, dict) and reply.get("success")):
+                raise EngineError(
+                    f"SGLang {path} on {url} failed: {self._message(reply)}", cause="engine_weight_update"
+                )
+            return reply
+
+        return list(await asyncio.gather(*(one(u) for u in urls)))
+
+    async def pause(self, *, mode: str = "in_place") -> None:
+        """`/pause_generation` on every worker. "abort" returns once in-flight requests have
+        returned (with finish_reason abort); "in_place" / "retract" hold them until `resume`."""
+        await self._fan_out("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._fan_out("POST", "/continue_generation", {})
+
+    async def flush_cache(self, *, wait_s: float = 60.0) -> None:
+        """`/flush_cache` on every worker; a worker with requests in flight refuses (400), so
+        retry once a second for up to `wait_s`, as Miles does."""
+        urls = await self.worker_urls()
+
+        async def one(url: str) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_s
+            while True:
+                status, body = await self._request("GET", f"{url}/flush_cache")
+                if status == 200:
+                    return
+                if loop.time() >= deadline:
+                    raise EngineError(f"SGLang /flush_cache on {url} kept failing: {self._message(body)}")
+                await asyncio.sleep(1.0)
+
+        await asyncio.gather(*(one(u) for u in urls))
+
+    async def abort(self, rid: str = "", *, abort_all: bool = False) -> None:
+        """`/abort_request` on every worker (rid is matched as a prefix by SGLang)."""
+        await self._fan_out("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def update_weights(
+        self,
+        *,
+        model_path: str | None = None,
+        serialized_named_tensors: list[str] | None = None,
+        names: list[str] | None = None,
+        dtypes: list[str] | None = None,
+        shapes: list[list[int]] | None = None,
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+        group_name: str = "weight_update_group",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Dispatch to `/update_weights_from_disk` (model_path), `/update_weights_from_tensor`
+        (serialized_named_tensors) or `/update_weights_from_distributed` (names, dtypes, shapes)
+        on every worker; raises `EngineError` unless every worker answers success."""
+        common: dict[str, Any] = {"flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            common["weight_version"] = str(weight_version)
+        if load_format is not None:
+            common["load_format"] = load_format
+        given = [x is not None for x in (model_path, serialized_named_tensors, names)]
+        if sum(given) != 1:
+            raise EngineBadRequest(
+                "update_weights needs exactly one of model_path, serialized_named_tensors, names"
+            )
+        if model_path is not None:
+            path, body = "/update_weights_from_disk", {"model_path": model_path, **common}
+        elif serialized_named_tensors is not None:
+            path, body = (
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": serialized_named_tensors, **common},
+            )
+        else:
+            if dtypes is None or shapes is None:
+                raise EngineBadRequest("update_weights_from_distributed needs names, dtypes and shapes")
+            path = "/update_weights_from_distributed"
+            body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, **common}
+        await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True)
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._fan_out("POST", "/init_weights_update_group", body, check_success=True)
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        """`/get_model_info` of every worker (the deprecated alias older servers also serve)."""
+        return await self._fan_out("GET", "/get_model_info")
+
+    async def weight_versions(self) -> list[int]:
+        return [parse_weight_version(info.get("weight_version")) for info in await self.model_info()]
+
+    async def health(self) -> bool:
+        try:
+            urls = await self.worker_urls()
+            replies = await asyncio.gather(*(self._call("GET", f"{u}/health") for u in urls))
+        except (EngineError, _NotServed):
+            return False
+        return bool(urls) and all(status == 200 for status, _ in replies)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
