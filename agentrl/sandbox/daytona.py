@@ -134,6 +134,8 @@ def classify_create_error(exc: BaseException, task_id: str) -> SandboxCreateErro
                 "(`agentrl sandbox reap --backend daytona`), lower the task's resources, or raise the "
                 "organization's limits at https://app.daytona.io/dashboard/limits"
             )
+        if _TRY_LATER.search(msg):
+            return _TransientCreateError(f"{where}: HTTP {status}: {msg}", retry_after_s=_retry_after(exc))
         if status in (401, 403):
             return SandboxCreateError(
                 f"{where} was refused (HTTP {status}): {msg} -- check DAYTONA_API_KEY / "
@@ -145,8 +147,6 @@ def classify_create_error(exc: BaseException, task_id: str) -> SandboxCreateErro
             return _TransientCreateError(f"{where}: {type(exc).__name__}: {msg}")
         if "build" in msg.lower() and "fail" in msg.lower():
             return ImageBuildError(f"{where}: the image build failed: {msg}")
-        if status is None and _TRY_LATER.search(msg):
-            return _TransientCreateError(f"{where}: {msg}")
         return SandboxCreateError(f"{where} failed (HTTP {status}): {msg}")
     if isinstance(exc, TimeoutError | ConnectionError | OSError):
         return _TransientCreateError(f"{where}: {type(exc).__name__}: {msg}")
@@ -630,7 +630,9 @@ class DaytonaProvider(SandboxProvider):
             retry=retry_if_exception_type(_TransientCreateError),
             reraise=True,
             before_sleep=lambda state: log.info(
-                "retrying a Daytona create (attempt %d): %s", state.attempt_number, state.outcome.exception()
+                "retrying a Daytona create (attempt %d): %s",
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
             ),
         )
         attempt = 0
