@@ -78,7 +78,7 @@ def build_engine(
 
         from agentrl.engine.local import LocalEngine
 
-        return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok, seed=seed), tok
+        return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok), tok
     raise typer.BadParameter(f"unknown engine {kind!r}: local, sglang, openai or scripted")
 
 

@@ -177,7 +177,7 @@ async def evaluate(
     from agentrl.engine.local import LocalEngine
 
     k = k or cfg.eval_samples
-    engine = LocalEngine(model, tokenizer, seed=cfg.seed + 10_000)
+    engine = LocalEngine(model, tokenizer)
     renderer = ChatRenderer(tokenizer)
     sem = asyncio.Semaphore(cfg.eval_concurrency)
     rewards: dict[str, list[float]] = {t.task_id: [] for t in tasks}
@@ -414,7 +414,7 @@ def train(
 
     async def go() -> None:
         provider = PodmanProvider()
-        engine = LocalEngine(engine_model, tokenizer, seed=cfg.seed)
+        engine = LocalEngine(engine_model, tokenizer)
         sync = InProcessSync([engine])
         try:
             before = await evaluate(
