@@ -1,0 +1,145 @@
+"""The rollout manager over the real episode runner (agent loop, verifier, Sample building) on
+FakeSandboxProvider, with injected sandbox, engine and verifier faults."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
+from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.errors import InfraError
+from agentrl.rollout import MetricsTracker, RolloutConfig, RolloutManager
+from agentrl.sample import Status
+from agentrl.sandbox.fake import FakeSandboxProvider, Faults
+from tests.chat_tokenizer import byte_tokenizer
+
+TASK = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "write-hello"
+
+
+class FlakyAgentEngine(Engine):
+    """Plays an agent that solves the task in 70% of sessions; bursts of 503s; pause / resume
+    with weight versions (in_place: in-flight generations finish first)."""
+
+    def __init__(self, tok, *, burst_rate: float, burst_len: int, seed: int = 0) -> None:  # type: ignore[no-untyped-def]
+        self.tok = tok
+        self.rng = random.Random(seed)
+        self.burst_rate, self.burst_len = burst_rate, burst_len
+        self.burst_left = 0
+        self.weight_version = 0
+        self.rejected = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._plan: dict[str, list[str]] = {}
+
+    async def generate(
+        self, input_ids, sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Generation:  # type: ignore[no-untyped-def]
+        await asyncio.wait_for(self._open.wait(), 30)
+        if self.burst_left or self.rng.random() < self.burst_rate:
+            self.burst_left = self.burst_left - 1 if self.burst_left else self.burst_len
+            self.rejected += 1
+            raise EngineError("503 Service Unavailable", cause="engine_unavailable")
+        key = session_id or ""
+        if key not in self._plan:
+            cmd = "echo hello > /app/out.txt" if self.rng.random() < 0.7 else "echo bye > /app/out.txt"
+            self._plan[key] = [f"```bash\n{cmd}\n```", "TASK_COMPLETE"]
+        reply = self._plan[key].pop(0) if len(self._plan[key]) > 1 else self._plan[key][0]
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            await asyncio.sleep(0.002)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+        ids = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
+        return Generation(ids, [-0.1] * len(ids), "stop", self.weight_version)
+
+    async def pause(self, *, mode: str = "in_place") -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    async def resume(self) -> None:
+        self._open.set()
+
+
+async def test_fault_injection_through_the_real_episode_runner() -> None:
+    tok = byte_tokenizer()
+    faults = Faults(create_failure=0.10, transport_error=0.02)
+    provider = FakeSandboxProvider(faults=faults, seed=1)
+    verifier_runs = [0]
+
+    def grade(sb) -> float | None:  # type: ignore[no-untyped-def]
+        # Every 25th verifier run crashes (writes no reward): infra, never a 0.
+        verifier_runs[0] += 1
+        if verifier_runs[0] % 25 == 1:
+            return None
+        return 1.0 if any("echo hello >" in c for c in sb.commands) else 0.0
+
+    provider.grader = grade
+    engine = FlakyAgentEngine(tok, burst_rate=0.01, burst_len=5, seed=3)
+    runner = EpisodeRunner(
+        provider=provider,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=EpisodeConfig(
+            action_format="fenced-bash",
+            agent=AgentConfig(max_turns=4),
+            sampling=SamplingParams(max_new_tokens=128),
+        ),
+        run_id="rollout-test",
+    )
+    raised: dict[str, int] = {}
+    inner = runner.run
+
+    async def counting(row, **kw):  # type: ignore[no-untyped-def]
+        try:
+            return await inner(row, **kw)
+        except InfraError as exc:
+            raised[exc.cause] = raised.get(exc.cause, 0) + 1
+            raise
+
+    runner.run = counting  # type: ignore[method-assign]
+    rows = [
+        {"prompt": f"p{i}", "metadata": {"task_id": f"write-hello-{i}", "task_path": str(TASK)}}
+        for i in range(30)
+    ]
+    config = RolloutConfig(
+        batch_size=16,
+        n_samples_per_prompt=4,
+        max_in_flight=24,
+        max_staleness=1,
+        max_attempts=8,
+        retry_backoff_s=0.001,
+        episode_timeout_s=30,
+    )
+    mgr = RolloutManager(runner, engine, rows, config)
+    tracker = MetricsTracker(mgr)
+    trained = []
+    async with mgr:
+        for step in range(6):
+            groups = await mgr.get_batch(timeout=60)
+            tracker.step(step, groups)
+            trained += [(s, engine.weight_version) for g in groups for s in g.samples]
+
+            async def sync() -> None:
+                engine.weight_version += 1
+
+            await mgr.update_weights(sync)
+    assert len(trained) == 96
+    assert dict(mgr.counters.failures) == raised
+    assert set(raised) == {"sandbox_create", "sandbox_transport", "engine_unavailable", "verifier_error"}
+    assert engine.rejected > 0
+    assert all(s is not None and s.status is not Status.FAILED_INFRA for s, _ in trained)
+    assert {s.reward for s, _ in trained} == {0.0, 1.0}
+    assert all(v - min(s.weight_versions + [s.metadata["start_version"]]) <= 1 for s, v in trained)
+    assert mgr.counters.samples_exhausted == 0 and mgr.counters.infra_scored == 0
+    assert sum(sum(m.failures_by_cause.values()) for m in tracker.history) <= sum(raised.values())
+    assert provider.live_sandboxes() == 0
