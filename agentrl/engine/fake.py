@@ -71,8 +71,8 @@ class ScriptedEngine(Engine):
 
     def __init__(
         self,
-        tokenizer: Any,
         script: Script,
+        tokenizer: Any,
         *,
         logprob: float = -0.5,
         weight_version: int = 0,
@@ -199,7 +199,11 @@ class FakeEngine(Engine):
                     finish = "abort"
                     self.aborts += 1
                     break
-                tok = self.eos_id if rng.random() < self.eos_rate else rng.randrange(self.first_token, self.vocab_size)
+                tok = (
+                    self.eos_id
+                    if rng.random() < self.eos_rate
+                    else rng.randrange(self.first_token, self.vocab_size)
+                )
                 ids.append(tok)
                 logps.append(-5.0 * rng.random())
                 if tok in stops:

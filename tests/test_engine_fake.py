@@ -1,0 +1,88 @@
+"""ScriptedEngine and FakeEngine: the same protocol as real engines, with scripts and faults."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentrl.engine.base import EngineBadRequest, EngineError, SamplingParams
+from agentrl.engine.fake import FakeEngine, Faults, ScriptedEngine
+from tests.chat_tokenizer import byte_tokenizer
+
+
+async def test_scripted_turns_are_tokenized_and_closed_with_eos() -> None:
+    tok = byte_tokenizer()
+    engine = ScriptedEngine(["ls -la", "done"], tok, logprob=-0.25, weight_version=3)
+    first = await engine.generate([1, 2], SamplingParams(), session_id="a")
+    assert first.output_ids == tok.encode("ls -la", add_special_tokens=False) + [tok.eos_token_id]
+    assert first.logprobs == [-0.25] * len(first.output_ids)
+    assert first.finish_reason == "stop" and first.weight_version == 3 and first.text == "ls -la"
+    other = await engine.generate([1], SamplingParams(), session_id="b")
+    assert other.text == "ls -la"  # each session walks the script from its start
+    second = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2), session_id="a")
+    assert second.finish_reason == "length" and len(second.output_ids) == 2
+    assert engine.calls[2] == ("a", [1, 2, 3])
+    with pytest.raises(EngineError, match="script has 2 turns"):
+        await engine.generate([1], SamplingParams(), session_id="a")
+
+
+async def test_scripted_callable_sees_session_turn_and_prompt() -> None:
+    tok = byte_tokenizer()
+    engine = ScriptedEngine(lambda sid, turn, ids: f"{sid}:{turn}:{len(ids)}", tok)
+    gen = await engine.generate([5, 6, 7], SamplingParams(), session_id="s")
+    assert gen.text == "s:0:3"
+    await engine.update_weights(weight_version=8)
+    assert (await engine.generate([5], SamplingParams(), session_id="s")).weight_version == 8
+
+
+async def test_fake_is_deterministic_with_a_seed_and_honours_limits() -> None:
+    a = FakeEngine(seed=1, eos_rate=0.0)
+    b = FakeEngine(seed=1, eos_rate=0.0)
+    ga = await a.generate([1], SamplingParams(max_new_tokens=20, seed=4))
+    gb = await b.generate([1], SamplingParams(max_new_tokens=20, seed=4))
+    assert ga.output_ids == gb.output_ids and len(ga.output_ids) == 20 and ga.finish_reason == "length"
+    assert all(-5.0 < lp <= 0.0 for lp in ga.logprobs)
+    stop = ga.output_ids[5]
+    gs = await a.generate([1], SamplingParams(max_new_tokens=20, seed=4, stop_token_ids=(stop,)))
+    assert gs.finish_reason == "stop" and gs.output_ids[-1] == stop
+    with pytest.raises(EngineBadRequest):
+        await a.generate([], SamplingParams())
+
+
+async def test_fault_injection_bursts_then_recovers_and_aborts() -> None:
+    engine = FakeEngine(faults=Faults(error_burst=2), eos_rate=0.0)
+    for _ in range(2):
+        with pytest.raises(EngineError) as info:
+            await engine.generate([1], SamplingParams(max_new_tokens=4))
+        assert info.value.cause == "engine_unavailable"
+    assert len((await engine.generate([1], SamplingParams(max_new_tokens=4))).output_ids) == 4
+    assert engine.failures == 2 and engine.requests == 3
+    aborting = FakeEngine(faults=Faults(abort_rate=1.0), eos_rate=0.0)
+    gen = await aborting.generate([1], SamplingParams(max_new_tokens=10))
+    assert gen.finish_reason == "abort" and len(gen.output_ids) == 5 and aborting.aborts == 1
+    flaky = FakeEngine(faults=Faults(error_rate=0.5), seed=3)
+    outcomes = []
+    for _ in range(40):
+        try:
+            await flaky.generate([1], SamplingParams(max_new_tokens=1))
+            outcomes.append(True)
+        except EngineError:
+            outcomes.append(False)
+    assert 5 < outcomes.count(False) < 35
+
+
+async def test_pause_abort_cuts_slow_generations_and_blocks_new_ones() -> None:
+    engine = FakeEngine(faults=Faults(latency_per_token_s=0.01), eos_rate=0.0)
+    running = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=1000)))
+    await asyncio.sleep(0.1)
+    await asyncio.wait_for(engine.pause(mode="abort"), 5)
+    gen = running.result()
+    assert gen.finish_reason == "abort" and 0 < len(gen.output_ids) < 1000
+    late = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=2)))
+    await asyncio.sleep(0.1)
+    assert not late.done()
+    await engine.resume()
+    assert (await asyncio.wait_for(late, 5)).finish_reason == "length"
+    with pytest.raises(EngineBadRequest):
+        await engine.pause(mode="sideways")
