@@ -15,8 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import Engine, Generation, SamplingParams
+from agentrl.episode import EpisodeConfig, run_episode
 from agentrl.sandbox.daytona import DaytonaProvider
 from agentrl.tasks import load_task
+from tests.chat_tokenizer import byte_tokenizer
 from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
 from tests.sandbox_contract import SandboxContract
 
@@ -123,19 +128,21 @@ async def test_oracle_run_leaves_the_key_out_of_logs_and_results(server, monkeyp
     assert caplog.records and KEY not in caplog.text and KEY not in repr(result)
 
 
-async def test_a_recorded_episode_leaves_the_key_out_of_its_record(server, monkeypatch, tmp_path) -> None:
-    fake_engine = pytest.importorskip("agentrl.engine.fake")
-    from agentrl.agent.loop import AgentConfig
-    from agentrl.agent.tokens import ChatRenderer
-    from agentrl.engine.base import SamplingParams
-    from agentrl.episode import EpisodeConfig, run_episode
-    from tests.chat_tokenizer import byte_tokenizer
+class ReplyEngine(Engine):
+    """Answers each turn with the next scripted reply (token ids of its text, then EOS)."""
 
+    def __init__(self, replies: list[str], tokenizer) -> None:
+        self.replies, self.tok = list(replies), tokenizer
+
+    async def generate(self, input_ids, sampling, *, session_id=None) -> Generation:
+        ids = [*self.tok.encode(self.replies.pop(0), add_special_tokens=False), self.tok.eos_token_id]
+        return Generation(ids, [-0.5] * len(ids), "stop", 0)
+
+
+async def test_a_recorded_episode_leaves_the_key_out_of_its_record(server, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("DAYTONA_API_KEY", KEY)
     tok = byte_tokenizer()
-    engine = fake_engine.ScriptedEngine(
-        ["```bash\nenv; echo hello > /app/out.txt\n```", "TASK_COMPLETE"], tok
-    )
+    engine = ReplyEngine(["```bash\nenv; echo hello > /app/out.txt\n```", "TASK_COMPLETE"], tok)
     provider = make_provider(server)
     config = EpisodeConfig(
         action_format="fenced-bash", agent=AgentConfig(), sampling=SamplingParams(max_new_tokens=64)
