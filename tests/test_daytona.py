@@ -272,6 +272,28 @@ def test_create_errors_are_classified(exc, kind) -> None:
     assert got == kind and str(getattr(exc, "message", exc)) in str(err)
 
 
+def test_backoff_is_jittered_exponential_capped_and_honours_retry_after() -> None:
+    from tenacity import AsyncRetrying, RetryCallState
+
+    provider = provider_on(FakeDaytonaServer(), backoff_initial_s=1.0, backoff_max_s=8.0)
+
+    def waits(attempt: int, exc: BaseException, n: int = 200) -> list[float]:
+        state = RetryCallState(AsyncRetrying(), None, (), {})
+        state.attempt_number = attempt
+        state.set_exception((type(exc), exc, None))
+        return [provider._wait(state) for _ in range(n)]
+
+    plain = classify_create_error(DaytonaRateLimitError("slow", status_code=429), "t")
+    first, fourth, tenth = waits(1, plain), waits(4, plain), waits(10, plain)
+    assert len(set(first)) > 150  # jittered, not a fixed schedule
+    assert max(first) <= 2.0 and max(fourth) <= 8.0 and max(tenth) <= 8.0
+    assert sum(fourth) / len(fourth) > 2 * sum(first) / len(first)  # grows with the attempt number
+    told = classify_create_error(
+        DaytonaRateLimitError("slow", status_code=429, headers={"Retry-After": "5"}), "t"
+    )
+    assert min(waits(1, told)) >= 5.0 and max(waits(1, told)) <= 8.0
+
+
 async def test_retries_give_up_after_the_configured_attempts() -> None:
     server = FakeDaytonaServer()
     server.create_errors = [DaytonaRateLimitError("slow down", status_code=429) for _ in range(10)]
