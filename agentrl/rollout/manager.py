@@ -3,7 +3,8 @@
 Shape: one producer task owns a TaskGroup; each running sample is one child task that calls
 `EpisodeRunner.run` (a fresh sandbox per attempt, owned and closed by the runner) under a
 wall-clock cap. A finished sample frees its slot at once and wakes the producer, which admits
-the next sample: a retry first, then the next index of the open group, then a new prompt.
+the next sample: the next index of the open group, else the first of a new prompt. A failed
+attempt is retried inside its own task, so it keeps its slot.
 
 Admission (AReaL's rule). Let B = batch_size, s = max_staleness, k = weight updates since start
 (`control.weight_version` - its value at start), C = samples consumed by the trainer, R = samples
@@ -38,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -167,9 +168,7 @@ class RolloutManager:
         self._open: Group | None = None
         self._open_next = 0
         self._unfinished: dict[str, Group] = {}
-        self._retries: deque[tuple[Group, int, int]] = deque()
         self._running = 0
-        self._retry_waiting = 0
         self._done_unbuffered = 0
         self._pauses = 0
         self._admit_open = asyncio.Event()
@@ -247,8 +246,6 @@ class RolloutManager:
         return limit is None or self.outstanding + 1 <= limit
 
     def _next_job(self) -> tuple[Group, int, int] | None:
-        if self._retries:
-            return self._retries.popleft()
         if self._open is None or self._open_next >= self._open.n:
             prompt = self.source.next()
             if prompt is None:
@@ -265,7 +262,7 @@ class RolloutManager:
         return group
 
     def _idle_and_exhausted(self) -> bool:
-        return self._running == 0 and not self._retries and not self._unfinished and self.source.exhausted()
+        return self._running == 0 and not self._unfinished and self.source.exhausted()
 
     async def _produce(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -291,8 +288,9 @@ class RolloutManager:
     async def _attempt(self, group: Group, idx: int, attempt: int, *, eval: bool = False) -> Sample | str:
         """One fresh episode; the Sample, or the failure cause."""
         version = self.control.weight_version
+        cap = asyncio.timeout(self.config.episode_timeout_s)
         try:
-            async with asyncio.timeout(self.config.episode_timeout_s):
+            async with cap:
                 sample = await self.runner.run(
                     group.row, group_id=group.uid, sample_index=idx, attempt=attempt, eval=eval
                 )
@@ -300,6 +298,12 @@ class RolloutManager:
             log.warning("infra failure (%s) in %s/%d attempt %d: %s", exc.cause, group.uid, idx, attempt, exc)
             return exc.cause
         except TimeoutError:
+            if not cap.expired():
+                # A bare TimeoutError from inside the runner: some await of its own gave up.
+                log.warning(
+                    "episode %s/%d attempt %d: untyped timeout inside the runner", group.uid, idx, attempt
+                )
+                return "runner_timeout"
             self.counters.episode_timeouts += 1
             log.warning(
                 "episode %s/%d attempt %d hit the %.0fs cap",
