@@ -9,7 +9,9 @@ backward on one sequence of `--seq-len` tokens, computing token log-probs either
          the memory the chunking is about;
   step   the whole trainer step (decoder + head + loss, forward + backward), with gradient
          checkpointing in the decoder (so the decoder's activations do not hide the head's);
-  step-nogc  the whole step without gradient checkpointing.
+  step-nogc  the whole step without gradient checkpointing;
+  trainer    `TorchTrainer.train_step` (old-log-prob recompute, fp32 weights under bf16 autocast,
+             AdamW step), to show the real trainer path on GPU.
 
 Peak = torch.cuda.max_memory_allocated during the measured call minus what was allocated before it.
 Prints a table and the ratios (chunked peak / unchunked peak, chunked tokens/s / unchunked tokens/s).
@@ -20,6 +22,7 @@ Prints a table and the ratios (chunked peak / unchunked peak, chunked tokens/s /
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -70,6 +73,54 @@ def measure(fn, iters: int) -> tuple[float, float]:
         times.append(time.perf_counter() - t0)
         peaks.append(torch.cuda.max_memory_allocated() - base)
     return max(peaks), sorted(times)[len(times) // 2]
+
+
+def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -> list[dict]:
+    """`TorchTrainer.train_step` itself: fp32 weights + AdamW, bf16 autocast, gradient checkpointing,
+    old-log-prob recompute, one group of two sequences of seq_len / 2 tokens packed in one micro-batch."""
+    from agentrl.sample import Sample
+    from agentrl.train.config import TrainConfig
+    from agentrl.train.torch_backend import TorchTrainer
+
+    g = torch.Generator().manual_seed(2)
+    half, prompt = args.seq_len // 2, 256
+    samples = []
+    for k in range(2):
+        toks = torch.randint(0, args.vocab, (half,), generator=g).tolist()
+        n = half - prompt
+        samples.append(
+            Sample("p0", toks, prompt, [1] * n, (-torch.rand(n, generator=g) * 5).tolist(), reward=float(k))
+        )
+    rows = []
+    for c in (None, chunk):
+        cfg = TrainConfig(
+            lr=1e-6,
+            logprob_chunk_size=c,
+            gradient_checkpointing=True,
+            max_tokens_per_micro_batch=args.seq_len,
+        )
+        trainer = TorchTrainer(copy.deepcopy(model).float(), cfg, device="cuda")
+        try:
+            peak, sec = measure(lambda t=trainer: t.train_step(samples), args.iters)
+        except torch.OutOfMemoryError:
+            rows.append({"part": "trainer", "chunk": c, "oom": True})
+            print(f"trainer    chunk={c!s:6s} OOM")
+            continue
+        finally:
+            del trainer
+            torch.cuda.empty_cache()
+        row = {
+            "part": "trainer",
+            "chunk": c,
+            "peak_gib": peak / 2**30,
+            "sec": sec,
+            "tok_per_s": args.seq_len / sec,
+        }
+        rows.append(row)
+        print(
+            f"trainer    chunk={c!s:6s} peak {row['peak_gib']:8.2f} GiB   {sec * 1e3:8.1f} ms   {row['tok_per_s']:10.0f} tok/s"
+        )
+    return rows
 
 
 def main() -> None:
@@ -168,8 +219,10 @@ def main() -> None:
                 f"{row['tok_per_s']:10.0f} tok/s"
             )
 
+    rows += trainer_rows(model, args, chunks[0])
+
     print("\nratios vs unchunked (goal: peak <= 0.125, speed >= 0.7)")
-    for part in ("head", "step", "step-nogc"):
+    for part in ("head", "step", "step-nogc", "trainer"):
         base = next(r for r in rows if r["part"] == part and r["chunk"] is None)
         for r in rows:
             if r["part"] != part or r["chunk"] is None or r.get("oom") or base.get("oom"):

@@ -49,6 +49,12 @@ class _ChunkedLogprob(torch.autograd.Function):
         entropy = lse - ez if with_entropy else torch.zeros_like(logp)
         ctx.save_for_backward(h, weight, targets, lse, ez)
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
+        # Backward runs outside any autocast region: it redoes the matmuls in the dtype forward used.
+        dev = h.device.type
+        autocast = torch.is_autocast_enabled(dev)
+        ctx.mm_dtype = (
+            torch.get_autocast_dtype(dev) if autocast else torch.promote_types(h.dtype, weight.dtype)
+        )
         ctx.mark_non_differentiable(lse)
         return logp, entropy
 
@@ -63,9 +69,10 @@ class _ChunkedLogprob(torch.autograd.Function):
             if need_w
             else None
         )
+        w_mm = weight.to(ctx.mm_dtype)
         for s in range(0, h.shape[0], cs):
-            hc = h[s : s + cs]
-            z = _logits(hc, weight, temp)
+            hc = h[s : s + cs].to(ctx.mm_dtype)
+            z = _logits(hc, w_mm, temp)
             p = torch.exp(z - lse[s : s + cs, None])
             gl = g_logp[s : s + cs, None].to(p.dtype)
             if ctx.with_entropy:
@@ -77,9 +84,9 @@ class _ChunkedLogprob(torch.autograd.Function):
             dz.scatter_add_(-1, targets[s : s + cs, None], gl)
             if temp != 1.0:
                 dz.div_(temp)
-            dz = dz.to(h.dtype)
+            dz = dz.to(ctx.mm_dtype)
             if need_h:
-                grad_h[s : s + cs] = dz @ weight
+                grad_h[s : s + cs] = dz @ w_mm
             if need_w:
                 # Product in the compute dtype (tensor cores), summed over chunks in fp32.
                 grad_w += dz.t() @ hc
