@@ -10,6 +10,8 @@ from pathlib import Path
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
+from agentrl.engine.fake import FakeEngine
+from agentrl.engine.fake import Faults as EngineFaults
 from agentrl.episode import EpisodeConfig, EpisodeRunner
 from agentrl.errors import InfraError
 from agentrl.rollout import MetricsTracker, RolloutConfig, RolloutManager
@@ -142,4 +144,61 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
     assert all(v - min(s.weight_versions + [s.metadata["start_version"]]) <= 1 for s, v in trained)
     assert mgr.counters.samples_exhausted == 0 and mgr.counters.infra_scored == 0
     assert sum(sum(m.failures_by_cause.values()) for m in tracker.history) <= sum(raised.values())
+    assert provider.live_sandboxes() == 0
+
+
+async def test_fake_engine_faults_and_abort_updates_through_the_real_episode_runner() -> None:
+    """FakeEngine (random tokens: the agent never acts, so episodes are policy failures with a
+    verified reward of 0) with a 503 burst, random 503s, aborted generations and weight updates
+    that abort in-flight turns; sandboxes with create failures and transport errors."""
+    tok = byte_tokenizer()
+    provider = FakeSandboxProvider(faults=Faults(create_failure=0.10, transport_error=0.05), seed=4)
+    provider.grader = lambda sb: 0.0
+    engine = FakeEngine(
+        vocab_size=256,
+        eos_id=tok.eos_token_id,
+        eos_rate=0.1,
+        faults=EngineFaults(error_burst=6, error_rate=0.03, abort_rate=0.05, latency_per_token_s=0.0002),
+        seed=5,
+    )
+    runner = EpisodeRunner(
+        provider=provider,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=EpisodeConfig(
+            action_format="fenced-bash",
+            agent=AgentConfig(max_turns=3, max_consecutive_malformed=3),
+            sampling=SamplingParams(max_new_tokens=32),
+        ),
+        run_id="rollout-fake-engine",
+    )
+    rows = [{"prompt": f"p{i}", "metadata": {"task_id": f"t{i}", "task_path": str(TASK)}} for i in range(20)]
+    config = RolloutConfig(
+        batch_size=8,
+        n_samples_per_prompt=4,
+        max_in_flight=16,
+        max_staleness=1,
+        max_attempts=8,
+        retry_backoff_s=0.001,
+        episode_timeout_s=30,
+    )
+    mgr = RolloutManager(runner, engine, rows, config)
+    trained = []
+    async with mgr:
+        for _ in range(5):
+            groups = await mgr.get_batch(timeout=60)
+            trained += [(s, engine.weight_version) for g in groups for s in g.samples]
+
+            async def sync() -> None:
+                await engine.update_weights()
+
+            await mgr.update_weights(sync, mode="abort")
+    assert len(trained) == 40 and engine.weight_version == 5
+    failures = dict(mgr.counters.failures)
+    assert failures.get("engine_unavailable", 0) == engine.failures >= 6
+    assert failures.get("sandbox_create", 0) > 0 and failures.get("sandbox_transport", 0) > 0
+    assert engine.aborts > 0
+    assert all(s.status is Status.FAILED_POLICY and s.reward == 0.0 for s, _ in trained)
+    assert all(v - min(s.weight_versions + [s.metadata["start_version"]]) <= 1 for s, v in trained)
+    assert mgr.counters.samples_exhausted == 0 and mgr.counters.infra_scored == 0
     assert provider.live_sandboxes() == 0
