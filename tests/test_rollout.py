@@ -367,6 +367,7 @@ async def test_resume_mid_epoch_neither_repeats_nor_skips_a_prompt() -> None:
     mgr2, engine2, provider2, _ = build(data=data, max_staleness=1)
     mgr2.source.max_epochs = 1
     mgr2.load_state_dict(state)
+    assert mgr2.counters.groups_emitted == state["counters"]["groups_emitted"] > 0
     second = []
     async with mgr2:
         with pytest.raises(RolloutFinished):

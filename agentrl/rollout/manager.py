@@ -499,3 +499,6 @@ class RolloutManager:
         if self._producer is not None:
             raise RolloutError("load the state before entering the manager")
         self.source.load_state_dict(state["source"])
+        counters = dict(state.get("counters", {}))
+        failures = Counter(counters.pop("failures", {}))
+        self.counters = Counters(**counters, failures=failures)
