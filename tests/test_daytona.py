@@ -508,6 +508,14 @@ class LoopbackDaytona:
         body = await request.text()
         self.requests.append((request.method, request.path, request.headers.get("Authorization", ""), body))
         parts = request.path.strip("/").split("/")
+        if request.method == "POST" and request.path.endswith("/process/execute"):
+            # The toolbox's exec, run by the host's `sh` (the test only sends harmless commands).
+            req = json.loads(body)
+            proc = await asyncio.create_subprocess_exec(
+                "sh", "-c", req["command"], stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+            out, _ = await asyncio.wait_for(proc.communicate(), req.get("timeout") or 10)
+            return web.json_response({"exitCode": proc.returncode, "result": out.decode()})
         if request.method == "POST" and request.path == "/sandbox":
             if self.create_replies:
                 status, payload = self.create_replies.pop(0)
@@ -567,6 +575,11 @@ async def test_real_sdk_creates_lists_and_deletes_against_a_loopback_api(loopbac
     loopback.create_replies = [(429, {"message": "Too many requests", "statusCode": 429})]
     sb = await provider.create(task, run_id="wire-run")
     await asyncio.sleep(0.2)  # the keepalive reaches the API while "the model thinks"
+    res = await sb.exec("echo out; echo err >&2; exit 3", timeout=10, env={"A": "b c"})
+    assert (res.stdout, res.stderr, res.exit_code, res.timed_out) == ("out\n", "err\n", 3, False)
+    (execute,) = [json.loads(b) for m, p, _, b in loopback.requests if p.endswith("/process/execute")]
+    assert execute["timeout"] == 25 and execute["command"].startswith("sh -c ")  # 10 s + 15 s grace
+    assert f"/toolbox/{sb.sandbox_id}/process/execute" in {p for _, p, _, _ in loopback.requests}
     assert await reap_daytona(run_id="other-run") == 0
     creates = [json.loads(b) for m, p, _, b in loopback.requests if (m, p) == ("POST", "/sandbox")]
     assert len(creates) == 2  # throttled once, then created
