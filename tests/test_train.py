@@ -264,7 +264,8 @@ def test_bf16_autocast_keeps_fp32_weights_and_tracks_the_fp32_step(tiny_base):  
     half = t.train_step(samples)
     assert t.autocast_dtype is torch.bfloat16
     assert all(p.dtype is torch.float32 for p in t.model.parameters())
-    assert half["loss"] == pytest.approx(full["loss"], rel=0.05, abs=1e-3)
+    # The loss is a mean of A * w with A summing to 0 per group, so compare it on the advantage scale.
+    assert half["loss"] == pytest.approx(full["loss"], abs=0.02 * full["adv_abs_mean"])
     assert half["grad_norm"] == pytest.approx(full["grad_norm"], rel=0.05)
     # bf16 compute against fp32 rollouts: a small, nonzero mismatch that the metric reports.
-    assert 0 < half["mismatch_kl"] < 1e-3
+    assert 0 < half["mismatch_kl"] < 1e-2
