@@ -257,6 +257,7 @@ def test_seeded_samples_are_deterministic(tiny_base):  # noqa: F811
     assert isinstance(a[0], Sample) and random.Random(0).random() == random.Random(0).random()
 
 
+@pytest.mark.slow
 def test_bf16_autocast_keeps_fp32_weights_and_tracks_the_fp32_step(tiny_base):  # noqa: F811
     samples = make_samples(tiny_base, seed=12)
     full = _trainer(copy.deepcopy(tiny_base).float()).train_step(samples)
