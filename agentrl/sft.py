@@ -84,7 +84,7 @@ def run_sft(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if log is not None and (step % config.log_every == 0 or step == config.steps - 1):
             log(f"sft step {step:4d}  loss {losses[-1]:.4f}")
     model.eval()

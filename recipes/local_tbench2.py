@@ -281,7 +281,7 @@ def prepare(
     record_dir = asyncio.run(go())
     samples = load_record_samples(record_dir)
     console.print(f"SFT on {len(samples)} trajectories for {cfg.sft_steps} steps")
-    model = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     torch.manual_seed(cfg.seed)
     losses = run_sft(
         model,
@@ -309,7 +309,7 @@ def eval_cmd(
     cfg = _resolve(set_)
     torch.set_num_threads(cfg.torch_threads)
     model_dir = model_dir or cfg.out_dir / "sft"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
     async def go() -> dict[str, Any]:
@@ -364,10 +364,10 @@ def train(
     import copy
 
     import torch
-    from agentrl.engine.local import LocalEngine
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.algo import LossConfig
+    from agentrl.engine.local import LocalEngine
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
     from agentrl.rollout.metrics import MetricsTracker
     from agentrl.sandbox.podman import PodmanProvider
@@ -387,7 +387,7 @@ def train(
     tasks = demo_tasks(cfg)
     rows = [task_row(t) for t in tasks]
     tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
-    policy = AutoModelForCausalLM.from_pretrained(str(sft_dir), torch_dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
     engine_model = copy.deepcopy(policy).eval()
     trainer = TorchTrainer(
         policy,

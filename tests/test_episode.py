@@ -14,7 +14,7 @@ from agentrl.engine.fake import ScriptedEngine
 from agentrl.episode import EpisodeConfig, EpisodeRunner, read_record, replay_episode, run_episode
 from agentrl.errors import InfraError
 from agentrl.sample import Status
-from agentrl.sandbox.fake import Faults, FakeSandboxProvider
+from agentrl.sandbox.fake import FakeSandboxProvider, Faults
 from agentrl.tasks import load_task
 from tests.chat_tokenizer import byte_tokenizer
 
