@@ -154,7 +154,8 @@ class LocalEngine(Engine):
         stop_ids = self.eos_ids | set(sampling.stop_token_ids)
         out_ids: list[int] = []
         logps: list[float] = []
-        finish, matched = "length", None
+        finish = "length"
+        matched: int | str | None = None
         with torch.no_grad():
             if budget > 0:
                 out = self.model(torch.tensor([input_ids], device=self.device), use_cache=True)

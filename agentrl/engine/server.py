@@ -20,7 +20,8 @@ worker. What is served:
   `state_dict()`), `load_format` absent or `"safetensors"`; see `serialize_named_tensors`. Anything
   else is refused with SGLang's `{"success": false, "message": ...}` (HTTP 400).
 - `POST /init_weights_update_group`, `/update_weights_from_distributed`: no NCCL group can exist
-  here; both answer 400 with `success: false` and the message SGLang gives when no group is set up.
+  here; both answer 400 with `success: false` and a message modelled on the assertion SGLang
+  raises when no group is set up.
 
 Not served: streaming (`"stream": true` is refused with 400), multimodal inputs, penalties,
 constrained decoding, LoRA; each is refused with a 400 that names the field.

@@ -371,7 +371,7 @@ class SGLangEngine(Engine):
         """`/abort_request` on every worker (rid is matched as a prefix by SGLang)."""
         await self._fan_out("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
-    async def update_weights(
+    async def update_weights(  # type: ignore[override]  # strict keywords: a typo must not pass
         self,
         *,
         model_path: str | None = None,
