@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from agentrl.errors import TaskFormatError
+from agentrl.errors import AgentRLError, TaskFormatError
 from agentrl.tasks.dataset import split_rows, write_jsonl
 from agentrl.tasks.lint import lint_tasks
 from agentrl.tasks.task import discover_tasks
@@ -100,10 +100,14 @@ def oracle(
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
-    provider = make_provider(backend)
-    results = asyncio.run(
-        run_oracle(provider, tasks, run_id=run_id, solution=not no_solution, concurrency=concurrency)
-    )
+    try:
+        provider = make_provider(backend)
+        results = asyncio.run(
+            run_oracle(provider, tasks, run_id=run_id, solution=not no_solution, concurrency=concurrency)
+        )
+    except AgentRLError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
     table = Table(title=f"oracle ({'no solution' if no_solution else 'solutions'}), run {run_id}")
     for col in ("task", "reward", "seconds", "failure cause"):
         table.add_column(col)
