@@ -33,7 +33,7 @@ class _ChunkedLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_size, temperature, with_entropy):  # type: ignore[override]
+    def forward(ctx, h, weight, targets, chunk_size, temperature, with_entropy):
         n = h.shape[0]
         logp = torch.empty(n, device=h.device, dtype=_acc_dtype(h.dtype))
         lse = torch.empty_like(logp)
@@ -59,7 +59,7 @@ class _ChunkedLogprob(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):  # type: ignore[override]
+    def backward(ctx, g_logp, g_ent):
         h, weight, targets, lse, ez = ctx.saved_tensors
         cs, temp = ctx.chunk_size, ctx.temperature
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -10,7 +10,7 @@ Notation per token (b, t) with trained-token mask m_{b,t} in {0, 1}:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -49,10 +49,10 @@ class LossConfig:
         if not 0 <= self.tis_clip_low <= self.tis_clip:
             raise ValueError(f"need 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low}, {self.tis_clip}")
         for name, value, allowed in (
-            ("tis_level", self.tis_level, TISLevel.__args__),
-            ("tis_mode", self.tis_mode, TISMode.__args__),
-            ("kl_kind", self.kl_kind, KLKind.__args__),
-            ("aggregation", self.aggregation, Aggregation.__args__),
+            ("tis_level", self.tis_level, get_args(TISLevel)),
+            ("tis_mode", self.tis_mode, get_args(TISMode)),
+            ("kl_kind", self.kl_kind, get_args(KLKind)),
+            ("aggregation", self.aggregation, get_args(Aggregation)),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")

@@ -110,7 +110,8 @@ class InProcessSync(WeightSync):
         self.dtype = dtype
 
     async def push(self, model: Any, version: int) -> None:
-        state = {k: v.clone() for k, v in _named_tensors(model, self.dtype)}
+        # No copy: the engine copies into its own parameters, and sync() returns only after it has.
+        state = dict(_named_tensors(model, self.dtype))
         failures = await self._each("load_state_dict", lambda e: e.load_state_dict(state, version))
         if failures:
             raise failures[0]
