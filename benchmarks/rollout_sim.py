@@ -1,8 +1,8 @@
 """Rollout manager on a simulated workload: overhead, Little's-law efficiency, async vs sync.
 
 The workload is `agentrl.rollout.sim`: an engine with latency per token, sandbox create / exec
-and verifier latencies, and heavy-tailed episodes (turns ~ lognormal, sigma 1, capped). Time is
-real asyncio time with short latencies, and the process is pinned to one core.
+and verifier latencies, and heavy-tailed episodes (turns ~ lognormal, sigma 1, capped). Part (a) runs
+in real time with short latencies, the process pinned to one core.
 
 (a) Manager overhead and throughput efficiency at 256 and 1024 episodes in flight.
     Little's law: a system keeping N episodes in flight with mean duration W completes
@@ -16,9 +16,12 @@ real asyncio time with short latencies, and the process is pinned to one core.
     it). Turn lengths are jittered (+-50% tokens) so episodes do not phase-lock into bursts. Overhead per turn = process CPU time per turn of the manager run minus that of
     a bare baseline (N coroutines calling the same runner back to back, no manager), side by side.
 (b) Fully async (max_staleness 2) against synchronous (max_staleness 0: generate a batch, then
-    train, then update) on the same workload with a simulated trainer step (a sleep). Reports
-    samples/s, the speed-up, and trainer idle (time blocked in get_batch) overall and after the
-    first batch (the first batch is a fill-up both modes pay once).
+    train, then update) on the same workload with a simulated trainer step (a sleep). This part
+    runs on a simulated clock (`run_virtual_time`: the loop jumps to the next timer when nothing is
+    ready), so it compares scheduling policies with realistic durations (minutes), many steps,
+    deterministic results, and no noise from other processes on the machine. Reports samples/s,
+    the speed-up, and trainer idle (time blocked in get_batch) overall and after the first batch
+    (the first batch is a fill-up both modes pay once).
 
     python benchmarks/rollout_sim.py [--quick]
 Goals: (a) efficiency >= 0.95 at 1024 in flight; (b) >= 2x samples/s with trainer idle <= 10%.
@@ -38,7 +41,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentrl.rollout import BufferTimeout, RolloutConfig, RolloutManager
-from agentrl.rollout.sim import SimEngine, SimFaults, SimSandboxProvider, SimulatedRunner, SimWorkload
+from agentrl.rollout.sim import (
+    SimEngine,
+    SimFaults,
+    SimSandboxProvider,
+    SimulatedRunner,
+    SimWorkload,
+    clock,
+    run_virtual_time,
+)
 from agentrl.sample import Sample
 
 ROWS = [{"prompt": f"task {i}", "metadata": {"task_id": f"t{i}", "p_pass": 0.5}} for i in range(4096)]
@@ -51,7 +62,7 @@ class Meter:
         self.inner = inner
         self.running = 0
         self.area = 0.0
-        self.last = time.monotonic()
+        self.last = clock()
         self.window_start: float | None = None
         self.nominal = 0.0
         self.actual = 0.0
@@ -59,21 +70,21 @@ class Meter:
         self.turns = 0
 
     def _tick(self) -> None:
-        now = time.monotonic()
+        now = clock()
         if self.window_start is not None:
             self.area += self.running * (now - max(self.last, self.window_start))
         self.last = now
 
     def open_window(self) -> None:
         self._tick()
-        self.window_start = time.monotonic()
+        self.window_start = clock()
         self.area = self.nominal = self.actual = 0.0
         self.done = self.turns = 0
 
     async def run(self, row: dict[str, Any], **kw: Any) -> Sample:
         self._tick()
         self.running += 1
-        t0 = time.monotonic()
+        t0 = clock()
         try:
             sample = await self.inner.run(row, **kw)
         finally:
@@ -81,7 +92,7 @@ class Meter:
             self.running -= 1
         if self.window_start is not None:
             self.nominal += sample.timings["nominal_s"]
-            self.actual += time.monotonic() - t0
+            self.actual += clock() - t0
             self.done += 1
             self.turns += sample.metadata["turns"]
         return sample
@@ -110,10 +121,10 @@ def parts(w: SimWorkload, seed: int) -> tuple[SimEngine, Meter]:
 async def measure(meter: Meter, n: int, w: SimWorkload, warmup_s: float, window_s: float) -> Throughput:
     await asyncio.sleep(warmup_s)
     meter.open_window()
-    cpu0, t0 = time.process_time(), time.monotonic()
+    cpu0, t0 = time.process_time(), clock()
     await asyncio.sleep(window_s)
     meter._tick()
-    cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+    cpu, wall = time.process_time() - cpu0, clock() - t0
     ideal = n / w.mean_episode_s()
     return Throughput(
         occupancy=meter.area / (n * wall),
@@ -183,12 +194,12 @@ async def train_loop(
     mgr = RolloutManager(meter, engine, ROWS, config)  # type: ignore[arg-type]
     waits: list[float] = []
     max_lag = 0
-    t0 = time.monotonic()
+    t0 = clock()
     async with mgr:
         for _ in range(steps):
-            tw = time.monotonic()
+            tw = clock()
             groups = await mgr.get_batch(timeout=600)
-            waits.append(time.monotonic() - tw)
+            waits.append(clock() - tw)
             max_lag = max(
                 max_lag,
                 *(
@@ -204,7 +215,7 @@ async def train_loop(
                 await engine.set_weights(engine.weight_version + 1)
 
             await mgr.update_weights(sync)
-    wall = time.monotonic() - t0
+    wall = clock() - t0
     steady = wall - waits[0]
     return TrainRun(
         steps * batch / wall,
@@ -225,8 +236,7 @@ def pin_one_core() -> str:
         return "not pinned (no sched_setaffinity here)"
 
 
-async def main(quick: bool) -> None:
-    print(f"rollout_sim ({'quick' if quick else 'full'}), {pin_one_core()}")
+async def part_a(quick: bool) -> None:
     wa = SimWorkload(
         engine_per_token_s=0.01,
         tokens_per_turn=32,
@@ -239,8 +249,9 @@ async def main(quick: bool) -> None:
     )
     warm, window = (2.5, 3.5) if quick else (8.0, 20.0)
     print(
-        f"\n(a) workload: {wa.turn_s() * 1e3:.0f} ms/turn nominal, mean episode {wa.mean_episode_s():.2f} s "
-        f"(turns ~ lognormal(median 3, sigma 1), cap 30); window {window:.1f} s after {warm:.1f} s warm-up"
+        f"\n(a) real time, one core. Workload: {wa.turn_s() * 1e3:.0f} ms/turn nominal, mean episode "
+        f"{wa.mean_episode_s():.2f} s (turns ~ lognormal(median 3, sigma 1), cap 30); "
+        f"window {window:.1f} s after {warm:.1f} s warm-up"
     )
     print(
         f"{'in flight':>9} | {'run':>7} | {'occupancy':>9} | {'stretch':>7} | {'efficiency':>10} | "
@@ -260,33 +271,35 @@ async def main(quick: bool) -> None:
             f"efficiency {mgr.efficiency:.3f} (goal >= 0.95 at 1024)"
         )
 
+
+async def part_b(quick: bool) -> None:
     wb = SimWorkload(
-        engine_per_token_s=0.001,
+        engine_per_token_s=0.1,
         tokens_per_turn=32,
-        sandbox_create_s=0.02,
-        sandbox_exec_s=0.008,
-        verifier_s=0.02,
+        sandbox_create_s=2.0,
+        sandbox_exec_s=0.8,
+        verifier_s=2.0,
         median_turns=3,
         turns_sigma=1.0,
         max_turns=30,
     )
-    batch, train_s = 64, 0.6
-    steps = 8 if quick else 25
+    batch, train_s = 64, 60.0
+    steps = 30 if quick else 100
     print(
-        f"\n(b) workload: {wb.turn_s() * 1e3:.0f} ms/turn, mean episode {wb.mean_episode_s():.2f} s, "
-        f"longest {wb.sandbox_create_s + 30 * wb.turn_s() + wb.verifier_s:.2f} s; batch {batch} samples "
-        f"(8 prompts x 8), trainer step {train_s:.2f} s, {steps} steps"
+        f"\n(b) simulated time. Workload: {wb.turn_s():.1f} s/turn, mean episode {wb.mean_episode_s():.0f} s, "
+        f"longest {wb.sandbox_create_s + 30 * wb.turn_s() + wb.verifier_s:.0f} s; batch {batch} samples "
+        f"(8 prompts x 8), trainer step {train_s:.0f} s, {steps} steps"
     )
     sync = await train_loop(wb, staleness=0, in_flight=batch, batch=batch, steps=steps, train_s=train_s)
     asyn = await train_loop(wb, staleness=2, in_flight=3 * batch, batch=batch, steps=steps, train_s=train_s)
     print(
         f"{'mode':>22} | {'samples/s':>9} | {'trainer idle':>12} | {'idle after 1st':>14} | "
-        f"{'max lag':>7} | {'stale re-queued':>15} | {'wall s':>6}"
+        f"{'max lag':>7} | {'stale re-queued':>15} | {'sim. hours':>10}"
     )
     for name, r in (("sync (staleness 0)", sync), ("async (staleness 2)", asyn)):
         print(
-            f"{name:>22} | {r.samples_per_s:>9.1f} | {r.idle:>12.1%} | {r.idle_steady:>14.1%} | "
-            f"{r.max_lag:>7} | {r.stale_groups:>15} | {r.wall_s:>6.1f}"
+            f"{name:>22} | {r.samples_per_s:>9.3f} | {r.idle:>12.1%} | {r.idle_steady:>14.1%} | "
+            f"{r.max_lag:>7} | {r.stale_groups:>15} | {r.wall_s / 3600:>10.2f}"
         )
     print(
         f"speed-up async / sync: {asyn.samples_per_s / sync.samples_per_s:.2f}x (goal >= 2x); "
@@ -298,4 +311,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short windows, under a minute")
     args = parser.parse_args()
-    asyncio.run(main(args.quick))
+    print(f"rollout_sim ({'quick' if args.quick else 'full'}), {pin_one_core()}")
+    t0 = time.monotonic()
+    asyncio.run(part_a(args.quick))
+    t1 = time.monotonic()
+    run_virtual_time(part_b(args.quick))
+    print(f"\nreal seconds: (a) {t1 - t0:.1f}, (b) {time.monotonic() - t1:.1f}")

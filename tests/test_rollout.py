@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 from typing import Any
 
@@ -24,7 +25,15 @@ from agentrl.rollout import (
     RolloutManager,
     render,
 )
-from agentrl.rollout.sim import SimEngine, SimFaults, SimSandboxProvider, SimulatedRunner, SimWorkload
+from agentrl.rollout.sim import (
+    SimEngine,
+    SimFaults,
+    SimSandboxProvider,
+    SimulatedRunner,
+    SimWorkload,
+    clock,
+    run_virtual_time,
+)
 from agentrl.sample import Sample, Status
 
 FAST = SimWorkload(
@@ -84,10 +93,11 @@ async def train(
     steps: int,
     mode: str = "in_place",
     tracker: MetricsTracker | None = None,
+    timeout: float = 20,
 ) -> list[list]:
     batches = []
     for step in range(steps):
-        groups = await mgr.get_batch(timeout=20)
+        groups = await mgr.get_batch(timeout=timeout)
         for g in groups:
             for s in g.samples:
                 s.metadata["consumed_version"] = engine.weight_version
@@ -419,3 +429,19 @@ async def test_step_metrics_go_to_jsonl_and_a_table(tmp_path) -> None:
     console.print(render(tracker.history[-1]))
     text = console.export_text()
     assert "reward mean" in text and "sandbox_create=" in text and "staleness" in text
+
+
+def test_virtual_time_runs_simulated_hours_of_rollout_in_real_seconds() -> None:
+    slow = SimWorkload(engine_per_token_s=0.1, sandbox_create_s=2.0, sandbox_exec_s=1.0, verifier_s=2.0)
+
+    async def main() -> tuple[float, int]:
+        mgr, engine, provider, _runner = build(workload=slow, max_staleness=1, episode_timeout_s=3600)
+        t0 = clock()
+        async with mgr:
+            batches = await train(mgr, engine, steps=4, timeout=3600)
+        assert provider.live_sandboxes() == 0
+        return clock() - t0, len(samples_of(batches))
+
+    t0 = time.monotonic()
+    simulated_s, n = run_virtual_time(main())
+    assert n == 32 and simulated_s > 60 and time.monotonic() - t0 < 10

@@ -8,7 +8,6 @@ knows exactly which prompts were trained on.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,7 +162,8 @@ class Buffer:
         """Wait up to `timeout` seconds for `batch_size` samples in whole groups."""
         if batch_size <= 0:
             raise BufferError(f"batch_size must be positive, got {batch_size}")
-        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
             if self._error is not None:
                 raise BufferError(f"the rollout producer failed: {self._error!r}") from self._error
@@ -179,7 +179,7 @@ class Buffer:
                 raise RolloutFinished(
                     f"rollout finished with {self.n_samples} samples left, fewer than {batch_size}"
                 )
-            remaining = deadline - time.monotonic()
+            remaining = deadline - loop.time()
             if remaining <= 0:
                 raise BufferTimeout(
                     f"no batch of {batch_size} samples within {timeout:.1f}s ({self.n_samples} buffered): "

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -176,7 +175,7 @@ class RolloutManager:
         self._wake = asyncio.Event()
         self._producer: asyncio.Task[None] | None = None
         self._base_version = control.weight_version
-        self.started_at = time.monotonic()
+        self.started_at = 0.0  # the event loop's clock, set on entry
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -184,7 +183,7 @@ class RolloutManager:
         if self._producer is not None:
             raise RolloutError("this RolloutManager is already running")
         self._base_version = self.control.weight_version
-        self.started_at = time.monotonic()
+        self.started_at = asyncio.get_running_loop().time()
         self._producer = asyncio.create_task(self._produce(), name="rollout-producer")
         self._producer.add_done_callback(self._producer_done)
         return self

@@ -3,8 +3,8 @@ rendered as a rich table."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,13 +65,16 @@ class MetricsTracker:
         self.path = Path(path) if path is not None else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._last_t = time.monotonic()
+        self._last_t: float | None = None
         self._last = manager.counters.snapshot()
         self.history: list[StepMetrics] = []
 
     def step(self, step: int, groups: list[Group], *, consumed_at_version: int | None = None) -> StepMetrics:
         mgr = self.manager
-        now_t = time.monotonic()
+        # The event loop's clock, so a simulated-time loop reports simulated seconds.
+        now_t = asyncio.get_running_loop().time()
+        if self._last_t is None:
+            self._last_t = mgr.started_at
         counters = mgr.counters.snapshot()
         version = mgr.control.weight_version if consumed_at_version is None else consumed_at_version
         samples = [s for g in groups for s in g.samples if s is not None]

@@ -1,7 +1,10 @@
 """A simulated episode runner with fault injection, for the rollout tests and benchmark.
 
-Everything is real asyncio time (latencies are short), so the manager's timeouts, cancellation
-and slot accounting run exactly as in production. The pieces mirror the production seams:
+Time is the event loop's clock: real time on a normal loop (latencies are short), so the
+manager's timeouts, cancellation and slot accounting run exactly as in production; or simulated
+time under `run_virtual_time`, where the loop jumps to the next timer whenever nothing is ready
+(CPU work takes no simulated time: a scheduling study immune to a busy machine). The pieces
+mirror the production seams:
 
 - `SimEngine`: data plane (`generate`, latency per token, bursts of 503s) and control plane
   (`pause(mode)` / `resume()` / `weight_version`), with "in_place" (pause waits for in-flight
@@ -19,16 +22,60 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
+import selectors
 import zlib
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.engine.base import EngineAborted, EngineError
 from agentrl.episode import VerifierInfraError
 from agentrl.errors import InfraError
 from agentrl.sample import Sample, Status
 from agentrl.sandbox.base import SandboxCreateError, SandboxTransportError
+
+T = TypeVar("T")
+
+
+def clock() -> float:
+    """The running event loop's clock (simulated seconds under `run_virtual_time`)."""
+    return asyncio.get_running_loop().time()
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Polls real file descriptors without blocking; where the loop would block until its next
+    timer, it moves the loop's clock there instead."""
+
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        events = super().select(0 if timeout is not None else None)
+        if not events and timeout is not None and timeout > 0:
+            self._loop.advance(timeout)
+        return events
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on a simulated clock: sleeps and timeouts complete as soon as nothing else
+    can run, with `time()` moved forward by exactly their length."""
+
+    def __init__(self) -> None:
+        self._virtual_now = 0.0
+        super().__init__(selector=_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self._virtual_now
+
+    def advance(self, seconds: float) -> None:
+        self._virtual_now += seconds
+
+
+def run_virtual_time(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on a VirtualTimeLoop."""
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(main)
 
 
 @dataclass
@@ -97,7 +144,7 @@ class SimEngine:
         """Generate `n_tokens`; returns the weight version they were generated with."""
         await self._open.wait()
         self.calls += 1
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         if now < self._burst_until or (
             self.faults.engine_burst_rate and self.rng.random() < self.faults.engine_burst_rate
         ):
@@ -238,26 +285,26 @@ class SimulatedRunner:
         ]
         timings = {"engine_s": 0.0, "sandbox_s": 0.0, "verifier_s": 0.0}
         versions: list[int] = []
-        t0 = time.monotonic()
+        t0 = clock()
         sandbox = await self.provider.create(f"{group_id}/{sample_index}/{attempt}")
-        timings["sandbox_s"] += time.monotonic() - t0
+        timings["sandbox_s"] += clock() - t0
         try:
             for turn in range(n_turns):
-                t = time.monotonic()
+                t = clock()
                 versions.append(await self._generate(turn_tokens[turn]))
-                timings["engine_s"] += time.monotonic() - t
+                timings["engine_s"] += clock() - t
                 self.turns += 1
                 if turn == policy_fail_turn:
                     n_turns = turn + 1
                     break
-                t = time.monotonic()
+                t = clock()
                 await sandbox.exec(
                     w.sandbox_exec_s, hang=turn == hang_turn, transport_error=turn == transport_turn
                 )
-                timings["sandbox_s"] += time.monotonic() - t
-            t = time.monotonic()
+                timings["sandbox_s"] += clock() - t
+            t = clock()
             await asyncio.sleep(w.verifier_s)
-            timings["verifier_s"] += time.monotonic() - t
+            timings["verifier_s"] += clock() - t
             if verifier_timeout:
                 raise VerifierInfraError(
                     f"verifier of {group_id} timed out (injected)", cause="verifier_timeout"
