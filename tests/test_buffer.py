@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentrl.rollout.buffer import Buffer, BufferError, BufferTimeout, Group, RolloutFinished
 from agentrl.rollout.source import PromptSource, PromptSourceError
@@ -163,3 +165,42 @@ def test_bad_rows_and_mismatched_state_are_rejected() -> None:
     state = PromptSource(_rows(4), seed=0).state_dict()
     with pytest.raises(PromptSourceError, match="same data and seed"):
         PromptSource(_rows(5), seed=0).load_state_dict(state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_rows=st.integers(1, 7),
+    epochs=st.integers(1, 3),
+    seed=st.integers(0, 5),
+    ops=st.lists(st.sampled_from(["issue", "consume", "requeue", "checkpoint"]), max_size=40),
+)
+def test_any_checkpoint_and_resume_trains_every_prompt_of_every_epoch_exactly_once(
+    n_rows: int, epochs: int, seed: int, ops: list[str]
+) -> None:
+    rows = _rows(n_rows)
+    src = PromptSource(rows, seed=seed, max_epochs=epochs)
+    trained: list[str] = []
+    held: list[str] = []  # issued, not yet consumed
+    for op in ops:
+        if op == "issue" and (p := src.next()) is not None:
+            held.append(p.uid)
+        elif op == "consume" and held:
+            uid = held.pop(0)
+            src.mark_consumed(uid)
+            trained.append(uid)
+        elif op == "requeue" and held:
+            src.requeue(held.pop())
+        elif op == "checkpoint":
+            # a crash: whatever was held is lost with the process
+            state = src.state_dict()
+            src = PromptSource(rows, seed=seed, max_epochs=epochs)
+            src.load_state_dict(state)
+            held = []
+    # the run stops here and resumes to the end
+    state = src.state_dict()
+    src = PromptSource(rows, seed=seed, max_epochs=epochs)
+    src.load_state_dict(state)
+    while (p := src.next()) is not None:
+        src.mark_consumed(p.uid)
+        trained.append(p.uid)
+    assert sorted(trained) == sorted(f"{e}:{i}" for e in range(epochs) for i in range(n_rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -294,7 +295,7 @@ def test_ctrl_c_closes_every_sandbox() -> None:
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(subprocess.signal.SIGINT)  # type: ignore[attr-defined]
+        proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
