@@ -221,7 +221,7 @@ async def train_loop(
         steps * batch / wall,
         sum(waits) / wall,
         sum(waits[1:]) / steady if steady > 0 else 0.0,
-        mgr.counters.stale_groups,
+        mgr.counters.stale_groups + mgr.counters.stale_cancelled,
         max_lag,
         wall,
     )

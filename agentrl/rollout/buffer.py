@@ -46,6 +46,7 @@ class Group:
     row: dict[str, Any]
     n: int
     samples: list[Sample | None] = field(default_factory=list)
+    discarded: bool = False  # cancelled as certain to exceed max_staleness; its prompt was re-queued
 
     def __post_init__(self) -> None:
         if not self.samples:

@@ -14,10 +14,12 @@ version, at most (s + 1) batches' worth of samples exist beyond what the trainer
 with in-order completion every sample is trained at most s versions after it started.
 
 Completion is not in order (episode lengths are heavy-tailed): a long episode can be overtaken
-by later ones, which the count rule alone cannot bound. The buffer therefore also checks the
-version at consumption: a group whose oldest token (start version, or any turn's version) is
-more than s versions behind is never handed to the trainer; its prompt is re-queued and counted
-(`stale_groups`). So the bound holds strictly, and the admission rule keeps such re-queues rare.
+by later ones, which the count rule alone cannot bound. Two guards make the bound strict. After
+each weight update, a group that can no longer be trained within the bound (its oldest start or
+turn version is more than s behind the new version) is cancelled at once: its running episodes
+are cancelled (their runners close their sandboxes), its prompt is re-queued, and it is counted
+(`stale_cancelled`), so no compute goes on after it is known to be wasted. And the buffer checks
+again at consumption (`stale_groups`). The admission rule keeps both rare.
 
 Failures. `run` returns a Sample for completed, truncated and policy-failed episodes (real
 outcomes with their reward) and raises `InfraError` for infrastructure failures; those are
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.rollout.buffer import Buffer, Group
+from agentrl.rollout.buffer import Buffer, Group, sample_oldest_version
 from agentrl.rollout.source import Prompt, PromptSource
 from agentrl.sample import Sample, Status
 
@@ -118,6 +120,7 @@ class Counters:
     groups_incomplete: int = 0
     groups_filtered: int = 0
     stale_groups: int = 0
+    stale_cancelled: int = 0  # groups cancelled in flight as certain to exceed max_staleness
     infra_scored: int = 0  # must stay 0: an infra failure that reached a group with a reward
 
     def snapshot(self) -> dict[str, Any]:
@@ -168,6 +171,8 @@ class RolloutManager:
         self._open_next = 0
         self._unfinished: dict[str, Group] = {}
         self._running = 0
+        self._tasks: dict[int, set[asyncio.Task[Any]]] = {}  # id(group) -> its sample tasks
+        self._attempt_versions: dict[tuple[int, int], int] = {}  # (id(group), idx) -> start version
         self._done_unbuffered = 0
         self._pauses = 0
         self._admit_open = asyncio.Event()
@@ -344,12 +349,21 @@ class RolloutManager:
 
     async def _run_sample(self, group: Group, idx: int, attempt: int) -> None:
         causes: list[str] = []
+        task = asyncio.current_task()
+        assert task is not None
+        own = self._tasks.setdefault(id(group), set())
+        own.add(task)
+        key = (id(group), idx)
         try:
             while True:
                 # A start happens only while admission is open: a task admitted just before a
                 # pause (weight update, eval) starts after it, and so does a retry.
                 await self._admit_open.wait()
-                result = await self._attempt(group, idx, attempt)
+                self._attempt_versions[key] = self.control.weight_version
+                try:
+                    result = await self._attempt(group, idx, attempt)
+                finally:
+                    self._attempt_versions.pop(key, None)
                 if isinstance(result, Sample):
                     break
                 causes.append(result)
@@ -362,7 +376,12 @@ class RolloutManager:
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
         finally:
             self._running -= 1
+            own.discard(task)
+            if not own:
+                self._tasks.pop(id(group), None)
             self._kick()
+        if group.discarded:
+            return
         self.counters.finished += 1
         self._fill(group, idx, result)
 
@@ -386,6 +405,37 @@ class RolloutManager:
         else:
             self.counters.groups_emitted += 1
             self.buffer.put(group)
+        self._kick()
+
+    def _cancel_doomed(self) -> None:
+        """Cancel the unfinished groups that can no longer be trained within max_staleness."""
+        s = self.config.max_staleness
+        if s is None:
+            return
+        floor = self.control.weight_version - s
+        running_oldest: dict[int, int] = {}
+        for (gid, _), v in self._attempt_versions.items():
+            running_oldest[gid] = min(v, running_oldest.get(gid, v))
+        for uid, group in list(self._unfinished.items()):
+            versions = [
+                v for x in group.samples if x is not None and (v := sample_oldest_version(x)) is not None
+            ]
+            if id(group) in running_oldest:
+                versions.append(running_oldest[id(group)])
+            if not versions or min(versions) >= floor:
+                continue
+            group.discarded = True
+            del self._unfinished[uid]
+            self._done_unbuffered -= group.filled
+            if self._open is group:
+                self._open = None
+            for task in self._tasks.get(id(group), ()):
+                task.cancel()
+            self.counters.stale_cancelled += 1
+            log.info(
+                "group %s cannot be trained within max_staleness %d: cancelled, prompt re-queued", uid, s
+            )
+            self.source.requeue(uid)
         self._kick()
 
     def _on_stale(self, group: Group) -> None:
@@ -436,8 +486,11 @@ class RolloutManager:
                 async with asyncio.timeout(cfg.sync_timeout_s):
                     await sync_fn()
             finally:
-                async with asyncio.timeout(cfg.control_timeout_s):
-                    await self.control.resume()
+                try:
+                    async with asyncio.timeout(cfg.control_timeout_s):
+                        await self.control.resume()
+                finally:
+                    self._cancel_doomed()
 
     async def evaluate(
         self, rows: Sequence[dict[str, Any]], *, n_samples: int = 1, max_in_flight: int | None = None

@@ -35,7 +35,8 @@ class StepMetrics:
     failures_by_cause: dict[str, int]  # infra failures since the previous step
     samples_exhausted: int
     groups_filtered: int
-    stale_groups: int
+    stale_groups: int  # evicted from the buffer
+    stale_cancelled: int  # cancelled in flight
     staleness_hist: dict[int, int]  # versions behind at consumption -> samples
     in_flight: int
     buffered_groups: int
@@ -108,6 +109,7 @@ class MetricsTracker:
             samples_exhausted=_delta(counters, self._last, "samples_exhausted"),
             groups_filtered=_delta(counters, self._last, "groups_filtered"),
             stale_groups=_delta(counters, self._last, "stale_groups"),
+            stale_cancelled=_delta(counters, self._last, "stale_cancelled"),
             staleness_hist=dict(hist),
             in_flight=mgr.running,
             buffered_groups=mgr.buffer.n_groups,
@@ -144,7 +146,10 @@ def render(m: StepMetrics) -> Table:
         ("pass rate", f"{m.pass_rate:.1%}"),
         ("truncated / policy-failed", f"{m.truncation_ratio:.1%} / {m.policy_failure_ratio:.1%}"),
         ("infra failures", ", ".join(f"{c}={n}" for c, n in sorted(m.failures_by_cause.items())) or "0"),
-        ("exhausted / filtered / stale", f"{m.samples_exhausted} / {m.groups_filtered} / {m.stale_groups}"),
+        (
+            "exhausted / filtered / stale (buffer, in flight)",
+            f"{m.samples_exhausted} / {m.groups_filtered} / {m.stale_groups}, {m.stale_cancelled}",
+        ),
         ("staleness", " ".join(f"{k}:{v}" for k, v in sorted(m.staleness_hist.items())) or "-"),
         (
             "in flight / buffered / open groups",
