@@ -246,3 +246,11 @@ async def test_load_from_a_save_pretrained_directory(tiny, tmp_path) -> None:
             assert torch.equal(a, b), name
     finally:
         await eng.aclose()
+
+
+async def test_worker_thread_uses_its_own_thread_count(engine) -> None:
+    before = torch.get_num_threads()
+    assert engine.cpu_threads == 1
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(engine._executor, torch.get_num_threads) == 1
+    assert torch.get_num_threads() == before

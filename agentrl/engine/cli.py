@@ -21,12 +21,19 @@ def serve_cmd(
         "--logprob-mode",
         help="'processed': log-probs of softmax(logits/T), as SGLang; 'original': of softmax(logits).",
     ),
+    cpu_threads: int = typer.Option(
+        None, "--cpu-threads", help="Intra-op threads for generation (default: 1 for small models on CPU)."
+    ),
 ) -> None:
     """Serve MODEL with SGLang's /generate and control-plane endpoints (see agentrl.engine.server)."""
     from agentrl.engine.server import serve
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(model, host=host, port=port, device=device, logprob_mode=logprob_mode))
+        asyncio.run(
+            serve(
+                model, host=host, port=port, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads
+            )
+        )
 
 
 @app.command("tiny")

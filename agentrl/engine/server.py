@@ -609,6 +609,7 @@ async def serve(
     port: int = 30000,
     device: str = "cpu",
     logprob_mode: str = "processed",
+    cpu_threads: int | None = None,
     ready: asyncio.Event | None = None,
 ) -> None:
     """Load a model directory and serve it until cancelled."""
@@ -620,7 +621,7 @@ async def serve(
         raise EngineBadRequest(f"--model {path} is not a directory (it must hold a transformers model)")
     model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
-    engine = LocalEngine(model, tokenizer, device=device, logprob_mode=logprob_mode)
+    engine = LocalEngine(model, tokenizer, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads)
     try:
         async with EngineServer(engine, model_path=str(path), host=host, port=port) as server:
             print(f"agentrl engine serving {path} at {server.url}", flush=True)
