@@ -1,16 +1,19 @@
 """Weight sync: new trainer weights into the inference engines, one interface, three strategies.
 
-Every strategy runs the same envelope around its transfer:
+`sync(model, version)` runs the same envelope around every strategy's transfer:
     pause every engine -> push the weights (tagged with the new weight version) -> resume every engine
 The resume runs whatever happened before it (a failed pause, a failed or timed-out push,
 cancellation), so a failed sync never leaves an engine paused; the failure is then raised as a
-`WeightSyncError` (an infrastructure error, never a policy outcome).
+`WeightSyncError` (an infrastructure error, never a policy outcome). A caller that pauses engines
+itself (the rollout manager around its own update) calls `push` alone.
 
-Strategies and the engine methods they call:
-  InProcessSync  engine.load_state_dict(state_dict, weight_version)      (the local engine, same process)
-  DiskSync       engine.update_weights_from_disk(path, weight_version=v) (SGLang: a safetensors dir,
-                 written to a temporary directory and renamed into place before any engine reads it)
-  TensorSync     engine.update_weights_from_tensor(named_tensors, weight_version=v)  (SGLang, in buckets)
+Strategies and the engine calls they make (the `Engine` control plane):
+  InProcessSync  engine.load_state_dict(state_dict, weight_version=v)          LocalEngine, same process
+  DiskSync       engine.update_weights(model_path=dir, weight_version=v)     SGLang `/update_weights_from_disk`
+                 (or LocalEngine); the safetensors directory is written to a temporary directory and
+                 renamed into place before any engine reads it
+  TensorSync     engine.update_weights(serialized_named_tensors=[...], weight_version=v)
+                 SGLang `/update_weights_from_tensor`, in buckets of bounded size
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import abc
 import asyncio
 import inspect
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +115,9 @@ class InProcessSync(WeightSync):
     async def push(self, model: Any, version: int) -> None:
         # No copy: the engine copies into its own parameters, and sync() returns only after it has.
         state = dict(_named_tensors(model, self.dtype))
-        failures = await self._each("load_state_dict", lambda e: e.load_state_dict(state, version))
+        failures = await self._each(
+            "load_state_dict", lambda e: e.load_state_dict(state, weight_version=version)
+        )
         if failures:
             raise failures[0]
 
@@ -136,7 +141,7 @@ class DiskSync(WeightSync):
         self.directory = Path(directory)
         self.dtype = dtype
         self.keep = max(1, keep)
-        self._pending: Path | None = None
+        self._pending: tuple[int, Path] | None = None
 
     def write(self, model: Any, version: int) -> Path:
         """The atomic write alone (usable before pausing engines: writing can take a while)."""
@@ -158,19 +163,24 @@ class DiskSync(WeightSync):
 
     async def sync(self, model: Any, version: int) -> None:
         # Write before pausing: engines keep generating while the (slow) write happens.
-        try:
-            self._pending = await asyncio.to_thread(self.write, model, version)
-        except OSError as exc:
-            raise WeightSyncError(
-                f"could not write weights for version {version} under {self.directory}: {exc}"
-            ) from exc
+        await self._write(model, version)
         await super().sync(model, version)
 
+    async def _write(self, model: Any, version: int) -> Path:
+        if self._pending is None or self._pending[0] != version:
+            try:
+                self._pending = (version, await asyncio.to_thread(self.write, model, version))
+            except OSError as exc:
+                raise WeightSyncError(
+                    f"could not write weights for version {version} under {self.directory}: {exc}"
+                ) from exc
+        return self._pending[1]
+
     async def push(self, model: Any, version: int) -> None:
-        assert self._pending is not None, "push runs inside sync, after write"
-        path = str(self._pending)
+        path = str(await self._write(model, version))
         failures = await self._each(
-            "update_weights_from_disk", lambda e: e.update_weights_from_disk(path, weight_version=version)
+            "update_weights(model_path)",
+            lambda e: e.update_weights(model_path=path, weight_version=version),
         )
         if failures:
             raise failures[0]
@@ -188,7 +198,14 @@ def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class TensorSync(WeightSync):
-    """Send the tensors themselves in buckets of at most `bucket_bytes` (`update_weights_from_tensor`)."""
+    """Send the tensors themselves in buckets of at most `bucket_bytes` (one tensor larger than
+    that goes alone), each bucket one `update_weights(serialized_named_tensors=...)` call.
+
+    `serialize` turns a bucket into one `serialized_named_tensors` entry. The default is the format
+    agentrl's engine server accepts (base64 safetensors, `agentrl.engine.server`); a real SGLang
+    worker expects its own `MultiprocessingSerializer` payload (CUDA IPC handles, so only for
+    engines colocated with the trainer): pass that serializer and its `load_format` there.
+    """
 
     def __init__(
         self,
@@ -196,11 +213,19 @@ class TensorSync(WeightSync):
         *,
         dtype: torch.dtype | None = None,
         bucket_bytes: int = 512 * 2**20,
+        serialize: Callable[[dict[str, torch.Tensor]], str] | None = None,
+        load_format: str | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(engines, **kw)
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
+        if serialize is None:
+            from agentrl.engine.server import serialize_named_tensors
+
+            serialize = serialize_named_tensors
+        self.serialize: Callable[[dict[str, torch.Tensor]], str] = serialize
+        self.load_format = load_format
 
     def buckets(self, model: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -210,16 +235,20 @@ class TensorSync(WeightSync):
             if bucket and size + nbytes > self.bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
-            bucket.append((name, t.cpu()))
+            bucket.append((name, t))
             size += nbytes
         if bucket:
             yield bucket
 
     async def push(self, model: Any, version: int) -> None:
+        extra = {"load_format": self.load_format} if self.load_format is not None else {}
         for bucket in self.buckets(model):
+            payload = await asyncio.to_thread(self.serialize, dict(bucket))
             failures = await self._each(
-                "update_weights_from_tensor",
-                lambda e, b=bucket: e.update_weights_from_tensor(b, weight_version=version),
+                "update_weights(serialized_named_tensors)",
+                lambda e, p=payload: e.update_weights(
+                    serialized_named_tensors=[p], weight_version=version, **extra
+                ),
             )
             if failures:
                 raise failures[0]
