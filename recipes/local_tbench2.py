@@ -60,7 +60,7 @@ class RecipeConfig:
     command_timeout_s: float = 20.0
     temperature: float = 1.0
     # SFT warm start (deliberately light: RL must have room to show)
-    sft_steps: int = 40
+    sft_steps: int = 60
     sft_lr: float = 1e-3
     sft_batch_size: int = 8
     # RL
@@ -201,7 +201,7 @@ async def evaluate(
             except InfraError as exc:
                 infra += 1
                 console.print(
-                    f"[yellow]eval infra failure ({exc.cause}) on {task.task_id}; not scored[/yellow]"
+                    f"[yellow]eval infra failure ({exc.cause}) on {task.task_id}; not scored: {str(exc)[:300]}[/yellow]"
                 )
                 return
             rewards[task.task_id].append(float(res.verify.reward >= 1.0))
@@ -211,6 +211,11 @@ async def evaluate(
     per_task = {t: (sum(r) / len(r) if r else 0.0) for t, r in rewards.items()}
     pass_at_k = {t: float(any(r)) for t, r in rewards.items()}
     n = sum(len(r) for r in rewards.values())
+    if n < (len(tasks) * k) // 2:
+        raise RuntimeError(
+            f"eval {label}: only {n} of {len(tasks) * k} episodes ran ({infra} infra failures): "
+            "fix the infrastructure before reading a pass rate"
+        )
     summary = {
         "label": label,
         "pass@1": sum(sum(r) for r in rewards.values()) / max(1, n),
@@ -327,7 +332,7 @@ def _flatten(groups: list[Any]) -> list[Any]:
     """Trainable samples of whole groups; an episode split into segments contributes each segment."""
     out = []
     for g in groups:
-        for s in g.trainable_samples():
+        for s in g.trainable_samples:
             out += [*s.metadata.pop("prior_segments", []), s]
     return out
 
