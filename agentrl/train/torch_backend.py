@@ -160,10 +160,18 @@ class TorchTrainer:
             )
             loss.backward()
             total += loss.item()
-            weight = mb.loss_mask.sum().item() / max(batch.num_loss_tokens, 1)
+            n_tok = mb.loss_mask.sum().item()
+            if n_tok == 0:
+                continue
             for k, v in metrics.items():
-                if k != "pg_loss":
-                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+                x = float(v)
+                if k.endswith("_min"):
+                    sums[k] = min(sums.get(k, x), x)
+                elif k.endswith("_max"):
+                    sums[k] = max(sums.get(k, x), x)
+                elif k != "pg_loss":
+                    # Token-weighted, so a metric of the step is its mean over the step's tokens.
+                    sums[k] = sums.get(k, 0.0) + x * n_tok / max(batch.num_loss_tokens, 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.step += 1
