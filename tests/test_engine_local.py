@@ -254,3 +254,29 @@ async def test_worker_thread_uses_its_own_thread_count(engine) -> None:
     loop = asyncio.get_running_loop()
     assert await loop.run_in_executor(engine._executor, torch.get_num_threads) == 1
     assert torch.get_num_threads() == before
+
+
+async def test_update_weights_takes_each_sync_format(tiny, tmp_path) -> None:
+    import copy
+
+    from agentrl.engine.tensors import serialize_named_tensors
+
+    model, tok = tiny
+    eng = LocalEngine(copy.deepcopy(model), tok)
+    try:
+        head = model.lm_head.weight * 0.5
+        await eng.update_weights(
+            serialized_named_tensors=[serialize_named_tensors({"lm_head.weight": head})],
+            weight_version=2,
+            flush_cache=False,
+        )
+        assert eng.weight_version == 2 and torch.equal(eng.model.lm_head.weight, head)
+        await eng.update_weights(state_dict={"lm_head.weight": model.lm_head.weight}, weight_version=3)
+        assert torch.equal(eng.model.lm_head.weight, model.lm_head.weight)
+        with pytest.raises(EngineBadRequest, match="pickled tensors are refused"):
+            await eng.update_weights(serialized_named_tensors=["not base64!"], weight_version=4)
+        with pytest.raises(EngineBadRequest, match="exactly one"):
+            await eng.update_weights(weight_version=4)
+        assert eng.weight_version == 3
+    finally:
+        await eng.aclose()

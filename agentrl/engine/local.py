@@ -335,15 +335,32 @@ class LocalEngine(Engine):
         *,
         state_dict: Mapping[str, Any] | None = None,
         model_path: str | Path | None = None,
+        serialized_named_tensors: list[str] | None = None,
         weight_version: int | None = None,
+        load_format: str | None = None,
         **_: Any,
     ) -> None:
-        if (state_dict is None) == (model_path is None):
-            raise EngineBadRequest("update_weights needs exactly one of state_dict= or model_path=")
+        """The weight-sync entry point shared with `SGLangEngine`: exactly one of `state_dict`,
+        `model_path` (see `load_from_disk`) or `serialized_named_tensors` (base64 safetensors, see
+        `agentrl.engine.tensors`). Other SGLang options (flush_cache, ...) mean nothing here."""
+        given = [x is not None for x in (state_dict, model_path, serialized_named_tensors)]
+        if sum(given) != 1:
+            raise EngineBadRequest(
+                "update_weights needs exactly one of state_dict=, model_path=, serialized_named_tensors="
+            )
         if state_dict is not None:
             await self.load_state_dict(state_dict, weight_version)
+        elif model_path is not None:
+            await self.load_from_disk(model_path, weight_version)
         else:
-            await self.load_from_disk(model_path, weight_version)  # type: ignore[arg-type]
+            if load_format not in (None, "safetensors"):
+                raise EngineBadRequest(f"load_format {load_format!r}: LocalEngine takes base64 safetensors")
+            from agentrl.engine.tensors import deserialize_named_tensors
+
+            state: dict[str, Any] = {}
+            for entry in serialized_named_tensors or []:
+                state.update(await asyncio.to_thread(deserialize_named_tensors, entry))
+            await self.load_state_dict(state, weight_version)
 
     async def health(self) -> bool:
         return not self._closed

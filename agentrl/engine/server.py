@@ -17,7 +17,7 @@ worker. What is served:
 - `POST /update_weights_from_tensor`: SGLang sends pickled tensors (`MultiprocessingSerializer`),
   which would let any client run code here. This server accepts a safe subset instead: each
   `serialized_named_tensors` entry is the base64 of a safetensors file (names as in the model's
-  `state_dict()`), `load_format` absent or `"safetensors"`; see `serialize_named_tensors`. Anything
+  `state_dict()`), `load_format` absent or `"safetensors"`; see `agentrl.engine.tensors`. Anything
   else is refused with SGLang's `{"success": false, "message": ...}` (HTTP 400).
 - `POST /init_weights_update_group`, `/update_weights_from_distributed`: no NCCL group can exist
   here; both answer 400 with `success: false` and a message modelled on the assertion SGLang
@@ -34,7 +34,6 @@ as on SGLang.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
@@ -45,6 +44,7 @@ from aiohttp import web
 
 from agentrl.engine.base import EngineBadRequest, Generation, SamplingParams
 from agentrl.engine.local import LocalEngine
+from agentrl.engine.tensors import deserialize_named_tensors, serialize_named_tensors
 
 SGLANG_VERSION = "0.5.16"
 
@@ -96,6 +96,8 @@ _UNSUPPORTED_TOP_LEVEL = {
 }
 _DEFAULT_MAX_NEW_TOKENS = 128
 
+__all__ = ["EngineServer", "serialize_named_tensors", "serve"]
+
 
 class _BadRequest(Exception):
     """A request SGLang answers with HTTP 400 `{"error": {"message": ...}}`."""
@@ -108,29 +110,6 @@ def _error(message: str, status: int = 400) -> web.Response:
 def _validation_error(message: str) -> web.Response:
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return web.json_response(body, status=400)
-
-
-def serialize_named_tensors(named_tensors: dict[str, Any]) -> str:
-    """One `serialized_named_tensors` entry in the format this server accepts: base64 of a
-    safetensors file."""
-    from safetensors.torch import save
-
-    blob = save({k: v.detach().contiguous().cpu() for k, v in named_tensors.items()})
-    return base64.b64encode(blob).decode("ascii")
-
-
-def _deserialize_named_tensors(entry: str) -> dict[str, Any]:
-    from safetensors.torch import load
-
-    try:
-        blob = base64.b64decode(entry, validate=True)
-        return load(blob)
-    except Exception as e:  # any decoding failure means the payload is not our safe format
-        raise _BadRequest(
-            "serialized_named_tensors must be base64 safetensors (agentrl.engine.server."
-            "serialize_named_tensors); pickled tensors are refused because unpickling runs code "
-            f"({type(e).__name__})"
-        ) from e
 
 
 class EngineServer:
@@ -573,7 +552,7 @@ class EngineServer:
                     "with load_format null or 'safetensors'"
                 )
             # One entry per TP rank on SGLang; this server is one rank.
-            tensors = await asyncio.to_thread(_deserialize_named_tensors, entries[0])
+            tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
             await self.engine.load_state_dict(tensors, weight_version=version)
 
         return await self._apply_update(body, load)
