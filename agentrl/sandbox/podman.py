@@ -27,6 +27,7 @@ import atexit
 import hashlib
 import logging
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -580,7 +581,9 @@ class PodmanProvider(SandboxProvider):
 
     async def _start(self, task: Task, run_id: str, image: str) -> PodmanSandbox:
         env = task.config.environment
-        name = f"agentrl-{run_id[:24]}-{task.task_id[:24]}-{uuid.uuid4().hex[:8]}".lower()
+        # Container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]*; run ids and task ids may hold anything.
+        safe = re.sub(r"[^a-z0-9_.-]+", "-", f"{run_id[:24]}-{task.task_id[:24]}".lower())
+        name = f"agentrl-{safe}-{uuid.uuid4().hex[:8]}"
         args = [
             "run",
             "-d",
