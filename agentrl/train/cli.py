@@ -1,0 +1,129 @@
+"""`agentrl train ...`: train-only runs from dumped samples (replay), for debugging the trainer
+without engines or sandboxes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from agentrl.sample import Sample
+from agentrl.train.config import TrainConfig
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Trainer: train-only runs, checkpoints.")
+
+
+def load_samples(paths: list[Path]) -> list[Sample]:
+    """Samples from JSONL files or directories of them: lines that are `Sample.to_dict()` rows, or
+    episode-record `result` rows (their `samples`)."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            files += sorted(p.glob("*.jsonl"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise typer.BadParameter(f"{p} does not exist")
+    out: list[Sample] = []
+    for f in files:
+        with f.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    if "tokens" in row:
+                        out.append(Sample.from_dict(row))
+                    elif row.get("type") == "result":
+                        out += [Sample.from_dict(d) for d in row.get("samples") or []]
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise typer.BadParameter(f"{f}:{n}: not a sample or episode result row ({exc})") from exc
+    return out
+
+
+def resolve_config(overrides: list[str]) -> TrainConfig:
+    """TrainConfig with `key=value` overrides (`loss.eps_clip=0.1` reaches the loss settings);
+    values are JSON (`lr=1e-5`, `betas=[0.9,0.95]`, `logprob_chunk_size=null`) or plain strings."""
+    data: dict[str, Any] = dataclasses.asdict(TrainConfig())
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set {item!r}: write key=value")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        target, parts = data, key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(target.get(part), dict):
+                raise typer.BadParameter(f"--set {key}: {part!r} is not a settings group")
+            target = target[part]
+        if parts[-1] not in target:
+            raise typer.BadParameter(f"--set {key}: unknown setting; known: {', '.join(sorted(target))}")
+        target[parts[-1]] = value
+    try:
+        return TrainConfig(**data)
+    except (TypeError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def _batches(samples: list[Sample], groups_per_step: int) -> list[list[Sample]]:
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.prompt_id, []).append(s)
+    ordered = list(groups.values())
+    return [
+        [s for group in ordered[i : i + groups_per_step] for s in group]
+        for i in range(0, len(ordered), groups_per_step)
+    ]
+
+
+@app.command("replay")
+def replay_cmd(
+    samples: list[Path] = typer.Argument(
+        ..., help="Sample dumps: JSONL files or directories (episode records too)."
+    ),
+    model: Path = typer.Option(None, "--model", help="Model directory (transformers format) to start from."),
+    output: Path = typer.Option(
+        None, "--output", help="Checkpoint directory (resumed from when it has one)."
+    ),
+    steps: int = typer.Option(1, "--steps", min=1),
+    groups_per_step: int = typer.Option(8, "--groups-per-step", min=1, help="Prompt groups per train step."),
+    set_: list[str] = typer.Option(None, "--set", help="Override a TrainConfig field, e.g. --set lr=1e-5."),
+    device: str = typer.Option(None, "--device", help="Default: cuda when available, else cpu."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved configuration and exit."),
+) -> None:
+    """GRPO steps over dumped samples, cycling through them; one JSON line of metrics per step."""
+    config = resolve_config(set_ or [])
+    if dry_run:
+        typer.echo(json.dumps(config.to_dict(), indent=1))
+        return
+    if model is None or output is None:
+        raise typer.BadParameter("--model and --output are required (unless --dry-run)")
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.train.checkpoint import latest_checkpoint
+    from agentrl.train.torch_backend import TorchTrainer
+
+    rows = [s for s in load_samples(samples) if s.trainable]
+    if not rows:
+        raise typer.BadParameter(
+            "no trainable samples (with a reward, not infra failures) in the given files"
+        )
+    batches = _batches(rows, groups_per_step)
+    trainer = TorchTrainer(AutoModelForCausalLM.from_pretrained(str(model)), config, device=device)
+    position = 0
+    if latest_checkpoint(output) is not None:
+        position = int(trainer.load(output).buffer_state.get("position", 0))
+        typer.echo(
+            f"resumed from {latest_checkpoint(output)} at step {trainer.step}, batch {position}", err=True
+        )
+    for _ in range(steps):
+        metrics = trainer.train_step(batches[position % len(batches)])
+        position += 1
+        typer.echo(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
+    path = trainer.save(output, buffer_state={"position": position})
+    typer.echo(f"saved {path}", err=True)
