@@ -476,3 +476,17 @@ async def test_a_group_that_can_no_longer_be_trained_in_bound_is_cancelled_in_fl
     assert trained.count(first[0]) == 1, "the re-queued prompt is redone and trained once"
     assert all(s.metadata["consumed_version"] - s.metadata["start_version"] <= 1 for s in samples_of(batches))
     assert provider.live_sandboxes() == 0
+
+
+def test_rollout_sim_command_prints_step_tables_and_leaks_nothing(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from agentrl.rollout.cli import app
+
+    path = tmp_path / "m.jsonl"
+    result = CliRunner().invoke(
+        app, ["sim", "--steps", "2", "--batch-size", "16", "--n-samples", "4", "--metrics", str(path)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "rollout step 1" in result.output and "live 0;" in result.output
+    assert len(path.read_text().splitlines()) == 2
