@@ -280,3 +280,19 @@ async def test_update_weights_takes_each_sync_format(tiny, tmp_path) -> None:
         assert eng.weight_version == 3
     finally:
         await eng.aclose()
+
+
+async def test_concurrent_prompts_of_different_lengths_batch_with_exact_logprobs(engine, tiny) -> None:
+    model, tok = tiny
+    base = _prompt(tok)
+    prompts = [base, base[:7], base + tok.encode("ls -la /app\n"), base[:3]]
+    gens = await asyncio.gather(
+        *(engine.generate(p, SamplingParams(max_new_tokens=5 + 3 * i, seed=i)) for i, p in enumerate(prompts))
+    )
+    assert engine.stats["batched_requests"] > engine.stats["batches"]
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        assert g.finish_reason == "stop" or len(g.output_ids) == 5 + 3 * i
+        assert (
+            max(abs(a - b) for a, b in zip(g.logprobs, recompute(model, p, g.output_ids), strict=True))
+            <= 1e-4
+        )
