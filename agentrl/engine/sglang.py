@@ -166,7 +166,7 @@ class SGLangEngine(Engine):
                 raw = await resp.read()
                 status = resp.status
                 ctype = resp.content_type
-        except aiohttp.ClientConnectorError as e:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             raise _NotServed(f"cannot connect to {url}: {e}") from e
         except TimeoutError as e:
             raise EngineError(
