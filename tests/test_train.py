@@ -18,7 +18,7 @@ from agentrl.train.batch import build_batch, pack, sample_advantages
 from agentrl.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.torch_backend import TorchTrainer
-from tests.train_models import make_samples, policy, response_logprobs, tiny_base  # noqa: F401
+from tests.test_train_models import make_samples, policy, response_logprobs, tiny_base  # noqa: F401
 
 
 def ref_ffd(lengths, budget):

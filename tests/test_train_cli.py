@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from agentrl.cli import app
 from agentrl.sample import Status
-from tests.train_models import make_samples, tiny_base  # noqa: F401
+from tests.test_train_models import make_samples, tiny_base  # noqa: F401
 
 
 def test_replay_trains_on_dumped_samples_and_resumes_where_it_stopped(tiny_base, tmp_path: Path):  # noqa: F811

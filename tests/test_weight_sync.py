@@ -26,7 +26,7 @@ from agentrl.train.config import TrainConfig
 from agentrl.train.forward import model_logprobs
 from agentrl.train.torch_backend import TorchTrainer
 from agentrl.train.weight_sync import DiskSync, InProcessSync, TensorSync, WeightSyncError
-from tests.train_models import make_samples, policy, tiny_base  # noqa: F401
+from tests.test_train_models import make_samples, policy, tiny_base  # noqa: F401
 
 
 def _perturbed(model: Any, seed: int = 0) -> Any:

@@ -1,4 +1,4 @@
-"""Tiny policies for trainer and weight-sync tests: the project's tiny GLM model, fresh copies per test."""
+"""Shared by the trainer tests (no tests here): the tiny GLM policy, fresh copies per test, and samples."""
 
 from __future__ import annotations
 
