@@ -202,7 +202,7 @@ class TensorSync(WeightSync):
     that goes alone), each bucket one `update_weights(serialized_named_tensors=...)` call.
 
     `serialize` turns a bucket into one `serialized_named_tensors` entry. The default is the format
-    agentrl's engine server accepts (base64 safetensors, `agentrl.engine.server`); a real SGLang
+    agentrl's engine server accepts (base64 safetensors, `agentrl.engine.tensors`); a real SGLang
     worker expects its own `MultiprocessingSerializer` payload (CUDA IPC handles, so only for
     engines colocated with the trainer): pass that serializer and its `load_format` there.
     """
@@ -221,7 +221,7 @@ class TensorSync(WeightSync):
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         if serialize is None:
-            from agentrl.engine.server import serialize_named_tensors
+            from agentrl.engine.tensors import serialize_named_tensors
 
             serialize = serialize_named_tensors
         self.serialize: Callable[[dict[str, torch.Tensor]], str] = serialize
