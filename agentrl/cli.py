@@ -16,6 +16,7 @@ _GROUPS = [
     ("agentrl.engine.cli", "app", "engine"),
     ("agentrl.episode_cli", "app", "episode"),
     ("agentrl.train.cli", "app", "train"),
+    ("agentrl.rollout.cli", "app", "rollout"),
 ]
 
 for _module, _attr, _name in _GROUPS:

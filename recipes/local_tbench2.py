@@ -60,7 +60,7 @@ class RecipeConfig:
     command_timeout_s: float = 20.0
     temperature: float = 1.0
     # SFT warm start (deliberately light: RL must have room to show)
-    sft_steps: int = 60
+    sft_steps: int = 48
     sft_lr: float = 1e-3
     sft_batch_size: int = 8
     # RL
@@ -423,7 +423,7 @@ def train(
         sync = InProcessSync([engine])
         try:
             before = await evaluate(
-                cfg, tasks, copy.deepcopy(policy).eval(), tokenizer, provider, label="after SFT"
+                cfg, tasks, copy.deepcopy(policy).eval(), tokenizer, provider, label="after-SFT"
             )
             evals.append({**before, "step": 0})
             runner = EpisodeRunner(
@@ -456,7 +456,7 @@ def train(
                     )
             trainer.save(out / "checkpoints", buffer_state=mgr.source.state_dict())
             after = await evaluate(
-                cfg, tasks, copy.deepcopy(trainer.model).eval(), tokenizer, provider, label="after RL"
+                cfg, tasks, copy.deepcopy(trainer.model).eval(), tokenizer, provider, label="after-RL"
             )
             evals.append({**after, "step": cfg.steps})
         finally:
