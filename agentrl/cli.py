@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 
 import typer
 
@@ -53,7 +54,13 @@ def sft_cmd(
     AutoTokenizer.from_pretrained(model).save_pretrained(output)
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C: sandboxes are closed and atexit clean-up runs.
+    signal.signal(signal.SIGTERM, _interrupt)
     app()
 
 

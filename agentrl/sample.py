@@ -45,8 +45,9 @@ class Sample:
 
     @property
     def trainable(self) -> bool:
-        """Infra failures carry no reward and never reach the trainer."""
-        return self.status is not Status.FAILED_INFRA and self.reward is not None
+        """Infra failures carry no reward and never reach the trainer; neither does an episode
+        that generated no token (e.g. its wall clock ran out before the first turn)."""
+        return self.status is not Status.FAILED_INFRA and self.reward is not None and any(self.loss_mask)
 
     def check(self) -> None:
         """Raise ValueError if the token arrays disagree (a corrupted sample must not train)."""

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -447,7 +448,9 @@ def train(
                     groups = await mgr.get_batch(timeout=900)
                     samples = _flatten(groups)
                     stats = await asyncio.to_thread(trainer.train_step, samples)
-                    await mgr.update_weights(lambda: sync.push(trainer.model, trainer.step))
+                    # Abort mode: in-flight turns keep their tokens and continue on the new
+                    # weights (partial rollouts); each piece records its weight version.
+                    await mgr.update_weights(lambda: sync.push(trainer.model, trainer.step), mode="abort")
                     m = tracker.step(step, groups)
                     tracker.print(m, console)
                     console.print(
@@ -476,5 +479,11 @@ def train(
     )
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so every sandbox is closed and atexit clean-up runs.
+    signal.signal(signal.SIGTERM, _interrupt)
     app()

@@ -172,6 +172,22 @@ async def test_pause_in_place_holds_requests_until_resume(engine, tiny) -> None:
     assert gen.finish_reason == "length" and len(gen.output_ids) == 4
 
 
+async def test_weights_load_while_a_running_batch_is_paused_in_place(engine, tiny) -> None:
+    # The rollout manager pauses in place, loads weights, then resumes: the load must not queue
+    # behind the batch that waits for that resume.
+    model, tok = tiny
+    task = asyncio.create_task(engine.generate(_prompt(tok), SamplingParams(max_new_tokens=400, seed=2)))
+    await until(lambda: engine.num_requests == 1)
+    await asyncio.sleep(0.2)
+    await engine.pause(mode="in_place")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    version = await asyncio.wait_for(engine.load_state_dict(state), 10)
+    assert version == 1 and not task.done()
+    await engine.resume()
+    gen = await asyncio.wait_for(task, 120)
+    assert gen.finish_reason in ("stop", "length") and gen.output_ids
+
+
 async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones(engine, tiny) -> None:
     prompt = _prompt(tiny[1])
     running = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=2000)))

@@ -124,6 +124,10 @@ class LocalEngine(Engine):
         self._resumed.set()
         self._gate = threading.Event()  # clear while paused "in_place": running requests wait
         self._gate.set()
+        # Set while a running batch is held at the gate: the worker touches no weights then, so a
+        # weight load may run beside it (otherwise the load would queue behind a batch that waits
+        # for the resume that follows the load).
+        self._parked = threading.Event()
         self._closed = False
 
     async def generate(
@@ -281,9 +285,15 @@ class LocalEngine(Engine):
 
     def _wait_gate(self, rows: list[_Row]) -> None:
         """Hold the batch while paused in place; a row aborted meanwhile is ended at its next step."""
-        while not self._gate.wait(_GATE_POLL_S):
-            if all(r.done or r.job.request.abort.is_set() for r in rows):
-                return
+        if self._gate.is_set():
+            return
+        self._parked.set()
+        try:
+            while not self._gate.wait(_GATE_POLL_S):
+                if all(r.done or r.job.request.abort.is_set() for r in rows):
+                    return
+        finally:
+            self._parked.clear()
 
     async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
         """log p(input_ids[j] | input_ids[:j]) for j >= 1 from the raw logits (no temperature), as
@@ -387,6 +397,15 @@ class LocalEngine(Engine):
         version (to `weight_version` when given). Queues behind the requests already submitted.
         Returns the new version."""
         fn = functools.partial(self._load_sync, dict(state_dict), weight_version)
+        if not self._gate.is_set():
+            # Paused in place: a batch may be running towards the gate. Give it a moment to park,
+            # then load beside it; if nothing is running, the worker queue is free anyway.
+            for _ in range(int(5 / _GATE_POLL_S)):
+                if self._parked.is_set() or not self._requests:
+                    break
+                await asyncio.sleep(_GATE_POLL_S / 5)
+            if self._parked.is_set():
+                return await asyncio.to_thread(fn)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _load_sync(self, state_dict: dict[str, Any], weight_version: int | None) -> int:
