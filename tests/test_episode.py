@@ -33,14 +33,22 @@ def provider(**kw) -> FakeSandboxProvider:  # type: ignore[no-untyped-def]
 
 
 def config(**agent) -> EpisodeConfig:  # type: ignore[no-untyped-def]
-    return EpisodeConfig(action_format="fenced-bash", agent=AgentConfig(**agent),
-                         sampling=SamplingParams(max_new_tokens=128))
+    return EpisodeConfig(
+        action_format="fenced-bash", agent=AgentConfig(**agent), sampling=SamplingParams(max_new_tokens=128)
+    )
 
 
 async def run(engine: Engine, prov: FakeSandboxProvider, cfg: EpisodeConfig | None = None, **kw):  # type: ignore[no-untyped-def]
     tok = byte_tokenizer()
-    return await run_episode(load_task(TASK), provider=prov, engine=engine, renderer=ChatRenderer(tok),
-                             config=cfg or config(), run_id="t", **kw)
+    return await run_episode(
+        load_task(TASK),
+        provider=prov,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=cfg or config(),
+        run_id="t",
+        **kw,
+    )
 
 
 async def test_a_solved_episode_yields_one_aligned_sample() -> None:
@@ -52,9 +60,13 @@ async def test_a_solved_episode_yields_one_aligned_sample() -> None:
     sample.check()
     assert sample.reward == 1.0 and sample.status is Status.COMPLETED
     assert sample.end_reason == EndReason.TASK_COMPLETE.value
-    generated = [t for t, m in zip(sample.tokens[sample.prompt_length:], sample.loss_mask, strict=True) if m]
-    expected = (tok.encode(fenced("echo hello > /app/hello.txt"), add_special_tokens=False) + [tok.eos_token_id]
-                + tok.encode("TASK_COMPLETE", add_special_tokens=False) + [tok.eos_token_id])
+    generated = [t for t, m in zip(sample.tokens[sample.prompt_length :], sample.loss_mask, strict=True) if m]
+    expected = (
+        tok.encode(fenced("echo hello > /app/hello.txt"), add_special_tokens=False)
+        + [tok.eos_token_id]
+        + tok.encode("TASK_COMPLETE", add_special_tokens=False)
+        + [tok.eos_token_id]
+    )
     assert generated == expected
     assert all(lp != 0.0 for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=True) if m)
     assert all(lp == 0.0 for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=True) if not m)
@@ -68,8 +80,11 @@ async def test_a_solved_episode_yields_one_aligned_sample() -> None:
 
 async def test_malformed_replies_become_observations_and_end_as_no_action() -> None:
     tok = byte_tokenizer()
-    result = await run(ScriptedEngine(["hmm", "still thinking", "no idea"], tok), provider(),
-                       config(max_consecutive_malformed=3))
+    result = await run(
+        ScriptedEngine(["hmm", "still thinking", "no idea"], tok),
+        provider(),
+        config(max_consecutive_malformed=3),
+    )
     (sample,) = result.samples
     assert result.run.malformed_turns == 3
     assert sample.status is Status.FAILED_POLICY and sample.end_reason == "no_action"
@@ -85,8 +100,11 @@ async def test_max_turns_truncates() -> None:
 
 async def test_token_budget_stops_before_exceeding() -> None:
     tok = byte_tokenizer()
-    result = await run(ScriptedEngine([fenced("ls -la /app")] * 50, tok), provider(),
-                       config(max_turns=50, max_total_tokens=400, max_new_tokens=64))
+    result = await run(
+        ScriptedEngine([fenced("ls -la /app")] * 50, tok),
+        provider(),
+        config(max_turns=50, max_total_tokens=400, max_new_tokens=64),
+    )
     (sample,) = result.samples
     assert sample.end_reason == "token_budget" and sample.status is Status.TRUNCATED
     assert len(sample.tokens) <= 400
@@ -104,7 +122,11 @@ async def test_engine_failure_is_infra_and_recorded(tmp_path: Path) -> None:
     assert info.value.cause == "engine"
     (record,) = tmp_path.glob("*.jsonl")
     _, _, result = read_record(record)
-    assert result["status"] == "failed-infra" and result["reward"] is None and result["failure_cause"] == "engine"
+    assert (
+        result["status"] == "failed-infra"
+        and result["reward"] is None
+        and result["failure_cause"] == "engine"
+    )
     assert prov.live_sandboxes() == 0
 
 
@@ -147,8 +169,13 @@ async def test_record_then_replay_matches(tmp_path: Path) -> None:
 async def test_episode_runner_serves_the_rollout_seam() -> None:
     tok = byte_tokenizer()
     prov = provider()
-    runner = EpisodeRunner(provider=prov, engine=ScriptedEngine([fenced("echo hello > x"), "TASK_COMPLETE"], tok),
-                           renderer=ChatRenderer(tok), config=config(), run_id="r")
+    runner = EpisodeRunner(
+        provider=prov,
+        engine=ScriptedEngine([fenced("echo hello > x"), "TASK_COMPLETE"], tok),
+        renderer=ChatRenderer(tok),
+        config=config(),
+        run_id="r",
+    )
     row = {"metadata": {"task_path": str(TASK), "task_id": "write-hello"}}
     sample = await runner.run(row, group_id="g0", sample_index=3, attempt=0)
     assert sample.prompt_id == "g0" and sample.sample_index == 3 and sample.reward == 1.0
