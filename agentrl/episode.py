@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -263,6 +264,25 @@ class ReplayReport:
         return all(t.matched for t in self.turns)
 
 
+# Output that legitimately changes between runs of the same commands: durations ("0.02s"),
+# hex object ids (git commits, containers) and clock times. Replay reports them but still matches.
+_VOLATILE = [
+    (re.compile(r"\b[0-9a-f]{7,64}\b"), "<hex>"),
+    (re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms|sec|seconds)\b"), "<duration>"),
+    (re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?"), "<time>"),
+    (re.compile(r"\b\d{2}:\d{2}:\d{2}\b"), "<time>"),
+]
+
+
+def _stable(output: tuple[str, str, int | None]) -> tuple[str, str, int | None]:
+    def norm(text: str) -> str:
+        for pattern, repl in _VOLATILE:
+            text = pattern.sub(repl, text)
+        return text
+
+    return norm(output[0]), norm(output[1]), output[2]
+
+
 def read_record(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     header: dict[str, Any] | None = None
     turns: list[dict[str, Any]] = []
@@ -299,15 +319,19 @@ async def replay_episode(
                 reports.append(TurnReplay(turn["index"], True, "malformed turn: nothing to run"))
                 continue
             mismatches = []
+            volatile = []
             for k, (cmd, rec) in enumerate(zip(action["commands"], turn["outputs"], strict=False)):
                 out = await run_command(sandbox, Command(cmd["keystrokes"], cmd["duration"]), timeout)
-                if (out.stdout, out.stderr, out.exit_code) != (
-                    rec["stdout"],
-                    rec["stderr"],
-                    rec["exit_code"],
-                ):
-                    mismatches.append(f"command {k} ({cmd['keystrokes'].strip()[:40]!r}) output differs")
-            reports.append(TurnReplay(turn["index"], not mismatches, "; ".join(mismatches)))
+                now = (out.stdout, out.stderr, out.exit_code)
+                then = (rec["stdout"], rec["stderr"], rec["exit_code"])
+                if now == then:
+                    continue
+                what = f"command {k} ({cmd['keystrokes'].strip()[:40]!r})"
+                if _stable(now) == _stable(then):
+                    volatile.append(f"{what}: only timings / hashes / dates differ")
+                else:
+                    mismatches.append(f"{what} output differs")
+            reports.append(TurnReplay(turn["index"], not mismatches, "; ".join(mismatches + volatile)))
         vres = await verify(sandbox, task)
     return ReplayReport(
         record=record,

@@ -1,0 +1,47 @@
+"""Every bundled task's reference solution, emitted as agent actions by a scripted engine and driven
+through the real agent loop and real podman sandboxes, scores 1; replaying the record in a fresh
+sandbox reproduces the reward and each turn's output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import SamplingParams
+from agentrl.engine.fake import ScriptedEngine
+from agentrl.episode import EpisodeConfig, replay_episode, run_episode
+from agentrl.episode_cli import scripted_solution_texts
+from agentrl.sandbox.podman import PodmanProvider
+from agentrl.tasks import discover_tasks
+from tests.chat_tokenizer import byte_tokenizer
+
+pytestmark = [pytest.mark.container, pytest.mark.slow]
+
+TASKS = discover_tasks(Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks")
+
+
+@pytest.mark.parametrize("task", TASKS, ids=[t.task_id for t in TASKS])
+async def test_scripted_solution_scores_one_and_replays(task, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    tok = byte_tokenizer()
+    provider = PodmanProvider()
+    config = EpisodeConfig(
+        action_format="terminus-json",
+        agent=AgentConfig(max_turns=3, max_new_tokens=8192, max_total_tokens=65536),
+        sampling=SamplingParams(max_new_tokens=8192),
+    )
+    try:
+        result = await run_episode(
+            task, provider=provider, engine=ScriptedEngine(scripted_solution_texts(task, "terminus-json"), tok),
+            renderer=ChatRenderer(tok), config=config, run_id="scripted", record_dir=tmp_path,
+        )
+        assert result.verify is not None and result.verify.reward == 1.0, result.verify
+        assert result.samples[0].end_reason == "task_complete"
+        report = await replay_episode(result.record_path, provider=provider, run_id="scripted-replay")
+        assert report.replayed_reward == 1.0 and report.reward_matches
+        assert report.outputs_match, [t.detail for t in report.turns if not t.matched]
+    finally:
+        await provider.aclose()
+    assert provider.live_sandboxes() == 0
