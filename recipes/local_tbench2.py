@@ -65,12 +65,12 @@ class RecipeConfig:
     sft_lr: float = 1e-3
     sft_batch_size: int = 8
     # RL
-    steps: int = 30
+    steps: int = 16
     prompts_per_step: int = 4
     samples_per_prompt: int = 4
     max_in_flight: int = 8
     max_staleness: int = 1
-    lr: float = 5e-4
+    lr: float = 5e-5
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     tis_clip_low: float = 0.5
