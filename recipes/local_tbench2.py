@@ -75,6 +75,7 @@ class RecipeConfig:
     eps_clip_high: float = 0.28
     tis_clip_low: float = 0.5
     tis_clip: float = 2.0
+    aggregation: str = "token_mean"
     # eval
     eval_samples: int = 8
     eval_concurrency: int = 4
@@ -409,6 +410,7 @@ def train(
                 eps_clip_high=cfg.eps_clip_high,
                 tis_clip_low=cfg.tis_clip_low,
                 tis_clip=cfg.tis_clip,
+                aggregation=cfg.aggregation,
             ),
         ),
         device="cpu",
