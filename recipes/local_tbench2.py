@@ -70,12 +70,12 @@ class RecipeConfig:
     samples_per_prompt: int = 4
     max_in_flight: int = 8
     max_staleness: int = 1
-    lr: float = 5e-5
+    lr: float = 1e-4
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     tis_clip_low: float = 0.5
     tis_clip: float = 2.0
-    aggregation: str = "token_mean"
+    aggregation: str = "seq_mean_token_mean"
     # eval
     eval_samples: int = 8
     eval_concurrency: int = 4
