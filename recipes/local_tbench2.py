@@ -252,6 +252,18 @@ def _resolve(overrides: list[str] | None) -> RecipeConfig:
     return cfg
 
 
+def _start(overrides: list[str] | None, dry_run: bool) -> RecipeConfig | None:
+    """Resolve the configuration; print it and return None on --dry-run; set torch threads."""
+    import torch
+
+    cfg = _resolve(overrides)
+    if dry_run:
+        _print_config(cfg)
+        return None
+    torch.set_num_threads(cfg.torch_threads)
+    return cfg
+
+
 @app.command()
 def prepare(
     set_: list[str] = typer.Option(None, "--set", help="Override a setting, e.g. --set sft_steps=60."),
@@ -265,11 +277,9 @@ def prepare(
     from agentrl.sandbox.podman import PodmanProvider
     from agentrl.sft import SFTConfig, load_record_samples, run_sft
 
-    cfg = _resolve(set_)
-    if dry_run:
-        _print_config(cfg)
+    cfg = _start(set_, dry_run)
+    if cfg is None:
         return
-    torch.set_num_threads(cfg.torch_threads)
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     tasks = demo_tasks(cfg)
@@ -313,8 +323,8 @@ def eval_cmd(
 
     from agentrl.sandbox.podman import PodmanProvider
 
-    cfg = _resolve(set_)
-    torch.set_num_threads(cfg.torch_threads)
+    cfg = _start(set_, dry_run=False)
+    assert cfg is not None
     model_dir = model_dir or cfg.out_dir / "sft"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -382,11 +392,9 @@ def train(
     from agentrl.train.torch_backend import TorchTrainer
     from agentrl.train.weight_sync import InProcessSync
 
-    cfg = _resolve(set_)
-    if dry_run:
-        _print_config(cfg)
+    cfg = _start(set_, dry_run)
+    if cfg is None:
         return
-    torch.set_num_threads(cfg.torch_threads)
     out = cfg.out_dir
     sft_dir = out / "sft"
     if not sft_dir.is_dir():
