@@ -361,3 +361,28 @@ def test_chunked_logprob_backward_passes_gradcheck(with_entropy, temperature):
         return (lp, ent) if with_entropy else lp
 
     assert torch.autograd.gradcheck(f, (h, w))
+
+
+def test_token_mean_cancels_a_groups_shared_prefix_and_seq_mean_does_not():
+    """A group's replies share their first tokens (same context, so the same logits): under
+    token_mean the advantages cancel there exactly, whatever the reply lengths; under
+    seq_mean_token_mean a short failed reply pushes the shared prefix down harder than a long
+    success pushes it up (why the demo uses token_mean)."""
+    lengths = [12, 3, 3, 12]  # a long success and three failures, two of them short
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    width = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
+    adv = broadcast_to_tokens(grpo_advantages(rewards, ["g"] * 4), mask)
+    prefix = 2
+    grads = {}
+    for mode in ("token_mean", "seq_mean_token_mean"):
+        shared = torch.full((prefix,), -0.05, requires_grad=True)
+        rest = torch.full((4, width - prefix), -0.5)
+        logp = torch.cat([shared.expand(4, prefix), rest], dim=1)
+        old = logp.detach()
+        loss, _ = grpo_loss(logp, old, old, adv, mask, LossConfig(aggregation=mode, use_tis=False))
+        loss.backward()
+        grads[mode] = shared.grad
+    assert grads["token_mean"].abs().max() < 1e-6  # float32 advantages
+    # Gradient descent on the loss: a positive gradient lowers the shared tokens' log-probs.
+    assert (grads["seq_mean_token_mean"] > 1e-3).all()
