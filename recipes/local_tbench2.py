@@ -365,8 +365,14 @@ def plot(metrics_path: Path, evals: list[dict[str, Any]], png: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (mean)", alpha=0.6)
-    ax.plot(steps, [r["pass_rate"] for r in rows], label="train pass rate", alpha=0.6)
+    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (per step)", alpha=0.4)
+    window = 4  # two prompts a step: the per-step mean depends on which tasks were drawn
+    smooth = [
+        sum(r["pass_rate"] for r in rows[max(0, i - window + 1) : i + 1])
+        / len(rows[max(0, i - window + 1) : i + 1])
+        for i in range(len(rows))
+    ]
+    ax.plot(steps, smooth, label=f"train pass rate ({window}-step mean)", linewidth=2)
     for e, marker in zip(evals, ("o", "s", "^"), strict=False):
         ax.scatter(
             [e["step"]], [e["pass@1"]], marker=marker, s=60, label=f"eval pass@1 ({e['label']})", zorder=3
