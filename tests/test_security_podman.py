@@ -46,7 +46,8 @@ async def test_fork_bomb_hits_the_pids_limit() -> None:
     host_is_fine()
 
 
-async def test_memory_hog_is_killed_by_the_memory_limit() -> None:
+async def test_memory_hog_is_killed_by_the_memory_limit(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # podman's conmon drops an `oom` file into its working directory
     task = load_task(FIXTURES / "write-hello")  # memory_mb = 256
     async with await PodmanProvider(cli=CLI).create(task, run_id="memhog") as sb:
         # bash holds a command substitution in memory: 1 GiB asked, 256 MiB allowed, no swap.
@@ -54,6 +55,7 @@ async def test_memory_hog_is_killed_by_the_memory_limit() -> None:
         assert not res.timed_out
         assert res.exit_code == 137  # SIGKILL from the OOM killer
         assert (await sb.exec("echo alive")).stdout == "alive\n"
+    assert list(tmp_path.iterdir()) == []  # ...which must not land in the user's directory
     host_is_fine()
 
 

@@ -30,6 +30,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -81,13 +82,24 @@ def rm_args(cli: str) -> list[str]:
     return ["rm", "-f", "-t", "0"] if is_podman(cli) else ["rm", "-f"]
 
 
+def cli_cwd() -> str:
+    """Working directory for container CLI processes. podman's conmon writes a file named `oom`
+    into its working directory when a process in the container is OOM-killed; run it here so that
+    never lands in the user's directory."""
+    path = Path(tempfile.gettempdir()) / f"agentrl-cli-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
+
+
 # Containers this process started and has not removed; removed synchronously at interpreter exit.
 _LIVE: dict[str, str] = {}
 
 
 def _remove_live_at_exit() -> None:
     for name, cli in list(_LIVE.items()):
-        subprocess.run([cli, *rm_args(cli), name], capture_output=True, timeout=60, check=False)
+        subprocess.run(
+            [cli, *rm_args(cli), name], capture_output=True, timeout=60, check=False, cwd=cli_cwd()
+        )
         _LIVE.pop(name, None)
 
 
@@ -105,6 +117,7 @@ async def run_cli(
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            cwd=cli_cwd(),
         )
     except FileNotFoundError:
         raise SandboxError(
@@ -286,6 +299,7 @@ class PodmanSandbox(Sandbox):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
             limit=32 * 1024 * 1024,  # one framed line carries a whole (bounded) output
+            cwd=cli_cwd(),
         )
         self._shell = _Shell(proc)
         await self._shell.start(self.output_limit)
