@@ -401,6 +401,7 @@ class FakeAsyncFileSystem:
                     path = Path(tmp) / f"upload-{i}"
                     path.write_bytes(source)
                     source = str(path)
+                source = str(Path(source).resolve())  # the CLI runs in a private directory
                 rc, _, err = await run_cli(
                     runtime.cli, "cp", source, f"{container}:{f.destination}", timeout=120
                 )

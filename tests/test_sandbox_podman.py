@@ -256,3 +256,18 @@ async def test_missing_cli_is_a_typed_error(task) -> None:
 
     with pytest.raises(SandboxError, match=r"setup_host\.sh"):
         await PodmanProvider(cli="agentrl-no-such-cli").create(task, run_id="nocli")
+
+
+async def test_relative_task_paths_build_upload_and_download(tmp_path: Path, monkeypatch) -> None:
+    """The CLI runs in a private directory (conmon's `oom` marker must not land in the user's cwd),
+    so relative host paths are resolved first: a fresh build, an upload and a download."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(FIXTURES / "write-hello", tmp_path / "rel")
+    (tmp_path / "rel" / "environment" / "fresh.txt").write_text(uuid.uuid4().hex)  # a new image hash
+    (tmp_path / "payload.txt").write_text("payload\n")
+    async with await PodmanProvider(cli=CLI).create(load_task(Path("rel")), run_id="relpath") as sb:
+        await sb.upload(Path("payload.txt"), "/tmp/payload.txt")
+        assert (await sb.exec("cat /tmp/payload.txt")).stdout == "payload\n"
+        await sb.download("/tmp/payload.txt", Path("back.txt"))
+    assert (tmp_path / "back.txt").read_text() == "payload\n"
+    assert not (tmp_path / "oom").exists()

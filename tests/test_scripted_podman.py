@@ -34,8 +34,13 @@ async def test_scripted_solution_scores_one_and_replays(task, tmp_path: Path) ->
     )
     try:
         result = await run_episode(
-            task, provider=provider, engine=ScriptedEngine(scripted_solution_texts(task, "terminus-json"), tok),
-            renderer=ChatRenderer(tok), config=config, run_id="scripted", record_dir=tmp_path,
+            task,
+            provider=provider,
+            engine=ScriptedEngine(scripted_solution_texts(task, "terminus-json"), tok),
+            renderer=ChatRenderer(tok),
+            config=config,
+            run_id="scripted",
+            record_dir=tmp_path,
         )
         assert result.verify is not None and result.verify.reward == 1.0, result.verify
         assert result.samples[0].end_reason == "task_complete"

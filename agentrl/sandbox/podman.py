@@ -83,7 +83,7 @@ def rm_args(cli: str) -> list[str]:
 
 
 def cli_cwd() -> str:
-    """Working directory for container CLI processes. podman's conmon writes a file named `oom`
+    """Working directory for container CLI processes (so host paths passed to it must be absolute). podman's conmon writes a file named `oom`
     into its working directory when a process in the container is OOM-killed; run it here so that
     never lands in the user's directory."""
     path = Path(tempfile.gettempdir()) / f"agentrl-cli-{os.getuid()}"
@@ -461,7 +461,7 @@ class PodmanSandbox(Sandbox):
         return rc == 0 and out.strip() == "true"
 
     async def upload(self, src: Path, dst: str) -> None:
-        src = Path(src)
+        src = Path(src).resolve()  # the CLI runs in cli_cwd()
         if src.is_dir():
             await self.exec(f"mkdir -p {shlex.quote(dst)}")
             rc, _, err = await run_cli(self.cli, "cp", f"{src}/.", f"{self.sandbox_id}:{dst}", timeout=300)
@@ -474,7 +474,8 @@ class PodmanSandbox(Sandbox):
     async def download(self, src: str, dst: Path) -> None:
         # A directory's contents land in dst, like upload, whether or not dst exists yet.
         is_dir = (await self.exec(f"test -d {shlex.quote(src)}", timeout=30)).exit_code == 0
-        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        dst = Path(dst).resolve()  # the CLI runs in cli_cwd()
+        dst.parent.mkdir(parents=True, exist_ok=True)
         source = f"{src.rstrip('/')}/." if is_dir else src
         rc, _, err = await run_cli(self.cli, "cp", f"{self.sandbox_id}:{source}", str(dst), timeout=300)
         if rc != 0:
@@ -565,15 +566,15 @@ class PodmanProvider(SandboxProvider):
 
     async def _build(self, task: Task, tag: str) -> None:
         assert task.dockerfile is not None
-        args = ["build", "--network=host", "-t", tag, "-f", str(task.dockerfile)]
+        args = ["build", "--network=host", "-t", tag, "-f", str(Path(task.dockerfile).resolve())]
         bases = _from_images(task.dockerfile)
         local = [(await run_cli(self.cli, "image", "inspect", b, timeout=60))[0] == 0 for b in bases]
         if bases and all(local):
             # docker never pulls a base it has unless told to; its --pull takes no value.
             args.append("--pull=never" if self._podman else "--pull=false")
         if self._ca_dir is not None:
-            args += ["-v", f"{self._ca_dir}:{BUILD_PIP_DIR}:ro"]
-        args.append(str(task.environment_dir))
+            args += ["-v", f"{Path(self._ca_dir).resolve()}:{BUILD_PIP_DIR}:ro"]
+        args.append(str(Path(task.environment_dir).resolve()))  # the CLI runs in cli_cwd()
         timeout = task.config.environment.build_timeout_sec
         try:
             rc, out, err = await run_cli(self.cli, *args, timeout=timeout)
