@@ -528,6 +528,7 @@ def probe(
 
     from agentrl.agent.actions import get_format
     from agentrl.sample import Sample
+    from agentrl.train.forward import model_logprobs
 
     cfg = _start(set_, dry_run=False)
     assert cfg is not None
@@ -603,10 +604,8 @@ def probe(
                 rewards.append(r)
                 with torch.no_grad():
                     ids = torch.tensor([prompt + turn])
-                    logp = torch.log_softmax(
-                        model(input_ids=ids).logits[0, :-1].float() / cfg.temperature, -1
-                    )
-                    lp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
+                    logp, _ = model_logprobs(model, ids, chunk_size=None, temperature=cfg.temperature)
+                    lp = logp[0, len(prompt) :]
                 batch.append(
                     Sample(
                         prompt_id=f"{step}:{p}",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -82,6 +83,7 @@ def rm_args(cli: str) -> list[str]:
     return ["rm", "-f", "-t", "0"] if is_podman(cli) else ["rm", "-f"]
 
 
+@functools.cache
 def cli_cwd() -> str:
     """Working directory for container CLI processes (so host paths passed to it must be absolute). podman's conmon writes a file named `oom`
     into its working directory when a process in the container is OOM-killed; run it here so that
