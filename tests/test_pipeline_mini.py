@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -73,12 +74,12 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
             batch_size=4, n_samples_per_prompt=2, max_in_flight=4, max_staleness=1, episode_timeout_s=300
         )
         async with RolloutManager(runner, engine, rows, cfg, seed=0) as mgr:
-            for _ in range(2):
+            for step in range(1, 3):
                 groups = await mgr.get_batch(timeout=600)
                 samples = [s for g in groups for s in g.trainable_samples]
                 consumed += [copy.deepcopy(s) for s in samples]
                 await asyncio.to_thread(trainer.train_step, samples)
-                await mgr.update_weights(lambda: sync.push(trainer.model, trainer.step))
+                await mgr.update_weights(functools.partial(sync.push, trainer.model, step))
                 versions_after_sync.append(engine.weight_version)
                 # The engine now scores a consumed sample exactly as the trainer does.
                 s = samples[0]

@@ -490,3 +490,22 @@ def test_rollout_sim_command_prints_step_tables_and_leaks_nothing(tmp_path) -> N
     assert result.exit_code == 0, result.output
     assert "rollout step 1" in result.output and "live 0;" in result.output
     assert len(path.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("advance", [0, 4])
+async def test_a_weight_update_must_advance_the_version_by_exactly_one(advance: int) -> None:
+    """The staleness bound counts versions: a sync that pushes the optimizer's step count (4 per
+    rollout step with 4 minibatches) would cancel good in-flight work as stale, and one that leaves
+    the version alone would never bound staleness. Both are refused, and the engines resume."""
+    mgr, engine, _, _ = build()
+
+    async def sync() -> None:
+        await engine.set_weights(engine.weight_version + advance)
+
+    async with mgr:
+        await mgr.get_batch(timeout=20)
+        with pytest.raises(RolloutError, match="must add exactly 1"):
+            await mgr.update_weights(sync)
+        assert engine._open.is_set() and mgr._admit_open.is_set()
+        await mgr.update_weights(bump(engine))  # a correct update still works afterwards
+        await mgr.get_batch(timeout=20)

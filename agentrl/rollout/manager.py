@@ -475,7 +475,12 @@ class RolloutManager:
     async def update_weights(
         self, sync_fn: Callable[[], Awaitable[None]], mode: PauseMode = "in_place"
     ) -> None:
-        """Pause admission and engines, run `sync_fn`, then always resume both."""
+        """Pause admission and engines, run `sync_fn`, then always resume both.
+
+        `sync_fn` must advance the engines' weight version by exactly one: the staleness bound
+        counts versions, so a version that jumps by the optimizer steps of a rollout step would
+        cancel in-flight work as stale, and one that stands still would never bound it.
+        """
         if mode not in ("in_place", "abort"):
             raise RolloutError(f"pause mode must be 'in_place' or 'abort', got {mode!r}")
         cfg = self.config
@@ -483,8 +488,16 @@ class RolloutManager:
             try:
                 async with asyncio.timeout(cfg.control_timeout_s):
                     await self.control.pause(mode=mode)
+                before = self.control.weight_version
                 async with asyncio.timeout(cfg.sync_timeout_s):
                     await sync_fn()
+                after = self.control.weight_version
+                if after != before + 1:
+                    raise RolloutError(
+                        f"a weight update moved the engines' version from {before} to {after}; it "
+                        "must add exactly 1 (the staleness bound counts versions): push a counter of "
+                        "weight updates, not the optimizer's step count"
+                    )
             finally:
                 try:
                     async with asyncio.timeout(cfg.control_timeout_s):

@@ -70,7 +70,19 @@ class MetricsTracker:
         self._last = manager.counters.snapshot()
         self.history: list[StepMetrics] = []
 
-    def step(self, step: int, groups: list[Group], *, consumed_at_version: int | None = None) -> StepMetrics:
+    def step(
+        self,
+        step: int,
+        groups: list[Group],
+        *,
+        consumed_at_version: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> StepMetrics:
+        """Metrics of one consumed batch; `extra` (e.g. the trainer's loss) is written alongside.
+
+        Pass `consumed_at_version` (the weight version when the batch was taken) when the step is
+        recorded after a weight update, or staleness reads one version too high.
+        """
         mgr = self.manager
         # The event loop's clock, so a simulated-time loop reports simulated seconds.
         now_t = asyncio.get_running_loop().time()
@@ -119,6 +131,7 @@ class MetricsTracker:
             verifier_s=sum(s.timings.get("verifier_s", 0.0) for s in samples),
             response_tokens=tokens,
             tokens_per_s=tokens / wall,
+            extra=dict(extra or {}),
         )
         self._last_t, self._last = now_t, counters
         self.history.append(m)

@@ -1,0 +1,206 @@
+"""pass@1 and pass@k of any engine over a task set, with fixed sampling seeds.
+
+Every (task, i) episode samples with seed `seed_base + i`, so two evaluations of different models
+see the same seeds. An infrastructure failure (sandbox, engine, verifier) is retried with the same
+seed; when retries run out the episode is reported as unscored, never as reward 0. pass@k uses the
+unbiased estimator of Chen et al. (2021) over the n samples of each task, so k may be below n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import Engine
+from agentrl.episode import EpisodeConfig, run_episode
+from agentrl.errors import AgentRLError, InfraError
+from agentrl.sandbox.base import SandboxProvider
+from agentrl.tasks import Task
+
+
+class EvalError(AgentRLError):
+    """An evaluation whose result would not mean anything (too many episodes unscored)."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) passes."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+@dataclass
+class TaskEval:
+    task_id: str
+    rewards: list[float] = field(default_factory=list)  # scored episodes only
+    unscored: int = 0  # infra failures after every retry
+
+    def passed(self, threshold: float) -> int:
+        return sum(r >= threshold for r in self.rewards)
+
+
+@dataclass
+class EvalSummary:
+    label: str
+    samples_per_task: int
+    ks: list[int]
+    pass_threshold: float
+    tasks: list[TaskEval]
+    infra_failures: dict[str, int]  # every failed attempt, by cause (retried ones too)
+
+    @property
+    def episodes(self) -> int:
+        return sum(len(t.rewards) for t in self.tasks)
+
+    @property
+    def unscored(self) -> int:
+        return sum(t.unscored for t in self.tasks)
+
+    def task_pass_at(self, t: TaskEval, k: int) -> float | None:
+        n = len(t.rewards)
+        return pass_at_k(n, t.passed(self.pass_threshold), k) if n >= k else None
+
+    def pass_at(self, k: int) -> float:
+        """Mean over tasks of the per-task estimate (tasks with fewer than k scored samples skipped)."""
+        vals = [v for t in self.tasks if (v := self.task_pass_at(t, k)) is not None]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    def mean_reward(self) -> float:
+        rewards = [r for t in self.tasks for r in t.rewards]
+        return sum(rewards) / len(rewards) if rewards else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"label": self.label}
+        for k in self.ks:
+            out[f"pass@{k}"] = self.pass_at(k)
+        out.update(
+            {
+                "mean_reward": self.mean_reward(),
+                "samples_per_task": self.samples_per_task,
+                "episodes": self.episodes,
+                "unscored": self.unscored,
+                "infra_failures": sum(self.infra_failures.values()),
+                "infra_failures_by_cause": dict(self.infra_failures),
+                "per_task": {
+                    t.task_id: t.passed(self.pass_threshold) / len(t.rewards) if t.rewards else None
+                    for t in self.tasks
+                },
+                "per_task_pass_at": {
+                    t.task_id: {f"pass@{k}": self.task_pass_at(t, k) for k in self.ks} for t in self.tasks
+                },
+            }
+        )
+        return out
+
+    def table(self) -> Table:
+        table = Table(title=f"eval: {self.label}")
+        table.add_column("task")
+        table.add_column("scored")
+        for k in self.ks:
+            table.add_column(f"pass@{k}")
+        for t in self.tasks:
+            cells = [_fmt(self.task_pass_at(t, k)) for k in self.ks]
+            scored = f"{len(t.rewards)}" + (f" ({t.unscored} unscored)" if t.unscored else "")
+            table.add_row(t.task_id, scored, *cells)
+        table.add_row("[b]mean[/b]", str(self.episodes), *(f"[b]{self.pass_at(k):.3f}[/b]" for k in self.ks))
+        return table
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+async def evaluate_tasks(
+    tasks: Sequence[Task],
+    *,
+    provider: SandboxProvider,
+    engine: Engine,
+    renderer: ChatRenderer | None,
+    config: EpisodeConfig,
+    samples_per_task: int,
+    ks: Sequence[int] = (1,),
+    seed_base: int = 0,
+    concurrency: int = 4,
+    max_attempts: int = 3,
+    pass_threshold: float = 1.0,
+    label: str = "eval",
+    record_dir: Path | None = None,
+    max_unscored_fraction: float = 0.5,
+    on_episode: Callable[[str, int, float | None], None] | None = None,
+) -> EvalSummary:
+    """Run `samples_per_task` episodes of every task (seed `seed_base + i` for the i-th) and score them.
+
+    Raises `EvalError` when more than `max_unscored_fraction` of the episodes stay unscored: a pass
+    rate over the few that ran would say more about the infrastructure than the model.
+    """
+    if not tasks:
+        raise EvalError("the task set is empty")
+    if samples_per_task < 1:
+        raise ValueError(f"samples_per_task must be >= 1 (got {samples_per_task})")
+    bad = [k for k in ks if not 1 <= k <= samples_per_task]
+    if bad:
+        raise ValueError(f"every k must be in 1..samples_per_task={samples_per_task} (got {bad})")
+    sem = asyncio.Semaphore(concurrency)
+    results = {t.task_id: TaskEval(t.task_id) for t in tasks}
+    failures: Counter[str] = Counter()
+
+    async def one(task: Task, i: int) -> None:
+        seeded = dataclasses.replace(
+            config, sampling=dataclasses.replace(config.sampling, seed=seed_base + i)
+        )
+        async with sem:
+            for _attempt in range(max_attempts):
+                try:
+                    res = await run_episode(
+                        task,
+                        provider=provider,
+                        engine=engine,
+                        renderer=renderer,
+                        config=seeded,
+                        run_id=f"eval-{label}",
+                        sample_index=i,
+                        record_dir=record_dir,
+                    )
+                except InfraError as exc:
+                    failures[exc.cause] += 1
+                    continue
+                assert res.verify is not None and res.verify.reward is not None
+                results[task.task_id].rewards.append(float(res.verify.reward))
+                if on_episode:
+                    on_episode(task.task_id, i, float(res.verify.reward))
+                return
+            results[task.task_id].unscored += 1
+            if on_episode:
+                on_episode(task.task_id, i, None)
+
+    async with asyncio.TaskGroup() as tg:
+        for task in tasks:
+            for i in range(samples_per_task):
+                tg.create_task(one(task, i))
+    summary = EvalSummary(
+        label=label,
+        samples_per_task=samples_per_task,
+        ks=sorted(set(ks)),
+        pass_threshold=pass_threshold,
+        tasks=[results[t.task_id] for t in tasks],
+        infra_failures=dict(failures),
+    )
+    total = len(tasks) * samples_per_task
+    if summary.unscored > max_unscored_fraction * total:
+        raise EvalError(
+            f"eval {label}: {summary.unscored} of {total} episodes stayed unscored after "
+            f"{max_attempts} attempts (failures by cause: {dict(failures)}); fix the infrastructure "
+            "before reading a pass rate"
+        )
+    return summary
