@@ -145,3 +145,58 @@ async def test_bad_arguments_are_rejected_before_any_episode() -> None:
             [], provider=provider(), engine=engine, renderer=None, config=CONFIG, samples_per_task=1
         )
     assert engine.seeds == []
+
+
+async def test_an_openai_compatible_api_is_evaluated_through_chat_messages(monkeypatch) -> None:
+    """No tokenizer, no token ids: the agent talks messages to the API, seeds travel in the body."""
+    from aiohttp import web
+
+    from agentrl.engine.openai import OpenAIChatEngine
+
+    seeds: list[int] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        assert request.headers.get("Authorization") == "Bearer sk-eval-key"
+        body = await request.json()
+        seeds.append(body["seed"])
+        first = sum(m["role"] == "assistant" for m in body["messages"]) == 0
+        cmd = "echo hello > /app/hello.txt" if body["seed"] % 2 == 0 else "ls /app"
+        content = f"```bash\n{cmd}\n```" if first else "TASK_COMPLETE"
+        return web.json_response(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
+                ]
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    monkeypatch.setenv("EVAL_TEST_KEY", "sk-eval-key")
+    engine = OpenAIChatEngine(
+        base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", model="m", api_key_env="EVAL_TEST_KEY"
+    )
+    try:
+        summary = await evaluate_tasks(
+            [load_task(TASK)],
+            provider=provider(),
+            engine=engine,
+            renderer=None,
+            config=CONFIG,
+            samples_per_task=4,
+            ks=[1, 4],
+            seed_base=10,
+        )
+    finally:
+        await engine.aclose()
+        await runner.cleanup()
+    assert sorted(set(seeds)) == [10, 11, 12, 13]
+    assert summary.pass_at(1) == pytest.approx(0.5) and summary.pass_at(4) == 1.0
+    assert summary.unscored == 0
