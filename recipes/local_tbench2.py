@@ -73,6 +73,8 @@ class RecipeConfig:
     samples_per_prompt: int = 8
     max_in_flight: int = 8
     max_staleness: int = 1
+    # Drop groups whose rewards are all equal (DAPO's dynamic sampling) and roll out another.
+    dynamic_filter: bool = False
     # Adam's first steps are sign-like: at 1e-4 and above they perturb every weight of a memorised
     # model by lr and the pass rate collapses (measured with `probe`).
     lr: float = 3e-5
@@ -503,6 +505,7 @@ def train(
                 n_samples_per_prompt=cfg.samples_per_prompt,
                 max_in_flight=cfg.max_in_flight,
                 max_staleness=cfg.max_staleness,
+                dynamic_filter=cfg.dynamic_filter,
                 episode_timeout_s=300.0,
             )
             async with RolloutManager(runner, engine, rows, rcfg, seed=cfg.seed) as mgr:
@@ -629,14 +632,22 @@ def probe(
     order: list[int] = []
     start = proxy_eval(0)
     last = start
+    episodes = 0
     for step in range(1, cfg.steps + 1):
         batch, rewards = [], []
         for p in range(cfg.prompts_per_step):
-            order = order or rng.sample(range(len(problems)), len(problems))
-            tid, prompt, ref = problems[order.pop()]
-            seed = 1000 * step + p + 7919 * cfg.seed
-            for j, turn in enumerate(sample_turns(prompt, cfg.samples_per_prompt, seed)):
-                r = reward(turn, ref)
+            # With dynamic_filter, a group whose rewards are all equal (no signal) is dropped and
+            # another prompt drawn, as the rollout manager does; each try costs a group of episodes.
+            for attempt in range(4 * len(problems)):
+                order = order or rng.sample(range(len(problems)), len(problems))
+                tid, prompt, ref = problems[order.pop()]
+                seed = 1000 * step + p + 7919 * cfg.seed + 100 * attempt
+                turns = sample_turns(prompt, cfg.samples_per_prompt, seed)
+                group = [reward(turn, ref) for turn in turns]
+                episodes += len(turns)
+                if not cfg.dynamic_filter or len(set(group)) > 1:
+                    break
+            for j, (turn, r) in enumerate(zip(turns, group, strict=True)):
                 rewards.append(r)
                 with torch.no_grad():
                     ids = torch.tensor([prompt + turn])
@@ -658,6 +669,7 @@ def probe(
         stats = trainer.train_step(batch)
         console.print(
             f"step {step:3d}  reward {sum(rewards) / len(rewards):.2f}  grad_norm {stats['grad_norm']:.3f}"
+            f"  episodes so far {episodes}"
         )
         if step % eval_every == 0 or step == cfg.steps:
             last = proxy_eval(step)

@@ -242,6 +242,17 @@ async def test_dynamic_filter_drops_groups_whose_rewards_are_all_equal() -> None
     assert len(mgr.buffer.consumed) == 8 + mgr.counters.groups_filtered
 
 
+async def test_dynamic_filter_with_no_signal_anywhere_fails_the_trainer_instead_of_waiting() -> None:
+    mgr, _engine, _provider, _runner = build(
+        data=rows(40, p_pass=0.0), dynamic_filter=True, max_filtered_in_a_row=6, max_staleness=None
+    )
+    async with mgr:
+        with pytest.raises(BufferError, match="dropped 6 groups in a row") as info:
+            await mgr.get_batch(timeout=30)
+    assert isinstance(info.value.__cause__, RolloutError)
+    assert mgr.counters.groups_filtered >= 6
+
+
 async def test_hung_episode_hits_the_wall_clock_cap_is_retried_and_closes_its_sandbox() -> None:
     mgr, _engine, provider, _runner = build(
         SimFaults(hang=0.2), episode_timeout_s=0.3, max_attempts=10, max_staleness=None

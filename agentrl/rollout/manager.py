@@ -92,6 +92,9 @@ class RolloutConfig:
     sync_timeout_s: float = 1800.0  # one weight sync
     shutdown_timeout_s: float = 60.0  # for runners to close their sandboxes after cancel
     dynamic_filter: bool = False  # drop groups whose rewards are all equal (DAPO)
+    # With the filter on: this many dropped groups in a row means the policy gets no signal at all
+    # (every task always or never solved); the trainer's get_batch then fails instead of waiting.
+    max_filtered_in_a_row: int = 64
     pass_threshold: float = 1.0  # reward at or above which an episode counts as passed
 
     def __post_init__(self) -> None:
@@ -180,6 +183,7 @@ class RolloutManager:
         self._wake = asyncio.Event()
         self._producer: asyncio.Task[None] | None = None
         self._base_version = control.weight_version
+        self._filtered_in_a_row = 0
         self.started_at = 0.0  # the event loop's clock, set on entry
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -401,8 +405,18 @@ class RolloutManager:
         rewards = {s.reward for s in group.trainable_samples}
         if self.config.dynamic_filter and group.complete and len(rewards) == 1:
             self.counters.groups_filtered += 1
+            self._filtered_in_a_row += 1
             self.buffer.record_consumed(group.uid)
+            if self._filtered_in_a_row == self.config.max_filtered_in_a_row:
+                self.buffer.fail(
+                    RolloutError(
+                        f"the dynamic filter dropped {self._filtered_in_a_row} groups in a row (every "
+                        f"group's rewards were equal, last {rewards}): the policy gets no learning signal. "
+                        "Use easier tasks or a warmer start, more samples per prompt, or turn the filter off"
+                    )
+                )
         else:
+            self._filtered_in_a_row = 0
             self.counters.groups_emitted += 1
             self.buffer.put(group)
         self._kick()
