@@ -73,8 +73,11 @@ class RecipeConfig:
     samples_per_prompt: int = 8
     max_in_flight: int = 8
     max_staleness: int = 1
-    # Drop groups whose rewards are all equal (DAPO's dynamic sampling) and roll out another.
-    dynamic_filter: bool = False
+    # Drop groups whose rewards are all equal (DAPO's dynamic sampling) and roll out another: a
+    # task always or never solved gives no gradient, so every step trains on tasks with signal.
+    # About 1.4x the episodes per step; measured with `probe` (proxy pass@1 at step 32, 6 seeds:
+    # 0.543 with, 0.450 without over 14 seeds) and for real (+0.354 against +0.17 to +0.22).
+    dynamic_filter: bool = True
     # Adam's first steps are sign-like: at 1e-4 and above they perturb every weight of a memorised
     # model by lr and the pass rate collapses (measured with `probe`).
     lr: float = 3e-5
