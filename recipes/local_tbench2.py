@@ -405,14 +405,28 @@ def plot(metrics_path: Path, evals: list[dict[str, Any]], png: Path) -> None:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (per step)", alpha=0.4)
     window = 4  # two prompts a step: the per-step mean depends on which tasks were drawn
-    smooth = [
-        sum(r["pass_rate"] for r in rows[max(0, i - window + 1) : i + 1])
-        / len(rows[max(0, i - window + 1) : i + 1])
-        for i in range(len(rows))
-    ]
-    ax.plot(steps, smooth, label=f"train pass rate ({window}-step mean)", linewidth=2)
+
+    def smoothed(passed: str, count: str) -> list[float]:
+        out = []
+        for i in range(len(rows)):
+            win = rows[max(0, i - window + 1) : i + 1]
+            out.append(sum(r[passed] * r[count] for r in win) / max(sum(r[count] for r in win), 1))
+        return out
+
+    ax.plot(
+        steps,
+        smoothed("rollout_pass_rate", "rollout_episodes"),
+        label=f"rollout pass rate, all finished episodes ({window}-step mean)",
+        linewidth=2,
+    )
+    ax.plot(
+        steps,
+        smoothed("pass_rate", "samples"),
+        label=f"pass rate of the trained groups ({window}-step mean)",
+        linewidth=1,
+        linestyle="--",
+    )
     for e, marker in zip(evals, ("o", "s", "^"), strict=False):
         ax.scatter(
             [e["step"]], [e["pass@1"]], marker=marker, s=60, label=f"eval pass@1 ({e['label']})", zorder=3

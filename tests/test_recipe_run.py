@@ -73,6 +73,7 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
         # Consumed at most max_staleness (1) versions behind, reported at consumption time.
         assert all(int(k) <= 1 for k in r["staleness_hist"]), r["staleness_hist"]
         assert r["stale_groups"] == 0 and r["stale_cancelled"] == 0
+        assert r["rollout_episodes"] >= 2 and 0.0 <= r["rollout_pass_rate"] <= 1.0
         trainer = r["extra"]["trainer"]
         assert trainer["num_samples"] == 2 and trainer["step_seconds"] > 0
     # Two optimizer steps per rollout step, one weight version per rollout step.

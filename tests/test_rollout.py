@@ -240,6 +240,11 @@ async def test_dynamic_filter_drops_groups_whose_rewards_are_all_equal() -> None
     assert all(len({s.reward for s in g.samples}) > 1 for b in batches for g in b)
     # a filtered prompt counts as seen: it is not redone after a resume
     assert len(mgr.buffer.consumed) == 8 + mgr.counters.groups_filtered
+    # the rollout pass rate counts every finished group, filtered ones too
+    c = mgr.counters
+    assert c.samples_scored == 4 * (c.groups_emitted + c.groups_filtered)
+    kept_passes = sum(s.reward >= 1.0 for b in batches for g in b for s in g.samples)
+    assert c.samples_passed >= kept_passes
 
 
 async def test_dynamic_filter_with_no_signal_anywhere_fails_the_trainer_instead_of_waiting() -> None:

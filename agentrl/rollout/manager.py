@@ -125,6 +125,10 @@ class Counters:
     stale_groups: int = 0
     stale_cancelled: int = 0  # groups cancelled in flight as certain to exceed max_staleness
     infra_scored: int = 0  # must stay 0: an infra failure that reached a group with a reward
+    # Every scored training episode of a finished group, whether the dynamic filter kept it or not:
+    # the policy's pass rate as the rollouts see it (the kept groups alone are biased towards 0.5).
+    samples_scored: int = 0
+    samples_passed: int = 0
 
     def snapshot(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -402,6 +406,9 @@ class RolloutManager:
             self.counters.infra_scored += 1
         if not group.complete:
             self.counters.groups_incomplete += 1
+        scored = [float(s.reward) for s in group.trainable_samples if s.reward is not None]
+        self.counters.samples_scored += len(scored)
+        self.counters.samples_passed += sum(r >= self.config.pass_threshold for r in scored)
         rewards = {s.reward for s in group.trainable_samples}
         if self.config.dynamic_filter and group.complete and len(rewards) == 1:
             self.counters.groups_filtered += 1

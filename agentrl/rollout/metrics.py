@@ -47,6 +47,9 @@ class StepMetrics:
     response_tokens: int
     tokens_per_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # Over every group finished since the previous step, kept by the dynamic filter or not.
+    rollout_episodes: int = 0
+    rollout_pass_rate: float = 0.0
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -132,6 +135,9 @@ class MetricsTracker:
             response_tokens=tokens,
             tokens_per_s=tokens / wall,
             extra=dict(extra or {}),
+            rollout_episodes=_delta(counters, self._last, "samples_scored"),
+            rollout_pass_rate=_delta(counters, self._last, "samples_passed")
+            / max(_delta(counters, self._last, "samples_scored"), 1),
         )
         self._last_t, self._last = now_t, counters
         self.history.append(m)
@@ -156,7 +162,7 @@ def render(m: StepMetrics) -> Table:
     rows = [
         ("samples / groups", f"{m.samples} / {m.groups} ({m.groups_incomplete} incomplete)"),
         ("reward mean", f"{m.reward_mean:.3f}"),
-        ("pass rate", f"{m.pass_rate:.1%}"),
+        ("pass rate (trained / all finished)", f"{m.pass_rate:.1%} / {m.rollout_pass_rate:.1%}"),
         ("truncated / policy-failed", f"{m.truncation_ratio:.1%} / {m.policy_failure_ratio:.1%}"),
         ("infra failures", ", ".join(f"{c}={n}" for c, n in sorted(m.failures_by_cause.items())) or "0"),
         (
