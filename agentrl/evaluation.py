@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +137,6 @@ async def evaluate_tasks(
     label: str = "eval",
     record_dir: Path | None = None,
     max_unscored_fraction: float = 0.5,
-    on_episode: Callable[[str, int, float | None], None] | None = None,
 ) -> EvalSummary:
     """Run `samples_per_task` episodes of every task (seed `seed_base + i` for the i-th) and score them.
 
@@ -177,12 +176,8 @@ async def evaluate_tasks(
                     continue
                 assert res.verify is not None and res.verify.reward is not None
                 results[task.task_id].rewards.append(float(res.verify.reward))
-                if on_episode:
-                    on_episode(task.task_id, i, float(res.verify.reward))
                 return
             results[task.task_id].unscored += 1
-            if on_episode:
-                on_episode(task.task_id, i, None)
 
     async with asyncio.TaskGroup() as tg:
         for task in tasks:

@@ -104,12 +104,10 @@ class RecipeConfig:
 
 
 def demo_tasks(cfg: RecipeConfig) -> list[Task]:
-    from agentrl.tasks.lint import lint_tasks
-
+    """The valid tasks whose reference solution is at most `max_solution_chars` of commands."""
     chosen = []
-    for result in lint_tasks(discover_tasks(cfg.tasks)):
-        task = result.task
-        if result.errors or task.solve_script is None:
+    for task in valid_tasks(Path(cfg.tasks)):
+        if task.solve_script is None:
             continue
         body = [
             ln
@@ -125,9 +123,8 @@ def demo_tasks(cfg: RecipeConfig) -> list[Task]:
     return chosen
 
 
-def episode_config(
-    cfg: RecipeConfig, *, temperature: float | None = None, seed: int | None = None
-) -> EpisodeConfig:
+def episode_config(cfg: RecipeConfig) -> EpisodeConfig:
+    """The agent and sampling settings of every episode (evals set their own seeds)."""
     return EpisodeConfig(
         action_format=cfg.action_format,
         agent=AgentConfig(
@@ -137,9 +134,8 @@ def episode_config(
             command_timeout_s=cfg.command_timeout_s,
         ),
         sampling=SamplingParams(
-            temperature=cfg.temperature if temperature is None else temperature,
+            temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
-            seed=seed,
         ),
         max_agent_timeout_s=120.0,
     )
