@@ -5,6 +5,7 @@
 2. Warm-pool acquire (a pre-started, liveness-checked container handed out), p50. Goal <= 20 ms.
 3. Cold start from a cached image (`podman run` + /logs set-up + first command), p50.
 4. Oracle sweep wall time over envs/tbench2/tasks at concurrency 2 (skipped if that is empty).
+5. The verification step (`agentrl.verify.verify` on a fresh sandbox of the fixture task), p50.
 
     .venv/bin/python benchmarks/sandbox_bench.py [--commands 300] [--tasks-dir envs/tbench2/tasks]
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from agentrl.sandbox.podman import PodmanProvider, PodmanSandbox, reap
 from agentrl.tasks import discover_tasks, load_task
 from agentrl.tasks.oracle import run_oracle
+from agentrl.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ROOT / "tests" / "fixtures" / "sandbox_tasks" / "write-hello"
@@ -93,6 +95,17 @@ async def main(args: argparse.Namespace, tasks: list) -> None:
             await sb.close()
         print(f"cold start  n={len(cold)}  p50 {ms(pct(cold, 0.5))}  p95 {ms(pct(cold, 0.95))}")
         print(f"warm acquire is {pct(cold, 0.5) / pct(acquire, 0.5):.0f}x faster than a cold start (p50)")
+
+        print("== 5. verification step (verify() after one agent command, fresh sandbox each round)")
+        times = []
+        for _ in range(args.rounds):
+            async with await provider.create(task, run_id=run_id) as sb:
+                await sb.exec("echo hello > /app/out.txt", timeout=30)
+                start = time.perf_counter()
+                result = await verify(sb, task)
+                times.append(time.perf_counter() - start)
+                assert result.reward == 1.0, result
+        print(f"verify  n={len(times)}  p50 {ms(pct(times, 0.5))}  p95 {ms(pct(times, 0.95))}")
 
         print(f"== 4. oracle sweep over {args.tasks_dir} at concurrency 2")
         if not tasks:
