@@ -1,4 +1,4 @@
-"""One episode end to end: sandbox -> agent phase -> verifier -> `Sample`(s); record and replay.
+"""One terminal episode end to end: sandbox -> agent phase -> verifier -> `Episode`; record and replay.
 
 Failures are classified. Policy outcomes (the model did badly, ran out of turns or tokens, wrote
 garbage) are verified and keep their reward. Infrastructure failures (sandbox create or
@@ -13,7 +13,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.errors import InfraError
-from agentrl.sample import Sample, Status
+from agentrl.sample import Episode, Sample, Status
 from agentrl.sandbox.base import SandboxCreateError, SandboxProvider
 from agentrl.tasks import Task, load_task
 from agentrl.verify import VerifyResult, verify
@@ -46,10 +46,14 @@ class EpisodeConfig:
 
 @dataclass
 class EpisodeResult:
-    samples: list[Sample]
+    episode: Episode
     run: AgentRun | None
     verify: VerifyResult | None
     record_path: Path | None = None
+
+    @property
+    def samples(self) -> list[Sample]:
+        return self.episode.segments
 
 
 def _status(end: EndReason) -> Status:
@@ -60,7 +64,7 @@ def _status(end: EndReason) -> Status:
     return Status.COMPLETED
 
 
-def _samples_from_run(
+def _episode_from_run(
     run: AgentRun,
     *,
     reward: float,
@@ -68,12 +72,14 @@ def _samples_from_run(
     sample_index: int,
     task_id: str,
     timings: dict[str, float],
-) -> list[Sample]:
-    samples = []
-    segments = [s for s in run.segments if any(s.loss_mask)]
-    for k, seg in enumerate(segments):
+) -> Episode:
+    """The agent's token segments (one per unbroken prefix) under one reward and one status."""
+    status = _status(run.end_reason)
+    segments = []
+    trained = [s for s in run.segments if any(s.loss_mask)]
+    for k, seg in enumerate(trained):
         seg.check()
-        samples.append(
+        segments.append(
             Sample(
                 prompt_id=prompt_id,
                 tokens=seg.prompt_ids + seg.response_ids,
@@ -81,21 +87,30 @@ def _samples_from_run(
                 loss_mask=list(seg.loss_mask),
                 rollout_logprobs=list(seg.logprobs),
                 reward=reward,
-                status=_status(run.end_reason),
+                status=status,
                 end_reason=run.end_reason.value,
                 sample_index=sample_index,
                 weight_versions=list(seg.weight_versions),
                 timings=dict(timings),
                 task_id=task_id,
-                metadata={
-                    "segment": k,
-                    "n_segments": len(segments),
-                    "malformed_turns": run.malformed_turns,
-                    "turns": len(run.turns),
-                },
+                metadata={"segment": k, "n_segments": len(trained)},
             )
         )
-    return samples
+    if not segments:
+        # Nothing generated at all (e.g. zero turns): an outcome, but nothing to train on.
+        status = Status.FAILED_POLICY
+    return Episode(
+        segments=segments,
+        reward=reward,
+        status=status,
+        turn_versions=[v for t in run.turns for v in t.weight_versions],
+        end_reason=run.end_reason.value,
+        task_id=task_id,
+        prompt_id=prompt_id,
+        sample_index=sample_index,
+        timings=dict(timings),
+        metadata={"malformed_turns": run.malformed_turns, "turns": len(run.turns)},
+    )
 
 
 class Recorder:
@@ -198,7 +213,7 @@ async def run_episode(
             )
         assert vres.reward is not None
         timings["total_s"] = time.monotonic() - t_start
-        samples = _samples_from_run(
+        episode = _episode_from_run(
             run,
             reward=vres.reward,
             prompt_id=prompt_id,
@@ -210,17 +225,17 @@ async def run_episode(
             recorder.write(
                 "result",
                 {
-                    "status": samples[0].status.value if samples else Status.FAILED_POLICY.value,
+                    "status": episode.status.value,
                     "end_reason": run.end_reason.value,
                     "reward": vres.reward,
                     "outcome": vres.outcome,
                     "rewards": vres.rewards,
                     "timings": timings,
                     "verifier_log_tail": vres.log_tail,
-                    "samples": [s.to_dict() for s in samples],
+                    "samples": [s.to_dict() for s in episode.segments],
                 },
             )
-        return EpisodeResult(samples, run, vres, recorder.path if recorder else None)
+        return EpisodeResult(episode, run, vres, recorder.path if recorder else None)
     except InfraError as exc:
         if recorder is not None:
             recorder.write(
@@ -343,14 +358,14 @@ async def replay_episode(
 
 
 class EpisodeRunner:
-    """The rollout manager's seam: one prompt row -> one `Sample` (or an `InfraError`)."""
+    """The terminal environment's runner: one task row -> one `Episode` (or an `InfraError`)."""
 
     def __init__(
         self,
         *,
         provider: SandboxProvider,
         engine: Engine,
-        renderer: ChatRenderer,
+        renderer: ChatRenderer | None,
         config: EpisodeConfig,
         run_id: str,
         record_dir: Path | None = None,
@@ -372,35 +387,27 @@ class EpisodeRunner:
         return self._tasks[path]
 
     async def run(
-        self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0, eval: bool = False
-    ) -> Sample:
+        self,
+        row: dict[str, Any],
+        *,
+        group_id: str,
+        sample_index: int,
+        attempt: int = 0,
+        eval: bool = False,
+        seed: int | None = None,
+    ) -> Episode:
+        config = self.eval_config if eval else self.config
+        if seed is not None:
+            config = replace(config, sampling=replace(config.sampling, seed=seed))
         result = await run_episode(
             self._task(row),
             provider=self.provider,
             engine=self.engine,
-            renderer=self.renderer,
-            config=self.eval_config if eval else self.config,
+            renderer=self.renderer,  # type: ignore[arg-type]
+            config=config,
             run_id=self.run_id,
             prompt_id=group_id,
             sample_index=sample_index,
             record_dir=self.record_dir,
         )
-        if not result.samples:
-            # No generated token at all (e.g. zero turns): an outcome without anything to train on.
-            assert result.verify is not None
-            return Sample(
-                prompt_id=group_id,
-                tokens=[],
-                prompt_length=0,
-                loss_mask=[],
-                rollout_logprobs=[],
-                reward=result.verify.reward,
-                status=Status.FAILED_POLICY,
-                sample_index=sample_index,
-                end_reason=result.run.end_reason.value if result.run else None,
-                task_id=self._task(row).task_id,
-            )
-        last = result.samples[-1]
-        if len(result.samples) > 1:
-            last.metadata["prior_segments"] = result.samples[:-1]
-        return last
+        return result.episode

@@ -1,30 +1,34 @@
-"""pass@1 and pass@k of any engine over a task set, with fixed sampling seeds.
+"""pass@1 and pass@k of any engine over any environment's rows, with fixed sampling seeds: the one
+evaluator of the project (the runtime, the recipes and `eval` commands all call it).
 
-Every (task, i) episode samples with seed `seed_base + i`, so two evaluations of different models
+Every (row, i) episode samples with seed `seed_base + i`, so two evaluations of different models
 see the same seeds. An infrastructure failure (sandbox, engine, verifier) is retried with the same
-seed; when retries run out the episode is reported as unscored, never as reward 0. pass@k uses the
-unbiased estimator of Chen et al. (2021) over the n samples of each task, so k may be below n.
+seed; when retries run out the episode is reported as unscored, never as reward 0, and counted
+against the run where the cause is ambiguous (`internal_error`: an untyped exception, which an
+episode might have provoked). pass@k uses the unbiased estimator of Chen et al. (2021) over the n
+samples of each row, so k may be below n.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.base import Engine
-from agentrl.episode import EpisodeConfig, run_episode
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.sandbox.base import SandboxProvider
-from agentrl.tasks import Task
+from agentrl.rollout.manager import EpisodeRunner
+from agentrl.rows import row_prompt_id
+
+log = logging.getLogger("agentrl.evaluation")
+
+# Causes an episode's own actions might have produced: scored as a failure, not left unscored.
+AMBIGUOUS_CAUSES = frozenset({"internal_error"})
 
 
 class EvalError(AgentRLError):
@@ -45,6 +49,7 @@ class TaskEval:
     task_id: str
     rewards: list[float] = field(default_factory=list)  # scored episodes only
     unscored: int = 0  # infra failures after every retry
+    counted_as_failed: int = 0  # ambiguous failures scored 0 against the run
 
     def passed(self, threshold: float) -> int:
         return sum(r >= threshold for r in self.rewards)
@@ -112,6 +117,8 @@ class EvalSummary:
         for t in self.tasks:
             cells = [_fmt(self.task_pass_at(t, k)) for k in self.ks]
             scored = f"{len(t.rewards)}" + (f" ({t.unscored} unscored)" if t.unscored else "")
+            if t.counted_as_failed:
+                scored += f" ({t.counted_as_failed} ambiguous, scored 0)"
             table.add_row(t.task_id, scored, *cells)
         table.add_row("[b]mean[/b]", str(self.episodes), *(f"[b]{self.pass_at(k):.3f}[/b]" for k in self.ks))
         return table
@@ -121,77 +128,75 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-async def evaluate_tasks(
-    tasks: Sequence[Task],
+async def evaluate(
+    runner: EpisodeRunner,
+    rows: Sequence[dict[str, Any]],
     *,
-    provider: SandboxProvider,
-    engine: Engine,
-    renderer: ChatRenderer | None,
-    config: EpisodeConfig,
-    samples_per_task: int,
+    samples_per_row: int,
     ks: Sequence[int] = (1,),
     seed_base: int = 0,
     concurrency: int = 4,
     max_attempts: int = 3,
     pass_threshold: float = 1.0,
     label: str = "eval",
-    record_dir: Path | None = None,
     max_unscored_fraction: float = 0.5,
 ) -> EvalSummary:
-    """Run `samples_per_task` episodes of every task (seed `seed_base + i` for the i-th) and score them.
+    """Run `samples_per_row` episodes of every row (seed `seed_base + i` for the i-th) through the
+    environment's runner (its eval settings) and score them.
 
     Raises `EvalError` when more than `max_unscored_fraction` of the episodes stay unscored: a pass
     rate over the few that ran would say more about the infrastructure than the model.
     """
-    if not tasks:
-        raise EvalError("the task set is empty")
-    if samples_per_task < 1:
-        raise ValueError(f"samples_per_task must be >= 1 (got {samples_per_task})")
-    bad = [k for k in ks if not 1 <= k <= samples_per_task]
+    if not rows:
+        raise EvalError("the eval set is empty")
+    if samples_per_row < 1:
+        raise ValueError(f"samples_per_row must be >= 1 (got {samples_per_row})")
+    bad = [k for k in ks if not 1 <= k <= samples_per_row]
     if bad:
-        raise ValueError(f"every k must be in 1..samples_per_task={samples_per_task} (got {bad})")
+        raise ValueError(f"every k must be in 1..samples_per_row={samples_per_row} (got {bad})")
     sem = asyncio.Semaphore(concurrency)
-    results = {t.task_id: TaskEval(t.task_id) for t in tasks}
+    ids = [row_prompt_id(r, i) for i, r in enumerate(rows)]
+    results = {rid: TaskEval(rid) for rid in ids}
     failures: Counter[str] = Counter()
 
-    async def one(task: Task, i: int) -> None:
-        seeded = dataclasses.replace(
-            config, sampling=dataclasses.replace(config.sampling, seed=seed_base + i)
-        )
+    async def one(rid: str, row: dict[str, Any], i: int) -> None:
+        cause = "none"
         async with sem:
-            for _attempt in range(max_attempts):
+            for attempt in range(max_attempts):
                 try:
-                    res = await run_episode(
-                        task,
-                        provider=provider,
-                        engine=engine,
-                        renderer=renderer,
-                        config=seeded,
-                        run_id=f"eval-{label}",
-                        sample_index=i,
-                        record_dir=record_dir,
+                    episode = await runner.run(
+                        row, group_id=f"{label}:{rid}", sample_index=i, attempt=attempt, eval=True, seed=seed_base + i
                     )
                 except InfraError as exc:
-                    failures[exc.cause] += 1
-                    continue
-                assert res.verify is not None and res.verify.reward is not None
-                results[task.task_id].rewards.append(float(res.verify.reward))
-                return
-            results[task.task_id].unscored += 1
+                    cause = exc.cause
+                except Exception:
+                    log.exception("eval episode %s/%d raised an untyped error", rid, i)
+                    cause = "internal_error"
+                else:
+                    if episode.reward is not None and episode.status.value != "failed-infra":
+                        results[rid].rewards.append(float(episode.reward))
+                        return
+                    cause = episode.failure_cause or "infra"
+                failures[cause] += 1
+        if cause in AMBIGUOUS_CAUSES:
+            results[rid].rewards.append(0.0)
+            results[rid].counted_as_failed += 1
+        else:
+            results[rid].unscored += 1
 
     async with asyncio.TaskGroup() as tg:
-        for task in tasks:
-            for i in range(samples_per_task):
-                tg.create_task(one(task, i))
+        for rid, row in zip(ids, rows, strict=True):
+            for i in range(samples_per_row):
+                tg.create_task(one(rid, row, i))
     summary = EvalSummary(
         label=label,
-        samples_per_task=samples_per_task,
+        samples_per_task=samples_per_row,
         ks=sorted(set(ks)),
         pass_threshold=pass_threshold,
-        tasks=[results[t.task_id] for t in tasks],
+        tasks=[results[rid] for rid in dict.fromkeys(ids)],
         infra_failures=dict(failures),
     )
-    total = len(tasks) * samples_per_task
+    total = len(rows) * samples_per_row
     if summary.unscored > max_unscored_fraction * total:
         raise EvalError(
             f"eval {label}: {summary.unscored} of {total} episodes stayed unscored after "

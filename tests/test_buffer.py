@@ -10,24 +10,14 @@ from hypothesis import strategies as st
 
 from agentrl.rollout.buffer import Buffer, BufferError, BufferTimeout, Group, RolloutFinished
 from agentrl.rollout.source import PromptSource, PromptSourceError
-from agentrl.sample import Sample
-from agentrl.tasks.dataset import write_jsonl
+from agentrl.rows import write_jsonl
+from tests.conftest import make_episode
 
 
 def _group(uid: str, n: int = 2, version: int = 0, reward: float = 1.0) -> Group:
     g = Group(uid, uid, {}, n)
     for i in range(n):
-        g.samples[i] = Sample(
-            prompt_id=uid,
-            tokens=[1, 2],
-            prompt_length=1,
-            loss_mask=[1],
-            rollout_logprobs=[-1.0],
-            reward=reward,
-            sample_index=i,
-            weight_versions=[version],
-            metadata={"start_version": version},
-        )
+        g.episodes[i] = make_episode(uid, reward=reward, sample_index=i, version=version)
     return g
 
 
@@ -67,8 +57,8 @@ async def test_stale_groups_are_evicted_never_returned() -> None:
 async def test_turn_versions_count_for_staleness() -> None:
     buf = Buffer(on_stale=lambda g: None)
     g = _group("mixed", version=5)
-    assert g.samples[0] is not None
-    g.samples[0].weight_versions = [2, 5]
+    assert g.episodes[0] is not None
+    g.episodes[0].turn_versions = [2, 5]
     buf.put(g)
     with pytest.raises(BufferTimeout):
         await buf.get_batch(2, timeout=0.05, current_version=5, max_staleness=2)
@@ -101,7 +91,7 @@ def test_only_finished_groups_and_positive_sizes_go_in() -> None:
     buf = Buffer()
     with pytest.raises(BufferError, match="1/2 samples"):
         g = _group("a")
-        g.samples[1] = None
+        g.episodes[1] = None
         buf.put(g)
 
 

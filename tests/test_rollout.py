@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from agentrl.errors import InfraError
+from agentrl.evaluation import evaluate
 from agentrl.rollout import (
     BufferError,
     MetricsTracker,
@@ -35,7 +36,7 @@ from agentrl.rollout.sim import (
     clock,
     run_virtual_time,
 )
-from agentrl.sample import Sample, Status
+from agentrl.sample import Episode, Status
 
 FAST = SimWorkload(
     engine_per_token_s=0.00005,
@@ -100,7 +101,7 @@ async def train(
     for step in range(steps):
         groups = await mgr.get_batch(timeout=timeout)
         for g in groups:
-            for s in g.samples:
+            for s in g.episodes:
                 s.metadata["consumed_version"] = engine.weight_version
         if tracker is not None:
             tracker.step(step, groups)
@@ -109,8 +110,8 @@ async def train(
     return batches
 
 
-def samples_of(batches: list[list]) -> list[Sample]:
-    return [s for groups in batches for g in groups for s in g.samples]
+def samples_of(batches: list[list]) -> list[Episode]:
+    return [s for groups in batches for g in groups for s in g.episodes]
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
@@ -119,7 +120,7 @@ async def test_no_trained_sample_is_more_than_max_staleness_versions_behind(max_
     seen: list[tuple[int, int | None]] = []
     inner = runner.run
 
-    async def checked(row: dict, **kw: Any) -> Sample:
+    async def checked(row: dict, **kw: Any) -> Episode:
         # The admission rule holds at every start: C + R + D <= (s + k + 1) * B.
         seen.append((mgr.outstanding, mgr.admission_limit()))
         return await inner(row, **kw)
@@ -127,7 +128,7 @@ async def test_no_trained_sample_is_more_than_max_staleness_versions_behind(max_
     runner.run = checked  # type: ignore[method-assign]
     async with mgr:
         batches = await train(mgr, engine, steps=8)
-    lags = Counter(s.metadata["consumed_version"] - s.metadata["start_version"] for s in samples_of(batches))
+    lags = Counter(s.metadata["consumed_version"] - s.start_version for s in samples_of(batches))
     assert max(lags) <= max_staleness and sum(lags.values()) == 64
     assert all(
         min(s.weight_versions) >= s.metadata["consumed_version"] - max_staleness for s in samples_of(batches)
@@ -144,7 +145,7 @@ async def test_a_finished_sample_frees_its_slot_at_once() -> None:
     inner = runner.run
     starts_while_blocked: list[int] = []
 
-    async def slow_first(row: dict, *, group_id: str, sample_index: int, **kw: Any) -> Sample:
+    async def slow_first(row: dict, *, group_id: str, sample_index: int, **kw: Any) -> Episode:
         if sample_index == 0 and group_id == mgr.source.pending[0]:
             await asyncio.wait_for(release.wait(), 10)
         else:
@@ -208,7 +209,7 @@ async def test_exhausted_retry_budget_emits_the_group_flagged_incomplete_without
     inner = runner.run
     doomed: list[str] = []
 
-    async def broken_one(row: dict, *, group_id: str, sample_index: int, **kw: Any) -> Sample:
+    async def broken_one(row: dict, *, group_id: str, sample_index: int, **kw: Any) -> Episode:
         if not doomed:
             doomed.append(group_id)
         if group_id == doomed[0] and sample_index == 2:
@@ -222,10 +223,10 @@ async def test_exhausted_retry_budget_emits_the_group_flagged_incomplete_without
             groups += await mgr.get_batch(timeout=10)
     g = next(g for g in groups if g.uid == doomed[0])
     assert not g.complete and g.done
-    bad = g.samples[2]
+    bad = g.episodes[2]
     assert bad is not None and bad.status is Status.FAILED_INFRA and bad.reward is None and not bad.trainable
     assert bad.metadata["causes"] == ["sandbox_create"] * 3
-    assert len(g.trainable_samples) == 3
+    assert len(g.trainable_episodes) == 3
     assert mgr.counters.samples_exhausted == 1 and mgr.counters.failures["sandbox_create"] == 3
     assert mgr.counters.groups_incomplete == 1
     assert "failed 3 attempts" in caplog.text
@@ -237,13 +238,13 @@ async def test_dynamic_filter_drops_groups_whose_rewards_are_all_equal() -> None
     async with mgr:
         batches = [await mgr.get_batch(timeout=10) for _ in range(4)]
     assert mgr.counters.groups_filtered > 0
-    assert all(len({s.reward for s in g.samples}) > 1 for b in batches for g in b)
+    assert all(len({s.reward for s in g.episodes}) > 1 for b in batches for g in b)
     # a filtered prompt counts as seen: it is not redone after a resume
     assert len(mgr.buffer.consumed) == 8 + mgr.counters.groups_filtered
     # the rollout pass rate counts every finished group, filtered ones too
     c = mgr.counters
     assert c.samples_scored == 4 * (c.groups_emitted + c.groups_filtered)
-    kept_passes = sum(s.reward >= 1.0 for b in batches for g in b for s in g.samples)
+    kept_passes = sum(s.reward >= 1.0 for b in batches for g in b for s in g.episodes)
     assert c.samples_passed >= kept_passes
 
 
@@ -267,7 +268,7 @@ async def test_hung_episode_hits_the_wall_clock_cap_is_retried_and_closes_its_sa
         while mgr.counters.episode_timeouts < 3:
             groups += await mgr.get_batch(timeout=20)
         # the groups of the timed-out samples complete through retries
-        while not any(s.metadata["attempt"] for g in groups for s in g.samples):
+        while not any(s.attempt for g in groups for s in g.episodes):
             groups += await mgr.get_batch(timeout=20)
     assert mgr.counters.failures["episode_timeout"] == mgr.counters.episode_timeouts >= 3
     assert all(g.complete for g in groups)
@@ -359,13 +360,13 @@ async def test_update_weights_resumes_engine_and_admission_even_when_sync_fails(
             await mgr.update_weights(bump(engine), mode="retract")  # type: ignore[arg-type]
 
 
-async def test_eval_pauses_training_admission_uses_eval_settings_and_reports() -> None:
+async def test_eval_while_training_pauses_admission_uses_eval_settings_and_reports() -> None:
     mgr, _engine, provider, runner = build(SimFaults(create_failure=0.1), max_staleness=None, max_attempts=6)
     inner = runner.run
     train_starts_during_eval: list[str] = []
     in_eval = asyncio.Event()
 
-    async def spy(row: dict, *, eval: bool = False, **kw: Any) -> Sample:
+    async def spy(row: dict, *, eval: bool = False, **kw: Any) -> Episode:
         if in_eval.is_set() and not eval:
             train_starts_during_eval.append(kw["group_id"])
         return await inner(row, eval=eval, **kw)
@@ -373,14 +374,16 @@ async def test_eval_pauses_training_admission_uses_eval_settings_and_reports() -
     runner.run = spy  # type: ignore[method-assign]
     async with mgr:
         await mgr.get_batch(timeout=10)
-        in_eval.set()
-        report = await mgr.evaluate(rows(20, p_pass=0.25) + rows(20, p_pass=1.0), n_samples=2)
-        in_eval.clear()
+        async with mgr.paused():
+            in_eval.set()
+            report = await evaluate(
+                runner, rows(20, p_pass=0.25) + rows(20, p_pass=1.0), samples_per_row=2, max_attempts=6
+            )
+            in_eval.clear()
         await mgr.get_batch(timeout=10)
     assert not train_starts_during_eval
-    assert report.n == 80 and report.exhausted == 0 and runner.eval_runs >= 80
-    assert all(s.metadata["eval"] for s in report.samples)
-    assert 0.45 < report.pass_at_1 < 0.80 and report.mean_reward == report.pass_at_1
+    assert report.episodes == 80 and report.unscored == 0 and runner.eval_runs >= 80
+    assert 0.45 < report.pass_at(1) < 0.80 and report.mean_reward() == report.pass_at(1)
     assert provider.live_sandboxes() == 0
 
 
@@ -410,7 +413,7 @@ async def test_resume_mid_epoch_neither_repeats_nor_skips_a_prompt() -> None:
 async def test_a_runner_bug_stops_the_rollout_loudly() -> None:
     mgr, _engine, _provider, runner = build()
 
-    async def buggy(row: dict, **kw: Any) -> Sample:
+    async def buggy(row: dict, **kw: Any) -> Episode:
         raise KeyError("metadata")
 
     runner.run = buggy  # type: ignore[method-assign]
@@ -471,7 +474,7 @@ async def test_a_group_that_can_no_longer_be_trained_in_bound_is_cancelled_in_fl
     first: list[str] = []
     cancelled: list[str] = []
 
-    async def stuck_once(row: dict, *, group_id: str, sample_index: int, **kw: Any) -> Sample:
+    async def stuck_once(row: dict, *, group_id: str, sample_index: int, **kw: Any) -> Episode:
         if not first:
             first.append(group_id)
             sandbox = await provider.create(f"{group_id}/stuck")
@@ -490,7 +493,7 @@ async def test_a_group_that_can_no_longer_be_trained_in_bound_is_cancelled_in_fl
     trained = [g.uid for b in batches for g in b]
     assert cancelled == first and mgr.counters.stale_cancelled == 1
     assert trained.count(first[0]) == 1, "the re-queued prompt is redone and trained once"
-    assert all(s.metadata["consumed_version"] - s.metadata["start_version"] <= 1 for s in samples_of(batches))
+    assert all(s.metadata["consumed_version"] - s.start_version <= 1 for s in samples_of(batches))
     assert provider.live_sandboxes() == 0
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from agentrl.algo import LossConfig
 from agentrl.sample import Sample, Status
-from agentrl.train.batch import build_batch, pack, sample_advantages
+from agentrl.train.batch import build_batch, pack
 from agentrl.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.torch_backend import TorchTrainer
@@ -53,7 +53,9 @@ def test_pack_is_first_fit_decreasing_under_the_padded_budget(lengths, budget):
 def test_batch_layout_aligns_tokens_masks_and_logprobs(policy):  # noqa: F811
     samples = make_samples(policy, groups=1, per_group=3)
     adv = [0.5, -1.0, 2.0]
-    batch = build_batch(samples, adv, max_tokens_per_micro_batch=10_000, pad_token_id=0)
+    for s, a in zip(samples, adv, strict=True):
+        s.advantage = a
+    batch = build_batch(samples, max_tokens_per_micro_batch=10_000, pad_token_id=0)
     assert len(batch.micro_batches) == 1
     mb = batch.micro_batches[0]
     for r, i in enumerate(mb.sample_indices):
@@ -73,7 +75,7 @@ def test_corrupted_samples_are_rejected_before_training(policy):  # noqa: F811
     s = make_samples(policy, groups=1, per_group=1)[0]
     s.loss_mask = s.loss_mask[:-1]
     with pytest.raises(ValueError, match="loss_mask"):
-        build_batch([s], [1.0], max_tokens_per_micro_batch=100)
+        build_batch([s], max_tokens_per_micro_batch=100)
 
 
 def _trainer(model, **kw):
@@ -129,7 +131,7 @@ def _sum_logp(model, samples):
 def test_grpo_step_raises_logprobs_of_positive_advantage_and_lowers_negative(policy):  # noqa: F811
     rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     samples = make_samples(policy, groups=2, per_group=3, seed=2, rewards=rewards)
-    adv = sample_advantages(samples).tolist()
+    adv = [s.advantage for s in samples]
     assert all((a > 0) == (r == 1.0) for a, r in zip(adv, rewards, strict=True))
     before = _sum_logp(policy, samples)
     trainer = _trainer(policy, lr=3e-4)
@@ -271,3 +273,39 @@ def test_bf16_autocast_keeps_fp32_weights_and_tracks_the_fp32_step(tiny_base):  
     assert half["grad_norm"] == pytest.approx(full["grad_norm"], rel=0.05)
     # bf16 compute against fp32 rollouts: a small, nonzero mismatch that the metric reports.
     assert 0 < half["mismatch_kl"] < 1e-2
+
+
+def test_a_token_with_a_huge_engine_mismatch_gives_a_finite_loss_and_finite_weights(policy):  # noqa: F811
+    samples = make_samples(policy, seed=13)
+    # The engine reported e^-1000 for one sampled token: exp(old - rollout) would be infinite.
+    samples[0].rollout_logprobs[0] = -1000.0
+    trainer = _trainer(policy)
+    m = trainer.train_step(samples)
+    assert m["skipped_steps"] == 0 and torch.isfinite(torch.tensor(m["loss"]))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_non_finite_token_skips_the_optimizer_step_and_never_reaches_the_weights(policy):  # noqa: F811
+    samples = make_samples(policy, seed=14)
+    samples[0].rollout_logprobs[0] = float("nan")
+    trainer = _trainer(policy)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    m = trainer.train_step(samples)
+    assert m["skipped_steps"] == 1 and trainer.skipped_nonfinite == 1 and trainer.step == 0
+    for b, p in zip(before, trainer.model.parameters(), strict=True):
+        assert torch.equal(b, p)
+    # AdamW holds no NaN moment either: the next clean step trains normally.
+    m2 = trainer.train_step(make_samples(policy, seed=15))
+    assert m2["skipped_steps"] == 0 and trainer.step == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_log_ratio_is_clamped_before_exp():
+    from agentrl.algo.losses import LOG_RATIO_CLAMP, policy_loss, tis_weights
+
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-200.0, 0.0]])
+    loss, _ = policy_loss(logp, old, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), eps_clip=0.2, eps_clip_high=0.2)
+    assert torch.isfinite(loss).all()
+    w, stats = tis_weights(old, torch.tensor([[0.0, -500.0]]), torch.ones(1, 2), low=0.5, high=2.0)
+    assert torch.isfinite(w).all() and stats["tis_max"].item() == pytest.approx(float(torch.exp(torch.tensor(LOG_RATIO_CLAMP))))

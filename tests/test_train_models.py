@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from agentrl.sample import Sample
+from agentrl.train.batch import with_advantages
 from agentrl.train.forward import model_logprobs
 
 
@@ -63,7 +64,8 @@ def make_samples(
                 )
             )
     fill_rollout_logprobs(model, out)
-    return out
+    # Advantages are computed outside the trainer, once per episode (here: one segment each).
+    return with_advantages(out)
 
 
 @torch.no_grad()

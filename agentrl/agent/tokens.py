@@ -59,6 +59,14 @@ class ChatRenderer:
         self.observation_suffix = post_obs  # ends with the next assistant generation prompt
         self.eos_ids = self._eos_ids()
 
+    @classmethod
+    def for_format(cls, tokenizer: Any, action_format: str) -> ChatRenderer:
+        """The renderer of an action format: observations in the role the format defines (a
+        tool-call format's outputs are `tool` messages where the template has that role)."""
+        from agentrl.agent.actions import get_format
+
+        return cls(tokenizer, observation_role=get_format(action_format).observation_role)
+
     def _supported_role(self, role: str) -> str:
         if role == "user":
             return role

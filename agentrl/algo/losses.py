@@ -15,6 +15,11 @@ from typing import Literal, get_args
 import torch
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean"]
+
+# Bound on every log-ratio before it is exponentiated (Miles clamps at +-20 too): one token whose
+# trainer and engine log-probs differ by ~88 nats would otherwise give an infinite ratio, an infinite
+# loss, and NaN weights after the optimizer step. e^20 is still far outside any clip range.
+LOG_RATIO_CLAMP = 20.0
 TISLevel = Literal["token", "sequence", "geometric"]
 TISMode = Literal["truncate", "mask"]
 KLKind = Literal["k1", "k2", "k3"]
@@ -108,7 +113,7 @@ def policy_loss(
     Returns (L [B, T], metrics): clip_frac = share of masked tokens where the clipped term won,
     dual_clip_frac = share where the dual clip bound was taken.
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
     loss = torch.maximum(pg1, pg2)
@@ -145,12 +150,14 @@ def tis_weights(
     """
     m = mask.to(torch.float32)
     d = (old_logp.detach().float() - rollout_logp.detach().float()) * m
+    c = LOG_RATIO_CLAMP
     if level == "token":
-        raw = torch.exp(d)
+        raw = torch.exp(d.clamp(-c, c))
     elif level == "sequence":
-        raw = torch.exp(d.sum(-1, keepdim=True)).expand_as(d)
+        raw = torch.exp(d.sum(-1, keepdim=True).clamp(-c, c)).expand_as(d)
     elif level == "geometric":
-        raw = torch.exp(d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(d)
+        mean_d = d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        raw = torch.exp(mean_d.clamp(-c, c)).expand_as(d)
     else:
         raise ValueError(f"tis_level={level!r}: choose token, sequence or geometric")
     outside = (raw < low) | (raw > high)
@@ -176,7 +183,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "k3") 
     """Per-token KL(pi_theta || pi_ref) estimators on tokens sampled from pi_theta, with x = ref_logp - logp:
     k1 = -x;   k2 = x^2 / 2;   k3 = exp(x) - x - 1  (unbiased, low variance, always >= 0)
     """
-    x = ref_logp - logp
+    x = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return -x
     if kind == "k2":
@@ -194,7 +201,7 @@ def mismatch_kl(
     ~0 when engine and trainer compute the same distribution.
     """
     m = mask.to(torch.float32)
-    x = old_logp.detach().float() - rollout_logp.detach().float()
+    x = (old_logp.detach().float() - rollout_logp.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
         "mismatch_k1": _masked_mean(-x, m),
         "mismatch_kl": _masked_mean(torch.exp(x) - x - 1, m),
@@ -213,11 +220,14 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The full per-token objective, aggregated:
 
         l_{b,t} = w_{b,t} * L^clip_{b,t} + kl_coef * KL_{b,t} - entropy_coef * H_{b,t}
     with w the TIS weight (1 when `use_tis` is off). `advantages` is [B, T] (see broadcast_to_tokens).
+    `token_weights` [B, T], when given, replaces the aggregation: loss = sum(token_weights * l), the
+    denominators having been computed outside (once per episode, `agentrl.train.batch`).
     Returns (scalar loss, metrics of detached scalars).
     """
     mask = mask.to(torch.float32)
@@ -234,9 +244,12 @@ def grpo_loss(
         per_token = per_token * w
         metrics.update(tis_stats)
     metrics.update(mismatch_kl(old_logp, rollout_logp, mask))
-    metrics["pg_loss"] = aggregate(
-        pg, mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs
-    ).detach()
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        if token_weights is not None:
+            return (x * token_weights.to(x.dtype) * mask).sum()
+        return aggregate(x, mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    metrics["pg_loss"] = reduce(pg).detach()
     if config.kl_coef:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp (log-probs of the reference model)")
@@ -249,5 +262,4 @@ def grpo_loss(
             per_token = per_token - config.entropy_coef * entropy
     elif config.entropy_coef:
         raise ValueError("entropy_coef > 0 needs the per-token entropy (compute log-probs with_entropy=True)")
-    loss = aggregate(per_token, mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
-    return loss, metrics
+    return reduce(per_token), metrics

@@ -5,7 +5,6 @@ from agentrl.rollout.buffer import Buffer, BufferError, BufferTimeout, Group, Ro
 from agentrl.rollout.manager import (
     ControlPlane,
     EpisodeRunner,
-    EvalReport,
     RolloutConfig,
     RolloutError,
     RolloutManager,
@@ -19,7 +18,6 @@ __all__ = [
     "BufferTimeout",
     "ControlPlane",
     "EpisodeRunner",
-    "EvalReport",
     "Group",
     "MetricsTracker",
     "Prompt",

@@ -1,4 +1,4 @@
-"""Buffer: completed GRPO groups in, whole-group batches out.
+"""Buffer: completed GRPO groups (of episodes) in, whole-group batches out.
 
 The trainer awaits `get_batch(batch_size, timeout=...)`; groups are never split. The buffer records
 the uid of every group it hands out (`consumed`) and tells the prompt source, so a checkpoint
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.errors import AgentRLError
-from agentrl.sample import Sample
+from agentrl.sample import Episode
 
 
 class BufferError(AgentRLError):
@@ -28,33 +28,25 @@ class RolloutFinished(BufferError):
     """Every prompt of every epoch was rolled out and consumed; no further batch will come."""
 
 
-def sample_oldest_version(sample: Sample) -> int | None:
-    versions = list(sample.weight_versions)
-    start = sample.metadata.get("start_version")
-    if start is not None:
-        versions.append(int(start))
-    return min(versions) if versions else None
-
-
 @dataclass
 class Group:
-    """The `n` samples of one prompt. `complete` is False when a sample exhausted its infra retry
-    budget: that slot then holds a FAILED_INFRA sample with no reward (never a reward of 0)."""
+    """The `n` episodes of one prompt. `complete` is False when an episode exhausted its infra retry
+    budget: that slot then holds a FAILED_INFRA episode with no reward (never a reward of 0)."""
 
     uid: str
     prompt_id: str
     row: dict[str, Any]
     n: int
-    samples: list[Sample | None] = field(default_factory=list)
+    episodes: list[Episode | None] = field(default_factory=list)
     discarded: bool = False  # cancelled as certain to exceed max_staleness; its prompt was re-queued
 
     def __post_init__(self) -> None:
-        if not self.samples:
-            self.samples = [None] * self.n
+        if not self.episodes:
+            self.episodes = [None] * self.n
 
     @property
     def filled(self) -> int:
-        return sum(s is not None for s in self.samples)
+        return sum(e is not None for e in self.episodes)
 
     @property
     def done(self) -> bool:
@@ -62,14 +54,14 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        return self.done and all(s is not None and s.trainable for s in self.samples)
+        return self.done and all(e is not None and e.trainable for e in self.episodes)
 
     @property
-    def trainable_samples(self) -> list[Sample]:
-        return [s for s in self.samples if s is not None and s.trainable]
+    def trainable_episodes(self) -> list[Episode]:
+        return [e for e in self.episodes if e is not None and e.trainable]
 
     def oldest_version(self) -> int | None:
-        found = [v for s in self.samples if s is not None and (v := sample_oldest_version(s)) is not None]
+        found = [v for e in self.episodes if e is not None and (v := e.oldest_version()) is not None]
         return min(found) if found else None
 
 

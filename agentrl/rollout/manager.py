@@ -1,8 +1,9 @@
 """RolloutManager: a fully asynchronous producer of GRPO groups with staleness-bounded admission.
 
 Shape: one producer task owns a TaskGroup; each running sample is one child task that calls
-`EpisodeRunner.run` (a fresh sandbox per attempt, owned and closed by the runner) under a
-wall-clock cap. A finished sample frees its slot at once and wakes the producer, which admits
+`EpisodeRunner.run` (one episode; for terminal tasks a fresh sandbox per attempt, owned and closed
+by the runner) under a wall-clock cap. The manager knows nothing of what an episode is made of: the
+environment's runner turns a prompt row into an `Episode`. A finished sample frees its slot at once and wakes the producer, which admits
 the next sample: the next index of the open group, else the first of a new prompt. A failed
 attempt is retried inside its own task, so it keeps its slot.
 
@@ -21,18 +22,26 @@ are cancelled (their runners close their sandboxes), its prompt is re-queued, an
 (`stale_cancelled`), so no compute goes on after it is known to be wasted. And the buffer checks
 again at consumption (`stale_groups`). The admission rule keeps both rare.
 
-Failures. `run` returns a Sample for completed, truncated and policy-failed episodes (real
+Failures. `run` returns an Episode for completed, truncated and policy-failed episodes (real
 outcomes with their reward) and raises `InfraError` for infrastructure failures; those are
-counted by `cause` and retried in a fresh attempt, up to `max_attempts` per sample. A sample
-that exhausts its budget is logged at ERROR, counted (`samples_exhausted`) and stored in its
-group as a FAILED_INFRA sample without a reward; the group is still emitted, flagged
-`complete=False`, and the trainer masks that sample (`Sample.trainable`). No group is dropped
+counted by `cause` and retried in a fresh attempt, up to `max_attempts` per sample. Any other
+exception out of a runner (a bug, or something an episode provoked) is caught per episode, logged
+with its traceback, counted under the cause `internal_error` and retried the same way: one episode
+never stops the run. A sample that exhausts its budget is logged at ERROR, counted
+(`samples_exhausted`) and stored in its group as a FAILED_INFRA episode without a reward; the group
+is still emitted, flagged `complete=False`, and the trainer skips that episode. No group is dropped
 for a failed sample, and no infrastructure failure becomes a reward.
 
-Weight updates: `update_weights(sync_fn, mode)` closes admission, pauses the engines
-("in_place": in-flight turns finish on the old weights; "abort": in-flight generation is
-aborted and the agent loop retries that turn on the new weights, keeping per-turn versions),
-runs `sync_fn`, and always resumes the engines and admission.
+Weight updates: `update_weights(sync_fn, mode)` is the one pause/resume wrapper of a weight sync. It
+closes admission, pauses the engines, flushes their caches after an "abort" pause (never after
+"in_place": requests are still queued then, and a real SGLang 0.5.16 scheduler dies on a flush that
+fails during a weight update), runs `sync_fn`, checks that the version moved by exactly one, and
+always resumes the engines and admission. Modes:
+- "abort": in-flight generations return early (finish reason abort) and the agent loop re-sends
+  that turn on the new weights; every turn records the version it was generated with.
+- "in_place": in-flight generations are held and continue after the load with the NEW weights on
+  the old KV cache (SGLang behaves so); the response reports the new version, which is the one the
+  turn records, so the staleness bound and the importance weights (TIS) see the newer version.
 """
 
 from __future__ import annotations
@@ -46,13 +55,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.rollout.buffer import Buffer, Group, sample_oldest_version
+from agentrl.rollout.buffer import Buffer, Group
 from agentrl.rollout.source import Prompt, PromptSource
-from agentrl.sample import Sample, Status
+from agentrl.sample import Episode, Status
 
 log = logging.getLogger("agentrl.rollout")
 
-PauseMode = Literal["in_place", "abort"]
+PauseMode = Literal["in_place", "abort", "retract"]
 
 
 class RolloutError(AgentRLError):
@@ -60,23 +69,33 @@ class RolloutError(AgentRLError):
 
 
 class EpisodeRunner(Protocol):
-    """One prompt row -> one Sample; raises InfraError (with `.cause`) on infrastructure failure.
-    The runner owns its sandbox and closes it, also when cancelled."""
+    """One prompt row -> one `Episode`; raises InfraError (with `.cause`) on infrastructure failure.
+    The runner owns whatever it creates (a sandbox) and closes it, also when cancelled. `seed` fixes
+    the sampling seed (evaluations); `eval` selects the runner's eval settings."""
 
     async def run(
-        self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int, eval: bool = False
-    ) -> Sample: ...
+        self,
+        row: dict[str, Any],
+        *,
+        group_id: str,
+        sample_index: int,
+        attempt: int = 0,
+        eval: bool = False,
+        seed: int | None = None,
+    ) -> Episode: ...
 
 
 class ControlPlane(Protocol):
-    """The engines' control plane as the manager needs it."""
+    """The engines' control plane as the manager needs it (`agentrl.engine.base.Engine` has it)."""
 
     @property
     def weight_version(self) -> int: ...
 
-    async def pause(self, *, mode: str = "in_place") -> None: ...
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
 
     async def resume(self) -> None: ...
+
+    async def flush_cache(self) -> None: ...
 
 
 @dataclass
@@ -124,6 +143,7 @@ class Counters:
     groups_filtered: int = 0
     stale_groups: int = 0
     stale_cancelled: int = 0  # groups cancelled in flight as certain to exceed max_staleness
+    internal_errors: int = 0  # untyped exceptions out of a runner, caught per episode
     infra_scored: int = 0  # must stay 0: an infra failure that reached a group with a reward
     # Every scored training episode of a finished group, whether the dynamic filter kept it or not:
     # the policy's pass rate as the rollouts see it (the kept groups alone are biased towards 0.5).
@@ -134,16 +154,6 @@ class Counters:
         d = dict(self.__dict__)
         d["failures"] = dict(self.failures)
         return d
-
-
-@dataclass
-class EvalReport:
-    n: int
-    pass_at_1: float
-    mean_reward: float
-    failures: dict[str, int]
-    exhausted: int
-    samples: list[Sample]
 
 
 class RolloutManager:
@@ -297,15 +307,13 @@ class RolloutManager:
 
     # -- one sample --------------------------------------------------------------------------
 
-    async def _attempt(self, group: Group, idx: int, attempt: int, *, eval: bool = False) -> Sample | str:
-        """One fresh episode; the Sample, or the failure cause."""
+    async def _attempt(self, group: Group, idx: int, attempt: int) -> Episode | str:
+        """One fresh episode; the Episode, or the failure cause."""
         version = self.control.weight_version
         cap = asyncio.timeout(self.config.episode_timeout_s)
         try:
             async with cap:
-                sample = await self.runner.run(
-                    group.row, group_id=group.uid, sample_index=idx, attempt=attempt, eval=eval
-                )
+                episode = await self.runner.run(group.row, group_id=group.uid, sample_index=idx, attempt=attempt)
         except InfraError as exc:
             log.warning("infra failure (%s) in %s/%d attempt %d: %s", exc.cause, group.uid, idx, attempt, exc)
             return exc.cause
@@ -325,15 +333,24 @@ class RolloutManager:
                 self.config.episode_timeout_s,
             )
             return "episode_timeout"
-        if sample.status is Status.FAILED_INFRA:
-            return sample.failure_cause or "infra"
-        sample.prompt_id = group.uid
-        sample.sample_index = idx
-        sample.metadata["start_version"] = version
-        sample.metadata["attempt"] = attempt
-        return sample
+        except Exception:
+            # One episode must never stop the run: whatever escaped the runner is recorded here.
+            self.counters.internal_errors += 1
+            log.exception("episode %s/%d attempt %d raised an untyped error", group.uid, idx, attempt)
+            return "internal_error"
+        if not isinstance(episode, Episode):
+            self.counters.internal_errors += 1
+            log.error("runner returned %r instead of an Episode", type(episode).__name__)
+            return "internal_error"
+        if episode.status is Status.FAILED_INFRA:
+            return episode.failure_cause or "infra"
+        episode.prompt_id = group.uid
+        episode.sample_index = idx
+        episode.start_version = version
+        episode.attempt = attempt
+        return episode
 
-    def _exhausted_sample(self, group: Group, idx: int, causes: list[str]) -> Sample:
+    def _exhausted(self, group: Group, idx: int, causes: list[str]) -> Episode:
         self.counters.samples_exhausted += 1
         log.error(
             "sample %s/%d failed %d attempts (%s): its group is emitted incomplete",
@@ -342,18 +359,7 @@ class RolloutManager:
             len(causes),
             ", ".join(causes),
         )
-        return Sample(
-            prompt_id=group.uid,
-            tokens=[],
-            prompt_length=0,
-            loss_mask=[],
-            rollout_logprobs=[],
-            reward=None,
-            status=Status.FAILED_INFRA,
-            failure_cause=causes[-1],
-            sample_index=idx,
-            metadata={"attempts": len(causes), "causes": causes},
-        )
+        return Episode.infra_failure(prompt_id=group.uid, sample_index=idx, cause=causes[-1], causes=causes)
 
     async def _run_sample(self, group: Group, idx: int, attempt: int) -> None:
         causes: list[str] = []
@@ -372,13 +378,13 @@ class RolloutManager:
                     result = await self._attempt(group, idx, attempt)
                 finally:
                     self._attempt_versions.pop(key, None)
-                if isinstance(result, Sample):
+                if isinstance(result, Episode):
                     break
                 causes.append(result)
                 self.counters.failures[result] += 1
                 attempt += 1
                 if attempt >= self.config.max_attempts:
-                    result = self._exhausted_sample(group, idx, causes)
+                    result = self._exhausted(group, idx, causes)
                     break
                 # The slot stays ours while backing off.
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
@@ -393,23 +399,23 @@ class RolloutManager:
         self.counters.finished += 1
         self._fill(group, idx, result)
 
-    def _fill(self, group: Group, idx: int, sample: Sample) -> None:
-        group.samples[idx] = sample
+    def _fill(self, group: Group, idx: int, episode: Episode) -> None:
+        group.episodes[idx] = episode
         if not group.done:
             self._done_unbuffered += 1
             return
         self._done_unbuffered -= group.n - 1
         self._unfinished.pop(group.uid, None)
         if any(
-            s is not None and s.status is Status.FAILED_INFRA and s.reward is not None for s in group.samples
+            e is not None and e.status is Status.FAILED_INFRA and e.reward is not None for e in group.episodes
         ):
             self.counters.infra_scored += 1
         if not group.complete:
             self.counters.groups_incomplete += 1
-        scored = [float(s.reward) for s in group.trainable_samples if s.reward is not None]
+        scored = [float(e.reward) for e in group.trainable_episodes if e.reward is not None]
         self.counters.samples_scored += len(scored)
         self.counters.samples_passed += sum(r >= self.config.pass_threshold for r in scored)
-        rewards = {s.reward for s in group.trainable_samples}
+        rewards = {e.reward for e in group.trainable_episodes}
         if self.config.dynamic_filter and group.complete and len(rewards) == 1:
             self.counters.groups_filtered += 1
             self._filtered_in_a_row += 1
@@ -438,9 +444,7 @@ class RolloutManager:
         for (gid, _), v in self._attempt_versions.items():
             running_oldest[gid] = min(v, running_oldest.get(gid, v))
         for uid, group in list(self._unfinished.items()):
-            versions = [
-                v for x in group.samples if x is not None and (v := sample_oldest_version(x)) is not None
-            ]
+            versions = [v for x in group.episodes if x is not None and (v := x.oldest_version()) is not None]
             if id(group) in running_oldest:
                 versions.append(running_oldest[id(group)])
             if not versions or min(versions) >= floor:
@@ -493,22 +497,25 @@ class RolloutManager:
                 self._admit_open.set()
             self._kick()
 
-    async def update_weights(
-        self, sync_fn: Callable[[], Awaitable[None]], mode: PauseMode = "in_place"
-    ) -> None:
-        """Pause admission and engines, run `sync_fn`, then always resume both.
+    async def update_weights(self, sync_fn: Callable[[], Awaitable[None]], mode: PauseMode = "abort") -> None:
+        """Pause admission and engines, flush after an abort pause, run `sync_fn`, check the
+        version, then always resume both (see the module docstring for the modes).
 
         `sync_fn` must advance the engines' weight version by exactly one: the staleness bound
         counts versions, so a version that jumps by the optimizer steps of a rollout step would
         cancel in-flight work as stale, and one that stands still would never bound it.
         """
-        if mode not in ("in_place", "abort"):
-            raise RolloutError(f"pause mode must be 'in_place' or 'abort', got {mode!r}")
+        if mode not in ("in_place", "abort", "retract"):
+            raise RolloutError(f"pause mode must be 'in_place', 'abort' or 'retract', got {mode!r}")
         cfg = self.config
         async with self.paused():
             try:
                 async with asyncio.timeout(cfg.control_timeout_s):
-                    await self.control.pause(mode=mode)
+                    await self.control.pause(mode)
+                    if mode != "in_place":
+                        # Requests are gone (abort) or back in the queue with their KV freed
+                        # (retract): the cache can and must be dropped before new weights land.
+                        await self.control.flush_cache()
                 before = self.control.weight_version
                 async with asyncio.timeout(cfg.sync_timeout_s):
                     await sync_fn()
@@ -525,54 +532,6 @@ class RolloutManager:
                         await self.control.resume()
                 finally:
                     self._cancel_doomed()
-
-    async def evaluate(
-        self, rows: Sequence[dict[str, Any]], *, n_samples: int = 1, max_in_flight: int | None = None
-    ) -> EvalReport:
-        """Pause the producer, run `rows` with the runner's eval settings, report, resume.
-
-        Training episodes already running finish normally; eval failures are retried and counted
-        like training ones, and an exhausted eval sample is reported, not scored.
-        """
-        if not rows:
-            raise RolloutError("the eval set is empty")
-        sem = asyncio.Semaphore(max_in_flight or self.config.max_in_flight)
-        failures: Counter[str] = Counter()
-        results: list[Sample] = []
-
-        async def one(i: int, row: dict[str, Any], k: int) -> None:
-            group = Group(f"eval:{i}", str(i), row, n_samples)
-            causes: list[str] = []
-            async with sem:
-                for attempt in range(self.config.max_attempts):
-                    res = await self._attempt(group, k, attempt, eval=True)
-                    if isinstance(res, Sample):
-                        results.append(res)
-                        return
-                    causes.append(res)
-                    failures[res] += 1
-                    self.counters.failures[res] += 1
-                    if attempt + 1 < self.config.max_attempts:
-                        await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
-            results.append(self._exhausted_sample(group, k, causes))
-
-        async with self.paused():
-            async with asyncio.TaskGroup() as tg:
-                for i, row in enumerate(rows):
-                    for k in range(n_samples):
-                        tg.create_task(one(i, row, k))
-        scored = [s for s in results if s.trainable]
-        rewards = [float(s.reward) for s in scored if s.reward is not None]
-        return EvalReport(
-            n=len(results),
-            pass_at_1=sum(r >= self.config.pass_threshold for r in rewards) / len(rewards)
-            if rewards
-            else 0.0,
-            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-            failures=dict(failures),
-            exhausted=len(results) - len(scored),
-            samples=results,
-        )
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from agentrl.rollout.buffer import Group, sample_oldest_version
+from agentrl.rollout.buffer import Group
 from agentrl.sample import Status
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ class StepMetrics:
     groups_filtered: int
     stale_groups: int  # evicted from the buffer
     stale_cancelled: int  # cancelled in flight
+    internal_errors: int  # untyped exceptions out of runners, caught per episode
     staleness_hist: dict[int, int]  # versions behind at consumption -> samples
     in_flight: int
     buffered_groups: int
@@ -93,19 +94,19 @@ class MetricsTracker:
             self._last_t = mgr.started_at
         counters = mgr.counters.snapshot()
         version = mgr.control.weight_version if consumed_at_version is None else consumed_at_version
-        samples = [s for g in groups for s in g.samples if s is not None]
-        scored = [s for s in samples if s.trainable]
-        rewards = [float(s.reward) for s in scored if s.reward is not None]
+        samples = [e for g in groups for e in g.episodes if e is not None]
+        scored = [e for e in samples if e.trainable]
+        rewards = [float(e.reward) for e in scored if e.reward is not None]
         hist: Counter[int] = Counter()
         for s in scored:
-            oldest = sample_oldest_version(s)
+            oldest = s.oldest_version()
             if oldest is not None:
                 hist[version - oldest] += 1
         before_fail = self._last.get("failures", {})
         failures = {
             c: n - before_fail.get(c, 0) for c, n in counters["failures"].items() if n - before_fail.get(c, 0)
         }
-        tokens = sum(sum(s.loss_mask) for s in scored)
+        tokens = sum(e.response_tokens for e in scored)
         wall = max(now_t - self._last_t, 1e-9)
         m = StepMetrics(
             step=step,
@@ -125,6 +126,7 @@ class MetricsTracker:
             groups_filtered=_delta(counters, self._last, "groups_filtered"),
             stale_groups=_delta(counters, self._last, "stale_groups"),
             stale_cancelled=_delta(counters, self._last, "stale_cancelled"),
+            internal_errors=_delta(counters, self._last, "internal_errors"),
             staleness_hist=dict(hist),
             in_flight=mgr.running,
             buffered_groups=mgr.buffer.n_groups,

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agentrl.engine.base import EngineAborted, EngineError
-from agentrl.episode import VerifierInfraError
 from agentrl.errors import InfraError
-from agentrl.sample import Sample, Status
+from agentrl.sample import Episode, Sample, Status
 from agentrl.sandbox.base import SandboxCreateError, SandboxTransportError
 
 T = TypeVar("T")
@@ -139,6 +138,7 @@ class SimEngine:
         self.rejected_503 = 0
         self.aborted = 0
         self.pauses: list[str] = []
+        self.flushes = 0
 
     async def generate(self, n_tokens: int) -> int:
         """Generate `n_tokens`; returns the weight version they were generated with."""
@@ -167,7 +167,7 @@ class SimEngine:
                 self._idle.set()
         return version
 
-    async def pause(self, *, mode: str = "in_place") -> None:
+    async def pause(self, mode: str = "abort") -> None:
         self.pauses.append(mode)
         self._open.clear()
         if mode == "abort":
@@ -179,6 +179,11 @@ class SimEngine:
 
     async def resume(self) -> None:
         self._open.set()
+
+    async def flush_cache(self) -> None:
+        if not self._idle.is_set():
+            raise EngineError("flush_cache while requests run (SGLang refuses it)", cause="engine_control")
+        self.flushes += 1
 
     async def set_weights(self, version: int) -> None:
         if not self._idle.is_set() or self._open.is_set():
@@ -255,8 +260,15 @@ class SimulatedRunner:
     eval_runs: int = 0
 
     async def run(
-        self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0, eval: bool = False
-    ) -> Sample:
+        self,
+        row: dict[str, Any],
+        *,
+        group_id: str,
+        sample_index: int,
+        attempt: int = 0,
+        eval: bool = False,
+        seed: int | None = None,
+    ) -> Episode:
         self.runs += 1
         self.eval_runs += eval
         try:
@@ -267,7 +279,7 @@ class SimulatedRunner:
 
     async def _run(
         self, row: dict[str, Any], group_id: str, sample_index: int, attempt: int, eval: bool
-    ) -> Sample:
+    ) -> Episode:
         w, f = self.workload, self.faults
         rng = random.Random(zlib.crc32(f"{self.seed}|{group_id}|{sample_index}|{attempt}".encode()))
         n_turns = max(1, math.ceil(rng.lognormvariate(math.log(w.median_turns), w.turns_sigma)))
@@ -306,9 +318,7 @@ class SimulatedRunner:
             await asyncio.sleep(w.verifier_s)
             timings["verifier_s"] += clock() - t
             if verifier_timeout:
-                raise VerifierInfraError(
-                    f"verifier of {group_id} timed out (injected)", cause="verifier_timeout"
-                )
+                raise InfraError(f"verifier of {group_id} timed out (injected)", cause="verifier_timeout")
         finally:
             await sandbox.close()
         if policy_fail_turn >= 0:
@@ -325,7 +335,7 @@ class SimulatedRunner:
             + n_turns * w.sandbox_exec_s
             + sum(turn_tokens[:n_turns]) * w.engine_per_token_s
         )
-        return Sample(
+        segment = Sample(
             prompt_id=group_id,
             tokens=[1] * (w.prompt_tokens + len(mask)),
             prompt_length=w.prompt_tokens,
@@ -336,6 +346,16 @@ class SimulatedRunner:
             end_reason=end,
             sample_index=sample_index,
             weight_versions=versions,
+            timings=timings,
+        )
+        return Episode(
+            segments=[segment],
+            reward=reward,
+            status=status,
+            turn_versions=versions,
+            end_reason=end,
+            prompt_id=group_id,
+            sample_index=sample_index,
             timings=timings,
             metadata={"eval": eval, "turns": n_turns},
         )

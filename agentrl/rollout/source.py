@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import AgentRLError
-from agentrl.tasks.dataset import read_jsonl
+from agentrl.rows import read_jsonl, row_prompt_id
 
 
 class PromptSourceError(AgentRLError):
@@ -29,12 +29,6 @@ class Prompt:
     epoch: int
     index: int
     row: dict[str, Any]
-
-
-def row_prompt_id(row: dict[str, Any], index: int) -> str:
-    """A readable id: the task id when the row has one, else the row index."""
-    meta = row.get("metadata") or {}
-    return str(meta.get("task_id") or row.get("id") or index)
 
 
 class PromptSource:

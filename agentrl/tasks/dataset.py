@@ -11,11 +11,12 @@ another task across the split.
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 from typing import Any
 
+from agentrl.rows import read_jsonl, write_jsonl
 from agentrl.tasks.task import Task
+
+__all__ = ["read_jsonl", "split_rows", "task_row", "write_jsonl"]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an AI assistant solving a task in a Linux terminal. "
@@ -58,18 +59,3 @@ def split_rows(
         row = task_row(task)
         (evals if split_bucket(task.task_id, seed) < eval_fraction else train).append(row)
     return train, evals
-
-
-def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(p)
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with Path(path).open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]

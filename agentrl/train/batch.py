@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrl.algo import grpo_advantages
-from agentrl.sample import Sample
+from agentrl.algo.losses import Aggregation
+from agentrl.sample import Episode, Sample
 
 
 @dataclass
@@ -24,7 +25,10 @@ class MicroBatch:
     """One forward pass: [R, L] tensors aligned with `input_ids` (entry t describes token t).
 
     `loss_mask[r, t]` is 1 on trained (generated) tokens; `rollout_logprobs` and `advantages` are
-    0 elsewhere. `sample_indices[r]` is the index of row r's sample in the step's sample list.
+    0 elsewhere. `loss_weights[r, t]` is the token's weight in the optimizer step's loss (the
+    aggregation's denominators, computed once per episode: the step's loss is the sum over every
+    micro-batch of weight x per-token loss). `sample_indices[r]` is the index of row r's sample in
+    the step's sample list.
     `old_logprobs` / `ref_logprobs` are filled by the trainer before the update.
     """
 
@@ -34,6 +38,7 @@ class MicroBatch:
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+    loss_weights: torch.Tensor
     sample_indices: list[int]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -57,6 +62,7 @@ class MicroBatch:
             loss_mask=self.loss_mask.to(device),
             rollout_logprobs=self.rollout_logprobs.to(device),
             advantages=self.advantages.to(device),
+            loss_weights=self.loss_weights.to(device),
             sample_indices=self.sample_indices,
             old_logprobs=move(self.old_logprobs),
             ref_logprobs=move(self.ref_logprobs),
@@ -101,16 +107,79 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return bins
 
 
-def sample_advantages(samples: Sequence[Sample], *, normalize_std: bool = True) -> torch.Tensor:
-    """GRPO advantage per sample, groups keyed by `prompt_id`."""
-    if any(s.reward is None for s in samples):
-        raise ValueError("every sample needs a reward before training (filter with Sample.trainable)")
-    rewards = torch.tensor([float(s.reward) for s in samples])  # type: ignore[arg-type]
-    return grpo_advantages(rewards, [s.prompt_id for s in samples], normalize_std=normalize_std)
+def training_samples(
+    groups: Sequence[Sequence[Episode | None]], *, normalize_std: bool = True
+) -> list[Sample]:
+    """The segments to train on, each carrying its episode's GRPO advantage.
+
+    Advantages are computed once per episode, over the trainable episodes of its group, and copied
+    to every segment of the episode: an episode that a history-rewriting template split into three
+    segments counts once in its group's mean and std, not three times (Miles does the same).
+    Example: rewards [1, 0, 0, 0] give +1.5 / -0.5 whatever the number of segments.
+    """
+    episodes: list[Episode] = []
+    group_of: list[int] = []
+    for g, group in enumerate(groups):
+        for e in group:
+            if e is not None and e.trainable:
+                episodes.append(e)
+                group_of.append(g)
+    if not episodes:
+        return []
+    rewards = torch.tensor([float(e.reward) for e in episodes])  # type: ignore[arg-type]
+    adv = grpo_advantages(rewards, group_of, normalize_std=normalize_std).tolist()
+    out: list[Sample] = []
+    for k, (e, a) in enumerate(zip(episodes, adv, strict=True)):
+        eid = f"{e.prompt_id}/{e.sample_index}#{k}"
+        for seg in e.trainable_segments:
+            seg.advantage = float(a)
+            seg.episode_id = eid
+            seg.reward = e.reward
+            out.append(seg)
+    return out
+
+
+def episode_chunks(samples: Sequence[Sample], n: int) -> list[list[int]]:
+    """Split sample indices into at most `n` consecutive chunks of whole episodes (of about equal
+    episode counts): the segments of one episode always land in the same optimizer step."""
+    order: list[str] = []
+    members: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        key = s.episode_id or f"#{i}"
+        if key not in members:
+            order.append(key)
+            members[key] = []
+        members[key].append(i)
+    n = max(1, min(n, len(order)))
+    bounds = [round(k * len(order) / n) for k in range(n + 1)]
+    return [[i for key in order[a:b] for i in members[key]] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def loss_weights(samples: Sequence[Sample], aggregation: Aggregation) -> list[float]:
+    """Per-sample weight of each trained token in one optimizer step's loss.
+
+    token_mean:           1 / N_tok, N_tok the trained tokens of the step: every token counts once,
+                          so an episode weighs its token count however it was segmented.
+    seq_mean_token_mean:  1 / (N_ep * n_e), n_e the trained tokens of the sample's episode (all its
+                          segments together) and N_ep the episodes of the step: each episode counts
+                          once, whatever the number of its segments.
+    """
+    tokens = [sum(s.loss_mask) for s in samples]
+    if aggregation == "token_mean":
+        total = max(sum(tokens), 1)
+        return [1.0 / total] * len(samples)
+    if aggregation == "seq_mean_token_mean":
+        per_ep: dict[str, int] = {}
+        keys = [s.episode_id or f"#{i}" for i, s in enumerate(samples)]
+        for key, n in zip(keys, tokens, strict=True):
+            per_ep[key] = per_ep.get(key, 0) + n
+        n_ep = max(sum(1 for v in per_ep.values() if v > 0), 1)
+        return [1.0 / (n_ep * max(per_ep[k], 1)) for k in keys]
+    raise ValueError(f"aggregation={aggregation!r}: choose token_mean or seq_mean_token_mean")
 
 
 def _rows(
-    samples: Sequence[Sample], advantages: Sequence[float], indices: list[int], pad_id: int
+    samples: Sequence[Sample], weights: Sequence[float], indices: list[int], pad_id: int
 ) -> MicroBatch:
     width = max(len(samples[i].tokens) for i in indices)
     n = len(indices)
@@ -120,6 +189,7 @@ def _rows(
     mask = torch.zeros((n, width), dtype=torch.float32)
     roll = torch.zeros((n, width), dtype=torch.float32)
     adv = torch.zeros((n, width), dtype=torch.float32)
+    wts = torch.zeros((n, width), dtype=torch.float32)
     for r, i in enumerate(indices):
         s = samples[i]
         length, p = len(s.tokens), s.prompt_length
@@ -133,31 +203,36 @@ def _rows(
                 m[0] = 0.0
             mask[r, p:length] = m
             roll[r, p:length] = torch.tensor(s.rollout_logprobs, dtype=torch.float32) * m
-            adv[r, p:length] = float(advantages[i]) * m
-    return MicroBatch(ids, attn, pos, mask, roll, adv, list(indices))
+            adv[r, p:length] = float(s.advantage or 0.0) * m
+            wts[r, p:length] = float(weights[i]) * m
+    return MicroBatch(ids, attn, pos, mask, roll, adv, wts, list(indices))
 
 
 def build_batch(
     samples: Sequence[Sample],
-    advantages: Sequence[float] | torch.Tensor,
     *,
+    aggregation: Aggregation = "token_mean",
     max_tokens_per_micro_batch: int,
     pad_token_id: int = 0,
 ) -> TrainBatch:
-    """Samples (already checked and trainable) -> packed micro-batches of one optimizer step."""
+    """Samples of one optimizer step (checked, trainable, `advantage` set) -> packed micro-batches
+    with the step's per-token loss weights."""
     if not samples:
         raise ValueError("no samples to train on")
-    adv = advantages.tolist() if isinstance(advantages, torch.Tensor) else list(advantages)
-    if len(adv) != len(samples):
-        raise ValueError(f"{len(adv)} advantages for {len(samples)} samples")
     for s in samples:
         s.check()
         if not s.tokens:
             raise ValueError(f"sample {s.prompt_id}/{s.sample_index} has no tokens")
+        if s.advantage is None:
+            raise ValueError(
+                f"sample {s.prompt_id}/{s.sample_index} has no advantage: compute advantages once per "
+                "episode first (agentrl.train.batch.training_samples)"
+            )
+    weights = loss_weights(samples, aggregation)
     bins = pack([len(s.tokens) for s in samples], max_tokens_per_micro_batch)
-    micro = [_rows(samples, adv, sorted(b), pad_token_id) for b in bins]
+    micro = [_rows(samples, weights, sorted(b), pad_token_id) for b in bins]
     n_tok = int(sum(int(mb.loss_mask.sum().item()) for mb in micro))
-    n_seq = int(sum(int((mb.loss_mask.sum(-1) > 0).sum().item()) for mb in micro))
+    n_seq = len({s.episode_id or f"#{i}" for i, s in enumerate(samples) if any(s.loss_mask)})
     padded = sum(mb.padded_tokens for mb in micro)
     real = sum(len(s.tokens) for s in samples)
     return TrainBatch(
@@ -167,3 +242,30 @@ def build_batch(
         num_samples=len(samples),
         stats={"num_micro_batches": float(len(micro)), "pad_fraction": 1.0 - real / max(padded, 1)},
     )
+
+
+def groups_from_samples(samples: Sequence[Sample]) -> list[list[Episode]]:
+    """Loose samples (dumps, records, single-turn tests) -> GRPO groups of episodes: samples sharing
+    `prompt_id` form a group, and segments sharing (`prompt_id`, `sample_index`) one episode."""
+    groups: dict[str, dict[int, Episode]] = {}
+    for s in samples:
+        eps = groups.setdefault(s.prompt_id, {})
+        ep = eps.get(s.sample_index)
+        if ep is None:
+            eps[s.sample_index] = Episode(
+                segments=[s],
+                reward=s.reward,
+                status=s.status,
+                prompt_id=s.prompt_id,
+                sample_index=s.sample_index,
+                task_id=s.task_id,
+            )
+        else:
+            ep.segments.append(s)
+    return [list(g.values()) for g in groups.values()]
+
+
+def with_advantages(samples: Sequence[Sample], *, normalize_std: bool = True) -> list[Sample]:
+    """Loose samples -> the trainable ones with per-episode GRPO advantages set (train-only replays
+    of dumped samples, probes, tests); rollouts go through `training_samples` directly."""
+    return training_samples(groups_from_samples(samples), normalize_std=normalize_std)

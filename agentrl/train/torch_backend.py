@@ -1,21 +1,24 @@
-"""The torch trainer backend: GRPO + TIS updates of a transformers causal LM.
+"""The torch trainer backend (the `Trainer` protocol): GRPO + TIS updates of a transformers causal LM.
 
-One `train_step(samples)`:
-  1. drop samples that cannot train (infra failures, no reward), compute GRPO advantages per
-     prompt group over all remaining samples;
+One `train_step(samples)`, on samples whose advantages were computed once per episode outside
+(`agentrl.train.batch.training_samples`):
+  1. split the samples into `num_minibatches` optimizer steps of whole episodes; each packs its
+     samples into micro-batches under the token budget, with per-token loss weights;
   2. recompute old log-probs (and reference log-probs when a KL term is on) with the current
      weights, before any update, for every sample;
-  3. split the samples into `num_minibatches` optimizer steps; each packs its samples into
-     micro-batches under the token budget and accumulates their gradients;
+  3. per optimizer step, accumulate the micro-batches' gradients; a non-finite loss or gradient
+     skips that step (counted in `skipped_nonfinite`, logged with its reason) and never reaches
+     AdamW, so one bad token cannot write NaN into the weights;
   4. clip the gradient norm and step AdamW.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +26,12 @@ import torch
 
 from agentrl.algo import grpo_loss
 from agentrl.sample import Sample
-from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, sample_advantages
+from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, episode_chunks
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.forward import model_logprobs
+
+log = logging.getLogger("agentrl.train")
 
 
 class TorchTrainer:
@@ -76,6 +81,7 @@ class TorchTrainer:
             weight_decay=config.weight_decay,
         )
         self.step = 0
+        self.skipped_nonfinite = 0
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
@@ -108,29 +114,28 @@ class TorchTrainer:
                 mb.ref_logprobs = self.logprobs(mb, model=self.ref_model)[0] * mb.loss_mask
 
     def prepare(self, samples: Sequence[Sample]) -> tuple[list[TrainBatch], dict[str, float]]:
-        """Filter, compute advantages, pack into per-optimizer-step batches and recompute old log-probs."""
+        """Filter, split into per-optimizer-step batches of whole episodes, recompute old log-probs."""
         trainable = [s for s in samples if s.trainable]
         if not trainable:
             raise ValueError(
                 f"none of the {len(samples)} samples can train (infra failures or missing rewards): "
                 "check the rollout's failure counts"
             )
-        adv = sample_advantages(trainable, normalize_std=self.config.normalize_adv_std)
-        n = min(self.config.num_minibatches, len(trainable))
-        bounds = [round(k * len(trainable) / n) for k in range(n + 1)]
         batches = []
-        for a, b in itertools.pairwise(bounds):
+        for chunk in episode_chunks(trainable, self.config.num_minibatches):
             batch = build_batch(
-                trainable[a:b],
-                adv[a:b],
+                [trainable[i] for i in chunk],
+                aggregation=self.config.loss.aggregation,
                 max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
                 pad_token_id=self.pad_token_id,
             )
             self._fill_old(batch)
             batches.append(batch)
         rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
+        adv = torch.tensor([float(s.advantage or 0.0) for s in trainable])
         stats = {
             "num_samples": float(len(trainable)),
+            "num_episodes": float(len({s.episode_id for s in trainable})),
             "num_dropped": float(len(samples) - len(trainable)),
             "reward_mean": rewards.mean().item(),
             "adv_abs_mean": adv.abs().mean().item(),
@@ -157,7 +162,10 @@ class TorchTrainer:
                 ref_logp=mb.ref_logprobs,
                 num_tokens=batch.num_loss_tokens,
                 num_seqs=batch.num_loss_seqs,
+                token_weights=mb.loss_weights,
             )
+            if not torch.isfinite(loss):
+                return self._skip(f"non-finite loss {loss.item()} in a micro-batch of {mb.num_rows} rows")
             loss.backward()
             total += loss.item()
             n_tok = mb.loss_mask.sum().item()
@@ -173,22 +181,47 @@ class TorchTrainer:
                     # Token-weighted, so a metric of the step is its mean over the step's tokens.
                     sums[k] = sums.get(k, 0.0) + x * n_tok / max(batch.num_loss_tokens, 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if not math.isfinite(float(grad_norm)):
+            return self._skip(f"non-finite gradient norm {float(grad_norm)}")
         self.optimizer.step()
         self.step += 1
-        return {"loss": total, "grad_norm": float(grad_norm), **sums, **batch.stats}
+        return {"loss": total, "grad_norm": float(grad_norm), "skipped": 0.0, **sums, **batch.stats}
+
+    def _skip(self, reason: str) -> dict[str, float]:
+        """Drop this optimizer step's gradient: nothing non-finite may reach AdamW's moments."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_nonfinite += 1
+        log.error("optimizer step skipped: %s (%d skipped so far)", reason, self.skipped_nonfinite)
+        return {"loss": float("nan"), "grad_norm": float("nan"), "skipped": 1.0}
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One rollout batch -> `num_minibatches` optimizer steps. Returns metrics of the last plus totals."""
+        """One rollout batch -> `num_minibatches` optimizer steps. Returns metrics of the last
+        completed one plus totals; `skipped_steps` counts optimizer steps dropped as non-finite."""
         t0 = time.perf_counter()
         batches, stats = self.prepare(samples)
         metrics: dict[str, float] = {}
+        skipped = 0
         for batch in batches:
-            metrics = self._update(batch)
+            m = self._update(batch)
+            if m["skipped"]:
+                skipped += 1
+                if not metrics:
+                    metrics = m
+            else:
+                metrics = m
         metrics.update(stats)
+        metrics["skipped_steps"] = float(skipped)
         metrics["step"] = float(self.step)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["step_seconds"] = time.perf_counter() - t0
         return metrics
+
+    def export_weights(
+        self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy's weights under their Hugging Face names, in buckets of at most
+        `bucket_bytes` (a tensor larger than that goes alone), floating tensors cast to `dtype`."""
+        return bucket_named_tensors(self.model.state_dict().items(), dtype=dtype, bucket_bytes=bucket_bytes)
 
     def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
         """Checkpoint model, optimizer, step and the caller's buffer position under `root`."""
@@ -206,3 +239,23 @@ class TorchTrainer:
         state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.step = state.step
         return state
+
+
+def bucket_named_tensors(
+    named: Any, *, dtype: torch.dtype | None = None, bucket_bytes: int = 512 * 2**20
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs -> buckets of bounded byte size, detached, floats cast to `dtype`."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,68 @@
+"""Engines by name, for command lines and recipes: `build_engine(EngineSpec(kind=...))`.
+
+local     a transformers model in this process (`LocalEngine`)
+sglang    SGLang workers (or a router) over HTTP (`SGLangEngine`), with a local tokenizer
+openai    an OpenAI-compatible chat API (evaluation only: no tokens, no log-probs)
+scripted  fixed replies (`ScriptedEngine`), e.g. a task's reference solution
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.errors import AgentRLError
+
+KINDS = ("local", "sglang", "openai", "scripted")
+
+
+class EngineConfigError(AgentRLError):
+    """The engine choice is incomplete or unknown."""
+
+
+@dataclass
+class EngineSpec:
+    kind: str
+    model: Path | None = None
+    urls: list[str] = field(default_factory=list)
+    tokenizer: Path | None = None
+    api_model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    scripted_replies: Sequence[str] = ()
+
+
+def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
+    """(engine, tokenizer or None). The tokenizer is None for chat APIs that take text."""
+    if spec.kind == "openai":
+        from agentrl.engine.openai import OpenAIChatEngine
+
+        if not spec.urls or not spec.api_model:
+            raise EngineConfigError("the openai engine needs a base URL and an API model name")
+        return OpenAIChatEngine(base_url=spec.urls[0], model=spec.api_model, api_key_env=spec.api_key_env), None
+    from transformers import AutoTokenizer
+
+    if spec.kind == "sglang":
+        from agentrl.engine.sglang import SGLangEngine
+
+        if not spec.urls or spec.tokenizer is None:
+            raise EngineConfigError("the sglang engine needs one or more worker URLs and a tokenizer directory")
+        return SGLangEngine(list(spec.urls)), AutoTokenizer.from_pretrained(str(spec.tokenizer))
+    if spec.kind not in KINDS:
+        raise EngineConfigError(f"unknown engine {spec.kind!r}: choose one of {', '.join(KINDS)}")
+    from agentrl.models.tiny import tiny_model_dir
+
+    model_dir = spec.model or tiny_model_dir()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if spec.kind == "scripted":
+        from agentrl.engine.fake import ScriptedEngine
+
+        if not spec.scripted_replies:
+            raise EngineConfigError("the scripted engine needs its replies")
+        return ScriptedEngine(list(spec.scripted_replies), tok), tok
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine.local import LocalEngine
+
+    return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok), tok

@@ -1,0 +1,96 @@
+"""`build_parts(config)`: the components of a run, from its `RunConfig` alone.
+
+Environment (by plugin name), tokenizer, policy and torch trainer, the engine (in process, or
+SGLang servers over HTTP) and the weight transport. Recipes that need something else (another
+trainer backend, a Ray placement) build their own `RunParts` and call the same loop.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from agentrl.environments import EnvContext, get_plugin
+from agentrl.errors import AgentRLError
+from agentrl.runtime.config import RunConfig
+from agentrl.runtime.loop import RunParts
+
+
+def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any) -> Any:
+    """The rollout engine: a copy of the policy in this process, or a fleet of SGLang servers."""
+    if cfg.engine.kind == "local":
+        from agentrl.engine.local import LocalEngine
+
+        return LocalEngine(copy.deepcopy(policy).eval(), tokenizer, device=cfg.engine.device)
+    from agentrl.engine.sglang import SGLangEngine
+
+    if bool(cfg.engine.urls) == bool(cfg.engine.router_url):
+        raise AgentRLError(
+            "engine.kind=sglang needs engine.urls (worker URLs) or engine.router_url (with the "
+            "workers behind it), one of the two"
+        )
+    if cfg.engine.router_url:
+        return SGLangEngine(
+            router_url=cfg.engine.router_url,
+            worker_urls=cfg.engine.urls or None,
+            request_timeout_s=cfg.engine.request_timeout_s,
+        )
+    return SGLangEngine(cfg.engine.urls, request_timeout_s=cfg.engine.request_timeout_s)
+
+
+def build_transport(cfg: RunConfig, engine: Any) -> Any:
+    from agentrl.train import weight_sync as ws
+
+    s = cfg.sync
+    if s.transport == "in_process":
+        if cfg.engine.kind != "local":
+            raise AgentRLError("sync.transport=in_process needs engine.kind=local; use disk, tensor or distributed")
+        return ws.InProcessTransport([engine])
+    if s.transport == "disk":
+        return ws.DiskTransport([engine], s.directory or str(cfg.out_dir / "weights"))
+    if s.transport == "tensor":
+        return ws.TensorTransport([engine], tp_size=s.tp_size)
+    return ws.DistributedTransport(
+        [engine],
+        master_address=s.master_address,
+        master_port=s.master_port,
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+    )
+
+
+def build_parts(cfg: RunConfig) -> RunParts:
+    """Everything the training loop needs, built from the configuration."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.train.torch_backend import TorchTrainer
+
+    if not cfg.engine.model:
+        raise AgentRLError("engine.model is not set: give the initial weights (a Hugging Face model directory)")
+    tok_dir = cfg.engine.tokenizer or cfg.engine.model
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    policy = AutoModelForCausalLM.from_pretrained(cfg.engine.model, dtype=torch.float32)
+    trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
+    engine = build_engine(cfg, trainer.model, tokenizer)
+    plugin = get_plugin(cfg.env["name"])
+    env = plugin.build(
+        plugin.Config.model_validate(cfg.env),
+        EnvContext(
+            tokenizer=tokenizer,
+            seed=cfg.seed,
+            out_dir=cfg.out_dir,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k,
+        ),
+    )
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[cfg.sync.dtype]
+    return RunParts(
+        env=env,
+        engine=engine,
+        trainer=trainer,
+        transport=build_transport(cfg, engine),
+        tokenizer=tokenizer,
+        export_dtype=dtype,
+    )

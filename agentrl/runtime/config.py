@@ -1,0 +1,218 @@
+"""`RunConfig`: every setting of a training run in one typed, nested object.
+
+One override syntax everywhere: `--set section.field=value` (dotted; the value is JSON when it
+parses as JSON, else a string: `--set trainer.lr=3e-5`, `--set env.agent.max_turns=5`,
+`--set engine.urls='["http://h:30000"]'`), applied on top of the defaults and of an optional
+file (`--config run.toml|.json|.yaml`). `--dry-run` prints the resolved object: every value the
+run uses, nothing hidden in code.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agentrl.errors import AgentRLError
+from agentrl.rollout.manager import RolloutConfig
+from agentrl.train.config import TrainConfig
+
+
+class ConfigError(AgentRLError):
+    """A run configuration cannot be read, parsed or validated."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingSettings(_Section):
+    """Sampling of rollouts and evals; the trainer's log-probs use the same temperature."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1: off")
+
+
+class EngineSettings(_Section):
+    """The inference engine(s) the rollouts talk to."""
+
+    kind: Literal["local", "sglang"] = Field(
+        "local", description="local: the policy in this process; sglang: SGLang servers over HTTP."
+    )
+    model: str | None = Field(None, description="Initial weights (a Hugging Face model directory).")
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: `model`).")
+    urls: list[str] = Field(default_factory=list, description="SGLang worker URLs (kind=sglang).")
+    router_url: str | None = Field(None, description="SGLang router URL (kind=sglang; data plane).")
+    request_timeout_s: float = 1800.0
+    device: str = Field("cpu", description="Device of the local engine and torch trainer.")
+
+
+class SyncSettings(_Section):
+    """How new weights reach the engines after every rollout step (one version per step)."""
+
+    transport: Literal["in_process", "disk", "tensor", "distributed"] = "in_process"
+    pause_mode: Literal["abort", "in_place", "retract"] = Field(
+        "abort",
+        description="abort: in-flight turns are re-sent on the new weights; in_place: they continue "
+        "on the new weights over the old KV cache (no cache flush in this mode).",
+    )
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Cast floats (None: as trained).")
+    directory: str | None = Field(None, description="Disk transport: where versions are written (default <out>/weights).")
+    bucket_mb: int = Field(512, gt=0)
+    tp_size: int = Field(1, ge=1, description="Tensor transport: payloads per engine (one per TP rank).")
+    master_address: str = "127.0.0.1"
+    master_port: int = 29555
+
+
+class EvalSettings(_Section):
+    """pass@k with fixed seeds through the shared evaluator (`agentrl.evaluation`)."""
+
+    before: bool = True
+    after: bool = True
+    every: int = Field(0, ge=0, description="Also every N steps (0: never in between).")
+    samples_per_row: int = Field(16, ge=1)
+    ks: list[int] = Field(default_factory=lambda: [1])
+    concurrency: int = Field(4, ge=1)
+    max_attempts: int = Field(3, ge=1)
+
+
+class CheckpointSettings(_Section):
+    every: int = Field(0, ge=0, description="Save every N steps (0: only at the end).")
+    resume: bool = Field(False, description="Continue from <out>/checkpoints/latest when it exists.")
+
+
+class RunConfig(_Section):
+    """A training run: environment, engine, rollout, trainer, weight sync, eval, checkpoints."""
+
+    out: str = Field("runs/run", description="Run directory: metrics, records, checkpoints, evals.")
+    seed: int = 0
+    steps: int = Field(32, ge=1, description="Rollout steps (one weight version each).")
+    batch_timeout_s: float = Field(900.0, gt=0, description="Longest wait for one batch of groups.")
+    torch_threads: int = Field(2, ge=1)
+    env: dict[str, Any] = Field(default_factory=lambda: {"name": "tbench2"})
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(batch_size=16))
+    trainer: TrainConfig = Field(default_factory=TrainConfig)
+    sync: SyncSettings = Field(default_factory=SyncSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> dict[str, Any]:
+        """Validated by the named plugin's own Config, so its defaults show in --dry-run."""
+        from agentrl.environments import resolve_config
+
+        data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+        try:
+            return resolve_config(data).model_dump()
+        except (ValidationError, AgentRLError) as exc:
+            raise ValueError(f"env ({data.get('name')}): {exc}") from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _temperature(cls, data: Any) -> Any:
+        """The trainer's log-probs must use the sampling temperature: one setting, not two."""
+        if not isinstance(data, dict):
+            return data
+        sampling = data.get("sampling") or {}
+        t = sampling.get("temperature") if isinstance(sampling, dict) else getattr(sampling, "temperature", None)
+        trainer = data.get("trainer")
+        given = trainer.get("temperature") if isinstance(trainer, dict) else None
+        if t is not None and given is not None and float(given) != float(t):
+            raise ValueError(
+                f"trainer.temperature={given} differs from sampling.temperature={t}: the trainer's "
+                "log-probs must use the rollouts' temperature; set sampling.temperature only"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _derived(self) -> RunConfig:
+        if self.trainer.temperature != self.sampling.temperature:
+            self.trainer.temperature = self.sampling.temperature
+        return self
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out)
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """`a.b.c=value` items applied to a nested dict (in place, and returned)."""
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: write section.field=value (e.g. trainer.lr=3e-5)")
+        parts = key.strip().split(".")
+        target = data
+        for part in parts[:-1]:
+            nxt = target.get(part)
+            if nxt is None:
+                nxt = target[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {key}: {part!r} is a value, not a section")
+            target = nxt
+        target[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix == ".toml":
+            return tomllib.loads(text)
+        if p.suffix == ".json":
+            return dict(json.loads(text))
+        if p.suffix in (".yaml", ".yml"):
+            import yaml  # type: ignore[import-untyped]
+
+            return dict(yaml.safe_load(text) or {})
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot parse: {exc}") from exc
+    except ImportError:
+        raise ConfigError(f"{p}: YAML needs PyYAML (pip install pyyaml), or use .toml / .json") from None
+    raise ConfigError(f"{p}: unknown config format {p.suffix!r}: use .toml, .json or .yaml")
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve(
+    model: type[RunConfig],
+    *,
+    defaults: dict[str, Any] | None = None,
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> Any:
+    """defaults <- file <- --set overrides, validated into `model` (a RunConfig or a subclass)."""
+    data = _merge({}, defaults or {})
+    if config_file is not None:
+        data = _merge(data, load_file(config_file))
+    apply_overrides(data, overrides)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid run configuration:\n" + "\n".join(lines)) from None

@@ -1,0 +1,184 @@
+"""The asynchronous training loop as library code: every recipe and `agentrl train` call `train`.
+
+    rollout manager (episodes from the environment's runner, staleness-bounded admission)
+      -> buffer -> advantages once per episode -> trainer.train_step
+      -> weight sync (trainer.export_weights x transport, inside the manager's pause/resume)
+      -> eval (shared evaluator, fixed seeds) -> checkpoint (trainer + rollout position) -> metrics
+
+The loop knows no environment, engine or trainer backend: it gets them built (`RunParts`,
+`agentrl.runtime.build.build_parts` builds them from a `RunConfig`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from agentrl.engine.base import Engine
+from agentrl.environments import Environment
+from agentrl.evaluation import EvalSummary, evaluate
+from agentrl.rollout.manager import RolloutManager
+from agentrl.rollout.metrics import MetricsTracker, StepMetrics
+from agentrl.runtime.config import RunConfig
+from agentrl.train.base import Trainer, WeightBucket
+from agentrl.train.batch import training_samples
+
+log = logging.getLogger("agentrl.runtime")
+
+
+class WeightTransport(Protocol):
+    """Moves weight buckets into every engine and sets their version (`agentrl.train.weight_sync`)."""
+
+    async def push(self, buckets: Iterator[WeightBucket], *, version: int) -> None: ...
+
+
+@dataclass
+class RunParts:
+    """The built components of a run."""
+
+    env: Environment
+    engine: Engine
+    trainer: Trainer
+    transport: WeightTransport
+    tokenizer: Any = None
+    export_dtype: torch.dtype | None = None
+    closers: list[Callable[[], Any]] = field(default_factory=list)  # sync or async, run at the end
+
+
+@dataclass
+class RunResult:
+    steps: int
+    evals: list[dict[str, Any]]
+    metrics: list[StepMetrics]
+    out_dir: Path
+    seconds: float
+
+
+def _report(reporter: Callable[[str], None] | None, text: str) -> None:
+    (reporter or log.info)(text)
+
+
+async def run_eval(
+    cfg: RunConfig, parts: RunParts, *, label: str, step: int, reporter: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """pass@k of the engine's current weights on the environment's eval rows."""
+    runner = parts.env.runner(parts.engine, run_id=f"eval-{label}", record_dir=None)
+    summary: EvalSummary = await evaluate(
+        runner,
+        parts.env.rows("eval"),
+        samples_per_row=cfg.eval.samples_per_row,
+        ks=cfg.eval.ks,
+        seed_base=cfg.seed * 1000,
+        concurrency=cfg.eval.concurrency,
+        max_attempts=cfg.eval.max_attempts,
+        pass_threshold=cfg.rollout.pass_threshold,
+        label=label,
+    )
+    result = {**summary.to_dict(), "step": step, "weight_version": parts.engine.weight_version}
+    _report(reporter, f"eval {label} (step {step}): " + ", ".join(f"pass@{k} {summary.pass_at(k):.3f}" for k in summary.ks))
+    return result
+
+
+async def sync_weights(cfg: RunConfig, parts: RunParts, manager: RolloutManager | None = None) -> int:
+    """Push the trainer's weights as the next version (through the manager's pause wrapper when
+    rollouts are running); returns the new version."""
+    version = parts.engine.weight_version + 1
+    bucket_bytes = cfg.sync.bucket_mb * 2**20
+
+    async def push() -> None:
+        await parts.transport.push(
+            parts.trainer.export_weights(parts.export_dtype, bucket_bytes=bucket_bytes), version=version
+        )
+
+    if manager is None:
+        await push()
+    else:
+        await manager.update_weights(push, mode=cfg.sync.pause_mode)
+    return version
+
+
+async def train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], None] | None = None) -> RunResult:
+    """Run `cfg.steps` rollout steps (resuming from the last checkpoint when asked)."""
+    t0 = time.monotonic()
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.dump(), indent=1))
+    ckpt_root = out / "checkpoints"
+    metrics_path = out / "metrics.jsonl"
+    evals_path = out / "evals.json"
+    start_step = 0
+    rollout_state: dict[str, Any] | None = None
+    evals: list[dict[str, Any]] = []
+    if cfg.checkpoint.resume and (ckpt_root / "latest").exists():
+        state = parts.trainer.load(ckpt_root)
+        start_step = int(state.buffer_state.get("step", state.step))
+        rollout_state = state.buffer_state.get("rollout")
+        if evals_path.exists():
+            evals = [e for e in json.loads(evals_path.read_text()) if e.get("step", 0) <= start_step]
+        _report(reporter, f"resumed from {ckpt_root} at step {start_step}")
+        await sync_weights(cfg, parts)
+    else:
+        metrics_path.unlink(missing_ok=True)
+    if start_step >= cfg.steps:
+        return RunResult(start_step, evals, [], out, time.monotonic() - t0)
+
+    if cfg.eval.before and start_step == 0:
+        evals.append(await run_eval(cfg, parts, label="before", step=0, reporter=reporter))
+
+    record_dir = out / "records"
+    runner = parts.env.runner(parts.engine, run_id=f"train-{uuid.uuid4().hex[:6]}", record_dir=record_dir)
+    manager = RolloutManager(runner, parts.engine, parts.env.rows("train"), cfg.rollout, seed=cfg.seed)
+    if rollout_state is not None:
+        manager.load_state_dict(rollout_state)
+    step = start_step
+    async with manager:
+        tracker = MetricsTracker(manager, metrics_path)
+        for step in range(start_step + 1, cfg.steps + 1):
+            groups = await manager.get_batch(timeout=cfg.batch_timeout_s)
+            consumed_at = parts.engine.weight_version
+            samples = training_samples(
+                [g.episodes for g in groups], normalize_std=cfg.trainer.normalize_adv_std
+            )
+            stats = await asyncio.to_thread(parts.trainer.train_step, samples) if samples else {}
+            version = await sync_weights(cfg, parts, manager)
+            m = tracker.step(
+                step, groups, consumed_at_version=consumed_at, extra={"trainer": stats, "version": version}
+            )
+            _report(
+                reporter,
+                f"step {step}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f} (all {m.rollout_pass_rate:.2f})"
+                f"  loss {stats.get('loss', 0.0):+.4f}  grad_norm {stats.get('grad_norm', 0.0):.3f}"
+                f"  skipped {int(stats.get('skipped_steps', 0))}  infra {sum(m.failures_by_cause.values())}"
+                f"  {m.wall_s:.1f}s",
+            )
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
+                parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
+            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                async with manager.paused():
+                    evals.append(await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter))
+                evals_path.write_text(json.dumps(evals, indent=1))
+        parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
+        history = tracker.history
+    if cfg.eval.after:
+        evals.append(await run_eval(cfg, parts, label="after", step=step, reporter=reporter))
+    evals_path.write_text(json.dumps(evals, indent=1))
+    return RunResult(step, evals, history, out, time.monotonic() - t0)
+
+
+async def close_parts(parts: RunParts) -> None:
+    """Close the environment, the engine and whatever else the builder registered."""
+    await parts.env.aclose()
+    await parts.engine.aclose()
+    for close in reversed(parts.closers):
+        res = close()
+        if asyncio.iscoroutine(res):
+            await res

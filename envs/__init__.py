@@ -1,0 +1,1 @@
+"""The bundled environment plugins (see `agentrl.environments`)."""

@@ -1,0 +1,158 @@
+"""`TerminalEnvironment`: task directories -> rows; rows -> episodes in sandboxes (`agentrl.episode`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import Engine, SamplingParams
+from agentrl.environments import EnvContext, EnvironmentError, Split
+from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.sandbox.base import SandboxProvider
+from agentrl.tasks import Task, discover_tasks
+from agentrl.tasks.dataset import task_row
+
+log = logging.getLogger("agentrl.envs.tbench2")
+
+BUNDLED_TASKS = Path(__file__).resolve().parent / "tasks"
+
+
+class TerminalConfig(BaseModel):
+    """Settings of the terminal environment (every one printed by `--dry-run`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["tbench2"] = "tbench2"
+    tasks: str = Field(str(BUNDLED_TASKS), description="Directory of Harbor task directories (training rows).")
+    eval_tasks: str | None = Field(None, description="Task directory for evaluations (default: `tasks`).")
+    max_solution_chars: int | None = Field(
+        None,
+        description="Keep only tasks whose reference solution is at most this many characters of "
+        "commands (the tiny demo model cannot learn long scripts); None keeps every valid task.",
+    )
+    backend: Literal["podman", "docker", "daytona", "fake"] = "podman"
+    action_format: str = "terminus-json"
+    system_prompt: str | None = None
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    max_agent_timeout_s: float | None = Field(
+        None, description="Cap on each task's [agent].timeout_sec (None: the task's own limit)."
+    )
+    create_timeout_s: float | None = Field(None, description="Sandbox start limit (None: the task's build timeout).")
+    record: bool = Field(True, description="Write every episode as a JSONL record under <out>/records.")
+
+
+def solution_chars(task: Task) -> int | None:
+    """Characters of the reference solution's commands (comments and `set -` lines excluded)."""
+    if task.solve_script is None:
+        return None
+    body = [
+        ln
+        for ln in task.solve_script.read_text(encoding="utf-8").splitlines()
+        if ln.strip() and not ln.lstrip().startswith(("#", "set -"))
+    ]
+    return len("\n".join(body))
+
+
+def valid_tasks(root: str | Path) -> list[Task]:
+    """Every task under `root` that lints clean; the others are logged and skipped."""
+    from agentrl.tasks.lint import lint_tasks
+
+    chosen = []
+    for result in lint_tasks(discover_tasks(Path(root))):
+        if result.errors:
+            log.warning("skipping %s: %s", result.task.task_id, "; ".join(map(str, result.errors)))
+        else:
+            chosen.append(result.task)
+    if not chosen:
+        raise EnvironmentError(f"no valid task under {root}: `agentrl tasks lint {root}` says why")
+    return chosen
+
+
+def select_tasks(root: str | Path, max_solution_chars: int | None) -> list[Task]:
+    tasks = valid_tasks(root)
+    if max_solution_chars is None:
+        return tasks
+    chosen = [t for t in tasks if (n := solution_chars(t)) is not None and n <= max_solution_chars]
+    if not chosen:
+        raise EnvironmentError(
+            f"no task in {root} has a reference solution of <= {max_solution_chars} characters: "
+            "raise env.max_solution_chars or set it to null"
+        )
+    return chosen
+
+
+class TerminalEnvironment:
+    """Rows from task directories; a runner runs each row in a fresh sandbox of the chosen backend."""
+
+    def __init__(self, config: TerminalConfig, context: EnvContext) -> None:
+        self.config = config
+        self.context = context
+        self.tasks = select_tasks(config.tasks, config.max_solution_chars)
+        self._eval_tasks: list[Task] | None = None
+        self._provider: SandboxProvider | None = None
+
+    @property
+    def eval_tasks(self) -> list[Task]:
+        if self._eval_tasks is None:
+            root = self.config.eval_tasks
+            self._eval_tasks = self.tasks if root is None else select_tasks(root, self.config.max_solution_chars)
+        return self._eval_tasks
+
+    def rows(self, split: Split) -> list[dict[str, Any]]:
+        return [task_row(t) for t in (self.tasks if split == "train" else self.eval_tasks)]
+
+    @property
+    def provider(self) -> SandboxProvider:
+        if self._provider is None:
+            from agentrl.sandbox.registry import make_provider
+
+            self._provider = make_provider(self.config.backend)
+        return self._provider
+
+    def episode_config(self) -> EpisodeConfig:
+        c = self.context
+        return EpisodeConfig(
+            action_format=self.config.action_format,
+            agent=self.config.agent,
+            sampling=SamplingParams(
+                temperature=c.temperature,
+                top_p=c.top_p,
+                top_k=c.top_k,
+                max_new_tokens=self.config.agent.max_new_tokens,
+            ),
+            system_prompt=self.config.system_prompt,
+            create_timeout_s=self.config.create_timeout_s,
+            max_agent_timeout_s=self.config.max_agent_timeout_s,
+        )
+
+    def runner(self, engine: Engine, *, run_id: str, record_dir: Path | None = None) -> EpisodeRunner:
+        tok = self.context.tokenizer
+        return EpisodeRunner(
+            provider=self.provider,
+            engine=engine,
+            renderer=ChatRenderer.for_format(tok, self.config.action_format) if tok is not None else None,
+            config=self.episode_config(),
+            run_id=run_id,
+            record_dir=record_dir if self.config.record else None,
+        )
+
+    async def aclose(self) -> None:
+        if self._provider is not None:
+            provider, self._provider = self._provider, None
+            await provider.aclose()
+
+
+class _Plugin:
+    name = "tbench2"
+    Config = TerminalConfig
+
+    def build(self, config: TerminalConfig, context: EnvContext) -> TerminalEnvironment:
+        return TerminalEnvironment(config, context)
+
+
+plugin = _Plugin()
