@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from agentrl.engine.base import EngineBadRequest, EngineError, SamplingParams
+from agentrl.engine.base import DiskWeights, EngineBadRequest, EngineError, SamplingParams
 from agentrl.engine.fake import FakeEngine, Faults, ScriptedEngine
 from tests.chat_tokenizer import byte_tokenizer
 
@@ -32,7 +32,8 @@ async def test_scripted_callable_sees_session_turn_and_prompt() -> None:
     engine = ScriptedEngine(lambda sid, turn, ids: f"{sid}:{turn}:{len(ids)}", tok)
     gen = await engine.generate([5, 6, 7], SamplingParams(), session_id="s")
     assert gen.text == "s:0:3"
-    await engine.update_weights(weight_version=8)
+    await engine.update_weights(DiskWeights("/weights/v8"), weight_version=8)
+    assert engine.updates == [DiskWeights("/weights/v8")]
     assert (await engine.generate([5], SamplingParams(), session_id="s")).weight_version == 8
 
 
@@ -86,3 +87,24 @@ async def test_pause_abort_cuts_slow_generations_and_blocks_new_ones() -> None:
     assert (await asyncio.wait_for(late, 5)).finish_reason == "length"
     with pytest.raises(EngineBadRequest):
         await engine.pause(mode="sideways")
+
+
+async def test_fake_flush_and_flushing_update_refuse_while_a_request_is_in_flight() -> None:
+    # As SGLang 0.5.16's Scheduler.flush_cache: nothing may be running or queued.
+    engine = FakeEngine(faults=Faults(latency_per_token_s=0.01), eos_rate=0.0)
+    running = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=1000)))
+    for _ in range(1000):
+        if engine._gate.busy:
+            break
+        await asyncio.sleep(0)
+    await engine.pause("in_place")
+    with pytest.raises(EngineError, match="flush_cache refused"):
+        await engine.flush_cache()
+    with pytest.raises(EngineError, match="flush_cache refused"):
+        await engine.update_weights(DiskWeights("/w"), weight_version=1, flush_cache=True)
+    await engine.update_weights(DiskWeights("/w"), weight_version=1)  # the default never flushes
+    assert engine.weight_version == 1
+    await engine.resume()
+    await engine.abort(abort_all=True)
+    assert (await asyncio.wait_for(running, 5)).finish_reason == "abort"
+    await engine.flush_cache()

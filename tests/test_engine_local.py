@@ -8,7 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from agentrl.engine.base import EngineBadRequest, SamplingParams  # noqa: E402
+from agentrl.engine.base import (  # noqa: E402
+    DiskWeights,
+    DistributedWeights,
+    EngineBadRequest,
+    SamplingParams,
+    TensorWeights,
+)
 from agentrl.engine.local import LocalEngine  # noqa: E402
 from agentrl.models.tiny import load_tiny  # noqa: E402
 
@@ -146,7 +152,11 @@ async def test_max_new_tokens_zero_and_bad_requests(engine, tiny) -> None:
         await engine.generate([5] * 5000, SamplingParams())
 
 
-async def test_abort_returns_partial_tokens_with_their_logprobs(engine, tiny) -> None:
+async def test_abort_matches_the_exact_rid_only_and_returns_partial_tokens_with_their_logprobs(
+    engine, tiny
+) -> None:
+    # SGLang 0.5.16 tokenizer_manager.py abort_request: an rid that is not a live request's own is
+    # dropped before the scheduler's prefix match, so only exact rids abort.
     model, tok = tiny
     prompt = _prompt(tok)
     task = asyncio.create_task(
@@ -154,7 +164,8 @@ async def test_abort_returns_partial_tokens_with_their_logprobs(engine, tiny) ->
     )
     await until(lambda: "abc-1" in engine._requests and engine._requests["abc-1"].submitted)
     await asyncio.sleep(0.2)
-    assert engine.abort("abc") == 1
+    assert engine.abort_requests("abc") == 0
+    await engine.abort("abc-1")
     gen = await asyncio.wait_for(task, 10)
     assert gen.finish_reason == "abort" and 0 < len(gen.output_ids) < 2000
     ref = recompute(model, prompt, gen.output_ids)
@@ -186,6 +197,34 @@ async def test_weights_load_while_a_running_batch_is_paused_in_place(engine, tin
     await engine.resume()
     gen = await asyncio.wait_for(task, 120)
     assert gen.finish_reason in ("stop", "length") and gen.output_ids
+
+
+async def test_a_request_paused_in_place_across_a_load_finishes_on_and_reports_the_new_weights(
+    tiny,
+) -> None:
+    # SGLang: after an in_place pause and a load, the rest of the request runs on the new weights
+    # (old KV cache) and its weight_version is read when the response is built.
+    import copy
+
+    model, tok = tiny
+    engine = LocalEngine(copy.deepcopy(model), tok)
+    try:
+        prompt = _prompt(tok)
+        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=400, seed=2)))
+        await until(lambda: engine.stats["batches"] > 0)
+        await engine.pause("in_place")
+        await until(lambda: engine._parked.is_set() or task.done())
+        assert not task.done(), "the request finished before the pause: raise max_new_tokens"
+        new_head = model.lm_head.weight * 4.0
+        assert await engine.load_state_dict({"lm_head.weight": new_head}, weight_version=9) == 9
+        await engine.resume()
+        gen = await asyncio.wait_for(task, 60)
+        assert gen.weight_version == 9
+        old_lp = recompute(model, prompt, gen.output_ids)
+        # The last token's log-prob came from the new head: it differs from the old model's.
+        assert abs(gen.logprobs[-1] - old_lp[-1]) > 1e-3
+    finally:
+        await engine.aclose()
 
 
 async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones(engine, tiny) -> None:
@@ -281,19 +320,21 @@ async def test_update_weights_takes_each_sync_format(tiny, tmp_path) -> None:
     eng = LocalEngine(copy.deepcopy(model), tok)
     try:
         head = model.lm_head.weight * 0.5
-        await eng.update_weights(
-            serialized_named_tensors=[serialize_named_tensors({"lm_head.weight": head})],
-            weight_version=2,
-            flush_cache=False,
-        )
+        entry = serialize_named_tensors([("lm_head.weight", head)])
+        await eng.update_weights(TensorWeights([entry]), weight_version=2)
         assert eng.weight_version == 2 and torch.equal(eng.model.lm_head.weight, head)
-        await eng.update_weights(state_dict={"lm_head.weight": model.lm_head.weight}, weight_version=3)
+        await eng.load_state_dict({"lm_head.weight": model.lm_head.weight}, weight_version=3)
         assert torch.equal(eng.model.lm_head.weight, model.lm_head.weight)
+        model.save_pretrained(tmp_path)
+        await eng.update_weights(DiskWeights(str(tmp_path)), weight_version=4)
+        assert eng.weight_version == 4
         with pytest.raises(EngineBadRequest, match="pickled tensors are refused"):
-            await eng.update_weights(serialized_named_tensors=["not base64!"], weight_version=4)
-        with pytest.raises(EngineBadRequest, match="exactly one"):
-            await eng.update_weights(weight_version=4)
-        assert eng.weight_version == 3
+            await eng.update_weights(TensorWeights(["not base64!"]), weight_version=5)
+        with pytest.raises(EngineBadRequest, match="one TP rank"):
+            await eng.update_weights(TensorWeights([entry, entry]), weight_version=5)
+        with pytest.raises(EngineBadRequest, match="process group"):
+            await eng.update_weights(DistributedWeights(["x"], ["float32"], [[1]]), weight_version=5)
+        assert eng.weight_version == 4
     finally:
         await eng.aclose()
 

@@ -1,12 +1,23 @@
-"""The Engine seam. Data plane: `generate`. Control plane: pause, resume, flush_cache,
-update_weights, health. Backends: sglang.py (HTTP), local.py (transformers), openai.py (eval).
+"""The Engine seam. Data plane: `generate`. Control plane: `weight_version`, `pause(mode)`,
+`resume`, `flush_cache`, `abort`, typed `update_weights`, `weight_versions`, `health`, `aclose`.
+
+Backends: sglang.py (HTTP client for one SGLang server or a fleet behind a router), local.py
+(transformers, in-process), fake.py (tests), openai.py (API models, evaluation only).
+
+Weight updates are typed: `DiskWeights`, `TensorWeights` and `DistributedWeights` are the bodies of
+SGLang's `/update_weights_from_disk`, `/update_weights_from_tensor` and
+`/update_weights_from_distributed`. Cache flushing is a separate call on purpose: SGLang 0.5.16
+asserts that a flush requested by an update succeeded, and a flush fails while any request is
+running or queued, which is the state after an `in_place` pause, so the server dies
+(`scheduler_components/weight_updater.py`, `Scheduler.flush_cache`). `update_weights` therefore
+never flushes unless asked, and the rollout manager flushes only after an `abort` pause.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agentrl.errors import InfraError
 
@@ -39,12 +50,58 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Generation:
+    """One `/generate` answer. `weight_version` is the version the server reported for the turn.
+    `version_mismatch` is set by a fleet client when that version is neither the fleet's version
+    when the request was sent nor when the answer came back: the turn was served (or replayed
+    after a worker died) by a server on other weights. Never train on such a turn silently."""
+
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
     text: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    version_mismatch: bool = False
+
+
+PauseMode = Literal["abort", "in_place", "retract"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "in_place", "retract")
+
+
+@dataclass(frozen=True)
+class DiskWeights:
+    """`/update_weights_from_disk`: a model directory every server can read."""
+
+    model_path: str
+    load_format: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorWeights:
+    """`/update_weights_from_tensor`: `serialized_named_tensors` has one entry per TP rank of the
+    server (SGLang's `tp_worker.py` indexes it by `tp_rank`), each a serialized list of
+    `(name, tensor)` pairs (`agentrl.engine.tensors.serialize_named_tensors`)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+
+
+@dataclass(frozen=True)
+class DistributedWeights:
+    """`/update_weights_from_distributed`: the server receives each named tensor, in order, by a
+    `broadcast(src=0)` in the group set up by `init_weights_update_group` (the trainer is rank 0)."""
+
+    names: list[str]
+    dtypes: list[str]  # torch dtype names without the "torch." prefix, e.g. "bfloat16"
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("DistributedWeights: names, dtypes and shapes must have the same length")
+
+
+WeightUpdate = DiskWeights | TensorWeights | DistributedWeights
 
 
 class EngineError(InfraError):
@@ -66,23 +123,68 @@ class EngineBadRequest(EngineError):
     cause = "engine_bad_request"
 
 
+class EngineVersionMismatch(EngineError):
+    """After a weight update a server reports another weight version than the one requested."""
+
+    cause = "engine_version_mismatch"
+
+
 class Engine(abc.ABC):
+    """An inference engine. `generate` is the data plane; the rest is the control plane that the
+    rollout manager drives around weight updates (pause -> [flush] -> update -> check -> resume).
+    Control methods an engine does not support raise `EngineError` (cause "engine_control")."""
+
+    _weight_version: int = 0
+
     @abc.abstractmethod
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None
     ) -> Generation: ...
 
-    async def pause(self, *, mode: str = "in_place") -> None:  # noqa: B027
-        """Stop admitting generation; `mode` "abort" aborts in-flight requests."""
+    @property
+    def weight_version(self) -> int:
+        """The weight version this engine serves (an HTTP client: the one last confirmed by its
+        servers)."""
+        return self._weight_version
 
-    async def resume(self) -> None:  # noqa: B027
-        """Admit generation again."""
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        self._weight_version = int(value)
 
-    async def flush_cache(self) -> None:  # noqa: B027
-        """Drop the prefix cache (after a weight change)."""
+    def _unsupported(self, what: str) -> EngineError:
+        return EngineError(f"{type(self).__name__} does not support {what}", cause="engine_control")
 
-    async def update_weights(self, **kwargs: Any) -> None:
-        raise EngineError(f"{type(self).__name__} does not support weight updates", cause="engine_control")
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop generating. New requests wait (they do not fail) until `resume`. "abort": in-flight
+        requests end now with finish_reason "abort" (returns once none is in flight); "in_place":
+        they stop where they are and continue after `resume`, on whatever weights are loaded then;
+        "retract": as in_place, but the server drops their KV cache and recomputes it."""
+        raise self._unsupported("pause")
+
+    async def resume(self) -> None:
+        """Admit and continue generation again."""
+        raise self._unsupported("resume")
+
+    async def flush_cache(self) -> None:
+        """Drop the prefix cache (after a weight change). Fails while requests run or wait, so
+        only after an "abort" pause."""
+        raise self._unsupported("flush_cache")
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort the request with exactly this id (SGLang 0.5.16 ignores anything but an exact live
+        rid), or every request with `abort_all`."""
+        raise self._unsupported("abort")
+
+    async def update_weights(
+        self, update: WeightUpdate, *, weight_version: int, flush_cache: bool = False
+    ) -> None:
+        """Load new weights and serve them as `weight_version`. `flush_cache=True` is only safe
+        when nothing is running or queued (see the module docstring)."""
+        raise self._unsupported("weight updates")
+
+    async def weight_versions(self) -> dict[str, int]:
+        """The version each server (or this engine) reports, by server URL or engine name."""
+        return {type(self).__name__: self.weight_version}
 
     async def health(self) -> bool:
         return True

@@ -24,16 +24,33 @@ def serve_cmd(
     cpu_threads: int = typer.Option(
         None, "--cpu-threads", help="Intra-op threads for generation (default: 1 for small models on CPU)."
     ),
+    tp_size: int = typer.Option(
+        1,
+        "--tp-size",
+        help="Simulated tensor-parallel size: tensor updates need one payload per rank, and a weight-update "
+        "group gets one member per rank (the model itself stays one copy).",
+    ),
 ) -> None:
-    """Serve MODEL with SGLang's /generate and control-plane endpoints (see agentrl.engine.server)."""
+    """Serve MODEL with SGLang's /generate and control-plane endpoints (see agentrl.engine.server).
+
+    Exits with status 1 after an error that would kill a real SGLang server (the reason is printed)."""
     from agentrl.engine.server import serve
 
+    dead = None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
+        dead = asyncio.run(
             serve(
-                model, host=host, port=port, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads
+                model,
+                host=host,
+                port=port,
+                device=device,
+                logprob_mode=logprob_mode,
+                cpu_threads=cpu_threads,
+                tp_size=tp_size,
             )
         )
+    if dead is not None:
+        raise typer.Exit(1)
 
 
 @app.command("tiny")

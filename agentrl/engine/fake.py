@@ -15,7 +15,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.engine.base import Engine, EngineBadRequest, EngineError, Generation, SamplingParams
+from agentrl.engine.base import (
+    PAUSE_MODES,
+    DiskWeights,
+    DistributedWeights,
+    Engine,
+    EngineBadRequest,
+    EngineError,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    TensorWeights,
+    WeightUpdate,
+)
 
 Script = Sequence[str] | Callable[[str | None, int, list[int]], str]
 
@@ -48,8 +60,15 @@ class _PauseGate:
     async def wait_running(self) -> None:
         await self._resumed.wait()
 
+    @property
+    def busy(self) -> bool:
+        return self._in_flight > 0
+
+    def abort_all(self) -> None:
+        self._generation += 1
+
     async def pause(self, mode: str, timeout: float) -> None:
-        if mode not in ("abort", "in_place", "retract"):
+        if mode not in PAUSE_MODES:
             raise EngineBadRequest(f"pause mode {mode!r}: use 'abort', 'retract' or 'in_place'")
         self._resumed.clear()
         if mode == "abort":
@@ -61,7 +80,48 @@ class _PauseGate:
         self._resumed.set()
 
 
-class ScriptedEngine(Engine):
+class _FakeControl(Engine):
+    """The control plane both fakes share, as strict as SGLang where it matters: a cache flush (on
+    its own or requested by an update) fails while a request is in flight (0.5.16
+    `Scheduler.flush_cache`), and updates are typed. `updates` records every update applied."""
+
+    _gate: _PauseGate
+    updates: list[WeightUpdate]
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self._gate.pause(mode, timeout=60.0)
+
+    async def resume(self) -> None:
+        self._gate.resume()
+
+    async def flush_cache(self) -> None:
+        if self._gate.busy:
+            raise EngineError(
+                f"{type(self).__name__}: flush_cache refused while requests are in flight (SGLang "
+                "0.5.16 Scheduler.flush_cache); pause with mode='abort' first",
+                cause="engine_flush_busy",
+            )
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        # Fake requests carry no rid, so only abort_all has an effect (an unknown rid is ignored,
+        # as SGLang ignores it).
+        if abort_all:
+            self._gate.abort_all()
+
+    async def update_weights(
+        self, update: WeightUpdate, *, weight_version: int, flush_cache: bool = False
+    ) -> None:
+        if not isinstance(update, DiskWeights | TensorWeights | DistributedWeights):
+            raise EngineBadRequest(
+                f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
+            )
+        if flush_cache:
+            await self.flush_cache()
+        self.updates.append(update)
+        self.weight_version = int(weight_version)
+
+
+class ScriptedEngine(_FakeControl):
     """Answers turn k of a session with `script[k]` (or `script(session_id, k, input_ids)`).
 
     Output ids are `tokenizer.encode(text)` plus the eos id (finish "stop"), cut to
@@ -89,6 +149,7 @@ class ScriptedEngine(Engine):
         self.calls: list[tuple[str | None, list[int]]] = []
         self._turns: dict[str | None, int] = {}
         self._gate = _PauseGate()
+        self.updates = []
 
     def _text(self, session_id: str | None, input_ids: list[int]) -> str:
         turn = self._turns.get(session_id, 0)
@@ -120,15 +181,6 @@ class ScriptedEngine(Engine):
         finally:
             self._gate.leave()
 
-    async def pause(self, *, mode: str = "in_place") -> None:
-        await self._gate.pause(mode, timeout=60.0)
-
-    async def resume(self) -> None:
-        self._gate.resume()
-
-    async def update_weights(self, *, weight_version: int | None = None, **_: Any) -> None:
-        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
-
 
 @dataclass(frozen=True)
 class Faults:
@@ -146,7 +198,7 @@ class Faults:
     latency_per_token_s: float = 0.0
 
 
-class FakeEngine(Engine):
+class FakeEngine(_FakeControl):
     """Seeded pseudo-random tokens in `[first_token, vocab_size)`, eos with probability `eos_rate`
     per token, log-probs in (-5, 0); faults as `Faults` says. Counts requests and failures."""
 
@@ -172,6 +224,7 @@ class FakeEngine(Engine):
         self.failures = 0
         self.aborts = 0
         self._gate = _PauseGate()
+        self.updates = []
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None
@@ -212,12 +265,3 @@ class FakeEngine(Engine):
             return Generation(ids, logps, finish, version)
         finally:
             self._gate.leave()
-
-    async def pause(self, *, mode: str = "in_place") -> None:
-        await self._gate.pause(mode, timeout=60.0)
-
-    async def resume(self) -> None:
-        self._gate.resume()
-
-    async def update_weights(self, *, weight_version: int | None = None, **_: Any) -> None:
-        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)

@@ -29,7 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.engine.base import Engine, EngineBadRequest, EngineError, Generation, SamplingParams
+from agentrl.engine.base import (
+    PAUSE_MODES,
+    DiskWeights,
+    DistributedWeights,
+    Engine,
+    EngineBadRequest,
+    EngineError,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    TensorWeights,
+    WeightUpdate,
+)
 
 _GREEDY_T = 1e-6
 _GATE_POLL_S = 0.05
@@ -212,7 +224,6 @@ class LocalEngine(Engine):
         it finishes; finished rows ride along until the batch ends."""
         import torch
 
-        version = self.weight_version
         rows: list[_Row] = []
         for job in jobs:
             sp = job.sampling
@@ -223,7 +234,7 @@ class LocalEngine(Engine):
             )
             row = _Row(job, budget, gen, self.eos_ids | frozenset(sp.stop_token_ids))
             if budget == 0:
-                self._finish(row, "length", None, version)
+                self._finish(row, "length", None)
             else:
                 rows.append(row)
         if not rows:
@@ -249,7 +260,7 @@ class LocalEngine(Engine):
                 self._wait_gate(rows)
                 for i, row in enumerate(rows):
                     if not row.done:
-                        self._step(row, out.logits[i, -1].float(), version)
+                        self._step(row, out.logits[i, -1].float())
                 if all(r.done for r in rows):
                     return
                 nxt = torch.tensor([[r.out_ids[-1] if r.out_ids else 0] for r in rows], device=self.device)
@@ -259,22 +270,26 @@ class LocalEngine(Engine):
                 out = self.model(nxt, cache=cache, use_cache=True, **kwargs)
                 cache = out.cache if "cache" in out else out.past_key_values
 
-    def _step(self, row: _Row, logits: Any, version: int) -> None:
+    def _step(self, row: _Row, logits: Any) -> None:
         sp = row.job.sampling
         if row.job.request.abort.is_set():
-            self._finish(row, "abort", None, version)
+            self._finish(row, "abort", None)
             return
         token, logp = self._sample(logits, sp, row.generator)
         row.out_ids.append(token)
         row.logps.append(logp)
         if token in row.stop_ids:
-            self._finish(row, "stop", token, version)
+            self._finish(row, "stop", token)
         elif sp.stop and (hit := self._stop_string(row.out_ids, sp.stop)):
-            self._finish(row, "stop", hit, version)
+            self._finish(row, "stop", hit)
         elif len(row.out_ids) >= row.budget:
-            self._finish(row, "length", None, version)
+            self._finish(row, "length", None)
 
-    def _finish(self, row: _Row, reason: str, matched: int | str | None, version: int) -> None:
+    def _finish(self, row: _Row, reason: str, matched: int | str | None) -> None:
+        """Answer one request. Its version is the one loaded now, as SGLang reads
+        `weight_version` when it builds the response: a request paused in place across a weight
+        load reports the new version (its later tokens came from the new weights)."""
+        version = self.weight_version
         row.done = True
         meta: dict[str, Any] = {"id": row.job.request.rid, "prompt_tokens": len(row.job.input_ids)}
         if reason == "stop":
@@ -341,38 +356,56 @@ class LocalEngine(Engine):
 
     # --- control plane -------------------------------------------------------------------------
 
-    def abort(self, rid: str = "", *, abort_all: bool = False, submitted_only: bool = False) -> int:
-        """Abort requests whose id starts with `rid` (SGLang matches by prefix), or all of them.
-        Returns how many were flagged; unknown ids are ignored."""
+    def abort_requests(
+        self, rid: str | None = None, *, abort_all: bool = False, submitted_only: bool = False
+    ) -> int:
+        """Flag the request whose id is exactly `rid` (SGLang 0.5.16's tokenizer manager drops any
+        rid that is not a live request's own, `tokenizer_manager.py` `abort_request`), or every
+        request. Returns how many were flagged; unknown ids are ignored."""
         hit = 0
         for request in list(self._requests.values()):
             if submitted_only and not request.submitted:
                 continue
-            if abort_all or (rid and request.rid.startswith(rid)):
+            if abort_all or (rid and request.rid == rid):
                 request.abort.set()
                 hit += 1
         return hit
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        self.abort_requests(rid, abort_all=abort_all)
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def busy(self) -> bool:
+        """A request is running or queued for the model (SGLang: in the scheduler's running batch or
+        waiting queue). Requests held at the pause gate do not count: SGLang holds them in the
+        tokenizer manager, before the scheduler."""
+        return any(r.submitted for r in self._requests.values())
+
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for no request to be queued or running."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-        return not self._requests
+        """Wait up to `timeout` seconds for no request to be running or queued for the model."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.busy:
+            if loop.time() >= deadline:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(_GATE_POLL_S, max(0.0, deadline - loop.time()))):
+                    await self._idle.wait()
+        return True
 
     @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
-    async def pause(self, *, mode: str = "in_place", timeout: float = 60.0) -> None:
+    async def pause(self, mode: PauseMode = "abort", *, timeout: float = 60.0) -> None:
         """Stop admitting requests. "in_place" / "retract": running requests wait between tokens
         until `resume` (this engine keeps their KV cache in both modes). "abort": running and
         queued requests finish now with finish_reason "abort"; returns once none is in flight."""
-        if mode not in ("abort", "in_place", "retract"):
+        if mode not in PAUSE_MODES:
             raise EngineBadRequest(f"pause mode {mode!r}: use 'abort', 'retract' or 'in_place'")
         self._resumed.clear()
         if mode != "abort":
@@ -380,8 +413,8 @@ class LocalEngine(Engine):
             return
         # Requests that arrive now wait at the gate (as on SGLang); only submitted ones end.
         async with asyncio.timeout(timeout):
-            while any(r.submitted for r in self._requests.values()):
-                self.abort(abort_all=True, submitted_only=True)
+            while self.busy:
+                self.abort_requests(abort_all=True, submitted_only=True)
                 await asyncio.sleep(0.01)
 
     async def resume(self) -> None:
@@ -389,13 +422,22 @@ class LocalEngine(Engine):
         self._resumed.set()
 
     async def flush_cache(self) -> None:
-        """Nothing to flush: this engine keeps no prefix cache across requests, only each
-        request's own KV cache, which is dropped when the request ends."""
+        """This engine keeps no prefix cache across requests (only each request's own KV cache), so
+        there is nothing to drop; but as SGLang's `Scheduler.flush_cache` it refuses while a
+        request is running or queued, so callers meet the real rule here too."""
+        if self.busy:
+            raise EngineError(
+                "flush_cache refused: requests are running or queued (SGLang 0.5.16 "
+                "Scheduler.flush_cache); pause with mode='abort' first",
+                cause="engine_flush_busy",
+            )
 
     async def load_state_dict(self, state_dict: Mapping[str, Any], weight_version: int | None = None) -> int:
         """Copy weights in (names as in `model.state_dict()`; a subset is fine) and bump the weight
-        version (to `weight_version` when given). Queues behind the requests already submitted.
-        Returns the new version."""
+        version (to `weight_version` when given). Queues behind the requests already submitted,
+        except that a batch held by an in-place pause loads beside it (as SGLang, whose update runs
+        at once while paused): the rest of that batch then runs on the new weights. Returns the
+        new version."""
         fn = functools.partial(self._load_sync, dict(state_dict), weight_version)
         if not self._gate.is_set():
             # Paused in place: a batch may be running towards the gate. Give it a moment to park,
@@ -435,43 +477,51 @@ class LocalEngine(Engine):
         return await self.load_state_dict(state, weight_version)
 
     async def update_weights(
-        self,
-        *,
-        state_dict: Mapping[str, Any] | None = None,
-        model_path: str | Path | None = None,
-        serialized_named_tensors: list[str] | None = None,
-        weight_version: int | None = None,
-        load_format: str | None = None,
-        **_: Any,
+        self, update: WeightUpdate, *, weight_version: int, flush_cache: bool = False
     ) -> None:
-        """The weight-sync entry point shared with `SGLangEngine`: exactly one of `state_dict`,
-        `model_path` (see `load_from_disk`) or `serialized_named_tensors` (base64 safetensors, see
-        `agentrl.engine.tensors`). Other SGLang options (flush_cache, ...) mean nothing here."""
-        given = [x is not None for x in (state_dict, model_path, serialized_named_tensors)]
-        if sum(given) != 1:
-            raise EngineBadRequest(
-                "update_weights needs exactly one of state_dict=, model_path=, serialized_named_tensors="
-            )
-        if state_dict is not None:
-            await self.load_state_dict(state_dict, weight_version)
-        elif model_path is not None:
-            await self.load_from_disk(model_path, weight_version)
-        else:
-            if load_format not in (None, "safetensors"):
-                raise EngineBadRequest(f"load_format {load_format!r}: LocalEngine takes base64 safetensors")
+        """`DiskWeights` (see `load_from_disk`) or `TensorWeights` with exactly one entry (this
+        engine is one TP rank; see `agentrl.engine.tensors`). `DistributedWeights` needs a process
+        group: serve this engine with `agentrl engine serve` for that. With `flush_cache` and a
+        request running or queued this refuses before loading (a real server would die there)."""
+        if flush_cache and self.busy:
+            await self.flush_cache()  # raises: the reason and the fix are in its message
+        if isinstance(update, DiskWeights):
+            if update.load_format not in (None, "auto", "safetensors"):
+                raise EngineBadRequest(f"load_format {update.load_format!r}: LocalEngine reads safetensors")
+            await self.load_from_disk(update.model_path, weight_version)
+        elif isinstance(update, TensorWeights):
+            if update.load_format not in (None, "safetensors"):
+                raise EngineBadRequest(
+                    f"load_format {update.load_format!r}: LocalEngine takes agentrl's safe format"
+                )
+            if len(update.serialized_named_tensors) != 1:
+                raise EngineBadRequest(
+                    f"serialized_named_tensors has {len(update.serialized_named_tensors)} entries; this "
+                    "engine is one TP rank and takes exactly one"
+                )
             from agentrl.engine.tensors import deserialize_named_tensors
 
-            state: dict[str, Any] = {}
-            for entry in serialized_named_tensors or []:
-                state.update(await asyncio.to_thread(deserialize_named_tensors, entry))
-            await self.load_state_dict(state, weight_version)
+            pairs = await asyncio.to_thread(deserialize_named_tensors, update.serialized_named_tensors[0])
+            await self.load_state_dict(dict(pairs), weight_version)
+        elif isinstance(update, DistributedWeights):
+            raise EngineBadRequest(
+                "LocalEngine in this process has no weight-update process group: use "
+                "load_state_dict, or serve it with `agentrl engine serve` for distributed updates"
+            )
+        else:
+            raise EngineBadRequest(
+                f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
+            )
+
+    async def weight_versions(self) -> dict[str, int]:
+        return {"local": self.weight_version}
 
     async def health(self) -> bool:
         return not self._closed
 
     async def aclose(self) -> None:
         self._closed = True
-        self.abort(abort_all=True)
+        self.abort_requests(abort_all=True)
         self._gate.set()
         await asyncio.to_thread(self._executor.shutdown, True)
 

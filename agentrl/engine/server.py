@@ -14,37 +14,74 @@ worker. What is served:
 - `GET|POST /flush_cache` (text/plain; 400 while requests run), `POST /abort_request`,
   `/pause_generation`, `/continue_generation`, `/update_weight_version`.
 - `POST /update_weights_from_disk`: a directory of safetensors (see `LocalEngine.load_from_disk`).
-- `POST /update_weights_from_tensor`: SGLang sends pickled tensors (`MultiprocessingSerializer`),
-  which would let any client run code here. This server accepts a safe subset instead: each
-  `serialized_named_tensors` entry is the base64 of a safetensors file (names as in the model's
-  `state_dict()`), `load_format` absent or `"safetensors"`; see `agentrl.engine.tensors`. Anything
-  else is refused with SGLang's `{"success": false, "message": ...}` (HTTP 400).
-- `POST /init_weights_update_group`, `/update_weights_from_distributed`: no NCCL group can exist
-  here; both answer 400 with `success: false` and a message modelled on the assertion SGLang
-  raises when no group is set up.
+- `POST /update_weights_from_tensor`: one `serialized_named_tensors` entry per TP rank, each a
+  serialized list of `(name, tensor)` pairs (SGLang: `managers/tp_worker.py`,
+  `model_runner_components/weight_updater.py`). SGLang's serializer is a pickle, which would let any
+  client run code here, so each entry must be agentrl's safe encoding of the same list
+  (`agentrl.engine.tensors`); a pickle is refused with `{"success": false, ...}` (HTTP 400).
+- `POST /init_weights_update_group`, `/update_weights_from_distributed`,
+  `/destroy_weights_update_group`: a real process group (gloo on CPU, NCCL on GPU;
+  `agentrl.engine.weight_group`): each simulated TP rank joins as `rank_offset + tp_rank`, and an
+  update receives each named tensor in order by `broadcast(src=0)`.
+
+Simulated tensor parallelism (`tp_size`, `agentrl engine serve --tp-size N`): the model is one copy,
+but the server behaves as N ranks where the protocol can tell: `/server_info` says `tp_size: N`,
+a tensor update needs N entries (each rank loads its own; they must agree here), and a weight-update
+group has N members.
+
+Fatal errors (as strict as SGLang 0.5.16, where these kill the server): SGLang's scheduler process
+runs every weight update; an exception there reaches `run_scheduler_process`'s handler
+(`managers/scheduler.py`: "Scheduler hit an exception", then SIGQUIT to the server process), so the
+server dies, the call that caused it gets no answer, and every in-flight request is lost. This
+server models that faithfully: it stops serving (`dead` holds the reason, `died` is set), drops the
+connection of the fatal call and of every in-flight request instead of answering, and stops
+listening, so clients see what they would see from a dead SGLang server (a broken connection, then
+connection refused); `agentrl engine serve` then exits with status 1. The cases:
+- an update with `flush_cache: true` (SGLang's default) while a request is running or queued,
+  e.g. after an `in_place` pause: `scheduler_components/weight_updater.py`
+  `flush_cache_after_weight_update` asserts that `Scheduler.flush_cache` succeeded, and that
+  refuses unless the scheduler is fully idle;
+- a tensor update with fewer entries than TP ranks: `tp_worker.py` indexes
+  `serialized_named_tensors[tp_rank]` (IndexError on the ranks without one);
+- `update_weights_from_distributed` before `init_weights_update_group`: the model runner's
+  `assert group_name in self._model_update_group`, outside its try block;
+- a tensor `load_format` SGLang does not know (`NotImplementedError` in the weight updater).
 
 Not served: streaming (`"stream": true` is refused with 400), multimodal inputs, penalties,
 constrained decoding, LoRA; each is refused with a 400 that names the field.
 
 Weight versions: SGLang's are strings ("default" until set); this engine's are integers, so a
 `weight_version` must be an integer string. An update without `weight_version` keeps the version,
-as on SGLang.
+as on SGLang. A response's `meta_info.weight_version` is read when the response is built, so a
+request paused in place across a weight load reports the new version.
+
+Model-update lock (SGLang's `tokenizer_manager.model_update_lock`): every `/generate` holds a reader
+lock; an update that arrives while generation is not paused takes the writer lock, so it waits for
+the requests in flight and holds new ones back; while paused it runs at once.
+
+Abort: `/abort_request` aborts only the request whose rid is exactly the one given (0.5.16's
+`tokenizer_manager.py` `abort_request` drops an rid that is not a live request's own before the
+scheduler's prefix match), or every request with `abort_all`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from agentrl.engine.base import EngineBadRequest, Generation, SamplingParams
+from agentrl.engine.base import EngineBadRequest, EngineError, Generation, SamplingParams
 from agentrl.engine.local import LocalEngine
 from agentrl.engine.tensors import deserialize_named_tensors, serialize_named_tensors
+from agentrl.engine.weight_group import WeightGroup
 
 SGLANG_VERSION = "0.5.16"
 
@@ -103,6 +140,49 @@ class _BadRequest(Exception):
     """A request SGLang answers with HTTP 400 `{"error": {"message": ...}}`."""
 
 
+class _Fatal(Exception):
+    """What kills a real SGLang server (see the module docstring)."""
+
+
+class _ModelUpdateLock:
+    """SGLang's reader/writer `model_update_lock`: generations read, unpaused updates write; a
+    waiting writer holds new readers back."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def read(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def write(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writing and not self._readers)
+            finally:
+                self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
 def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
@@ -123,13 +203,22 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 30000,
         served_model_name: str | None = None,
+        tp_size: int = 1,
     ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.engine = engine
         self.model_path = str(model_path)
         self.host = host
         self.port = port
+        self.tp_size = tp_size
         self.served_model_name = served_model_name or (Path(self.model_path).name or "default")
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._lock = _ModelUpdateLock()
+        self._groups: dict[str, list[WeightGroup]] = {}
+        self.dead: str | None = None
+        self.died = asyncio.Event()
         self.app = self._build_app()
 
     @property
@@ -142,6 +231,7 @@ class EngineServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
+        self._site = site
         if self.port == 0:
             self.port = self._runner.addresses[0][1]
         return self
@@ -152,7 +242,7 @@ class EngineServer:
             self._runner = None
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=512 * 1024 * 1024)
+        app = web.Application(client_max_size=512 * 1024 * 1024, middlewares=[self._dead_gate])
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
@@ -175,7 +265,42 @@ class EngineServer:
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         return app
+
+    # --- the dead state (see the module docstring) ---------------------------------------------
+
+    @web.middleware
+    async def _dead_gate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self.dead is None:
+            try:
+                response = await handler(request)
+            except _Fatal as e:
+                self._die(str(e))
+            else:
+                if self.dead is None:
+                    return response
+        # A dead server answers nothing: drop the connection.
+        if request.transport is not None:
+            request.transport.close()
+        raise web.HTTPServiceUnavailable()  # never delivered: the connection is gone
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        print(
+            f"agentrl engine server: fatal, as SGLang's scheduler would die: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.engine.abort_requests(abort_all=True)
+        self.died.set()
+        if self._site is not None:
+            # Stop listening now: later connections are refused, as by a dead process.
+            asyncio.get_running_loop().create_task(self._site.stop())
 
     # --- data plane ----------------------------------------------------------------------------
 
@@ -299,12 +424,14 @@ class EngineServer:
             raise _BadRequest(
                 f"logprob_start_len ({start_len}) is larger than the input length ({len(prompt)})."
             )
-        gen = await self.engine.generate(prompt, sampling, rid=rid)
+        async with self._lock.read():
+            gen = await self.engine.generate(prompt, sampling, rid=rid)
         meta: dict[str, Any] = {"id": rid, "finish_reason": self._finish(gen)}
         waiting_abort = gen.meta.get("message") == "Abort in waiting queue"
         if not waiting_abort:
             meta["prompt_tokens"] = len(prompt)
-        meta["weight_version"] = str(gen.weight_version)
+        # Read now, as SGLang reads it when building the response (`tokenizer_manager.py`).
+        meta["weight_version"] = str(self.engine.weight_version)
         if not waiting_abort:
             meta["num_retractions"] = 0
         if want_lp:
@@ -402,7 +529,7 @@ class EngineServer:
                 "served_model_name": self.served_model_name,
                 "host": self.host,
                 "port": self.port,
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "dp_size": 1,
                 "context_length": self.engine.context_length,
                 "weight_version": str(self.engine.weight_version),
@@ -430,7 +557,7 @@ class EngineServer:
 
     async def loads(self, request: web.Request) -> web.Response:
         running = sum(1 for r in self.engine._requests.values() if r.submitted)
-        waiting = self.engine.num_requests - running
+        waiting = 0  # requests held at the pause gate are not in a scheduler queue on SGLang either
         return web.json_response(
             {
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -468,7 +595,9 @@ class EngineServer:
             body = await self._json_body(request)
         except _BadRequest as e:
             return _error(str(e))
-        self.engine.abort(str(body.get("rid") or ""), abort_all=bool(body.get("abort_all")))
+        # Exact rids only (0.5.16 tokenizer_manager.py abort_request); empty rid without abort_all
+        # is ignored there too.
+        self.engine.abort_requests(str(body.get("rid") or "") or None, abort_all=bool(body.get("abort_all")))
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -502,26 +631,42 @@ class EngineServer:
         except _BadRequest as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         if body.get("abort_all_requests", True):
-            self.engine.abort(abort_all=True)
+            self.engine.abort_requests(abort_all=True)
         self.engine.weight_version = version
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
         )
 
-    async def _apply_update(self, body: dict[str, Any], load: Any) -> web.Response:
+    async def _apply_update(
+        self, body: dict[str, Any], load: Callable[[int], Awaitable[None]], *, ok: str, fail: str
+    ) -> web.Response:
+        """The shared path of every update_weights_* call (SGLang `tokenizer_control_mixin.py` and
+        `scheduler_components/weight_updater.py`): abort first if asked; while not paused take the
+        writer lock (wait for in-flight requests); load; then flush the cache if `flush_cache`
+        (default true), which is fatal while a request is running or queued."""
         try:
             version = self._version(body.get("weight_version"))
-            if body.get("abort_all_requests"):
-                self.engine.abort(abort_all=True)
-            await load(version)
-        except (_BadRequest, EngineBadRequest) as e:
-            return web.json_response(
-                {"success": False, "message": str(e), "num_paused_requests": 0}, status=400
-            )
-        message = "Succeeded to update model weights."
+        except _BadRequest as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        if body.get("abort_all_requests"):
+            self.engine.abort_requests(abort_all=True)
+        lock = contextlib.nullcontext() if self.engine.paused else self._lock.write()
+        async with lock:
+            try:
+                await load(version)
+            except (_BadRequest, EngineBadRequest, EngineError) as e:
+                return web.json_response({"success": False, "message": f"{fail}: {e}"}, status=400)
+            if body.get("flush_cache", True) and self.engine.busy:
+                raise _Fatal(
+                    "AssertionError: Cache flush failed after updating weights (an update with "
+                    "flush_cache=true while requests are running or queued, e.g. after an in_place "
+                    "pause; SGLang 0.5.16 scheduler_components/weight_updater.py "
+                    "flush_cache_after_weight_update). Send flush_cache=false after an in_place pause."
+                )
+        message = ok
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+        return web.json_response({"success": True, "message": message})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
@@ -534,7 +679,13 @@ class EngineServer:
         async def load(version: int) -> None:
             await self.engine.load_from_disk(body["model_path"], weight_version=version)
 
-        return await self._apply_update(body, load)
+        response = await self._apply_update(
+            body, load, ok="Succeeded to update model weights.", fail="Failed to update weights"
+        )
+        if response.status == 200:  # 0.5.16 adds num_paused_requests to the disk update's answer
+            payload = json.loads(response.body)  # type: ignore[arg-type]
+            return web.json_response({**payload, "num_paused_requests": 0})
+        return response
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         try:
@@ -544,25 +695,100 @@ class EngineServer:
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries or not all(isinstance(x, str) for x in entries):
             return _validation_error("serialized_named_tensors must be a non-empty list of base64 strings")
+        fmt = body.get("load_format")
+        if fmt not in (None, "direct", "flattened_bucket"):
+            raise _Fatal(f"NotImplementedError: Unknown load_format={fmt} (SGLang weight_updater.py)")
+        if fmt == "flattened_bucket":
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": "load_format 'flattened_bucket' is not served by agentrl's server",
+                },
+                status=400,
+            )
+        if len(entries) < self.tp_size:
+            raise _Fatal(
+                f"IndexError: serialized_named_tensors has {len(entries)} entries for {self.tp_size} TP "
+                "ranks (SGLang managers/tp_worker.py indexes it by tp_rank): send one entry per TP rank"
+            )
+        if len(entries) > self.tp_size:
+            # SGLang would silently ignore the extra entries; a client that sends them has the TP
+            # size wrong, so refuse instead of loading what may be the wrong shard.
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": f"serialized_named_tensors has {len(entries)} entries but this server has "
+                    f"tp_size {self.tp_size}: send exactly one entry per TP rank",
+                },
+                status=400,
+            )
 
         async def load(version: int) -> None:
-            if body.get("load_format") not in (None, "safetensors"):
-                raise _BadRequest(
-                    f"load_format {body['load_format']!r} is not accepted here: send base64 safetensors "
-                    "with load_format null or 'safetensors'"
+            ranks = [await asyncio.to_thread(deserialize_named_tensors, e) for e in entries]
+            # Each rank loads its own entry; this server holds one copy of the model, so every
+            # rank's entry must carry the same tensors.
+            for r, pairs in enumerate(ranks[1:], start=1):
+                same = len(pairs) == len(ranks[0]) and all(
+                    n == n0 and t.shape == t0.shape and bool((t == t0).all())
+                    for (n, t), (n0, t0) in zip(pairs, ranks[0], strict=True)
                 )
-            # One entry per TP rank on SGLang; this server is one rank.
-            tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
-            await self.engine.load_state_dict(tensors, weight_version=version)
+                if not same:
+                    raise _BadRequest(
+                        f"TP rank {r}'s entry differs from rank 0's; this server holds one copy"
+                    )
+            await self.engine.load_state_dict(dict(ranks[0]), weight_version=version)
 
-        return await self._apply_update(body, load)
+        return await self._apply_update(body, load, ok="Success", fail="Failed to update weights from tensor")
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        message = (
-            "Failed to init parameter update group: agentrl's local engine server cannot join an NCCL "
-            "process group; use /update_weights_from_disk or /update_weights_from_tensor"
+        try:
+            body = await self._json_body(request)
+            for key in ("master_address", "master_port", "rank_offset", "world_size"):
+                if key not in body:
+                    return _validation_error(f"{key} is required")
+            group = str(body.get("group_name") or "weight_update_group")
+            backend = str(body.get("backend") or "nccl")
+            if self.engine.device == "cpu" and backend == "nccl":
+                raise _BadRequest("backend 'nccl' needs a GPU; this server runs on CPU: use 'gloo'")
+            if group in self._groups:
+                raise _BadRequest(f"group {group!r} already exists")
+            # Each TP rank joins as rank_offset + tp_rank (weight_updater.py init_weights_update_group).
+            members = await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        WeightGroup,
+                        master_address=str(body["master_address"]),
+                        master_port=int(body["master_port"]),
+                        rank=int(body["rank_offset"]) + tp_rank,
+                        world_size=int(body["world_size"]),
+                        group_name=group,
+                        backend=backend,
+                        timeout_s=float(body.get("timeout_s") or 300.0),
+                    )
+                    for tp_rank in range(self.tp_size)
+                )
+            )
+        except (_BadRequest, EngineBadRequest, RuntimeError, ValueError, TypeError) as e:
+            message = f"Failed to initialize custom process group: {e}."
+            return web.json_response({"success": False, "message": message}, status=400)
+        self._groups[group] = list(members)
+        return web.json_response(
+            {"success": True, "message": "Succeeded to initialize custom process group."}
         )
-        return web.json_response({"success": False, "message": message}, status=400)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request)
+        except _BadRequest as e:
+            return _validation_error(str(e))
+        members = self._groups.pop(str(body.get("group_name") or "weight_update_group"), None)
+        if members is None:
+            return web.json_response(
+                {"success": False, "message": "The group to be destroyed does not exist."}, status=400
+            )
+        for m in members:
+            m.destroy()
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         try:
@@ -572,13 +798,43 @@ class EngineServer:
         for key in ("names", "dtypes", "shapes"):
             if key not in body:
                 return _validation_error(f"{key} is required")
-        group = body.get("group_name") or "weight_update_group"
-        message = (
-            f"Failed to update parameter online: Group {group} not in []. Please call "
-            "init_weights_update_group first. The full weights of the ModelRunner are partially "
-            "updated. Please discard the whole weights."
+        group = str(body.get("group_name") or "weight_update_group")
+        members = self._groups.get(group)
+        if members is None:
+            raise _Fatal(
+                f"AssertionError: Group {group} not in {list(self._groups)}. Please call "
+                "`init_weights_update_group` first. (model_runner_components/weight_updater.py)"
+            )
+        if body.get("load_format") not in (None,):
+            return web.json_response(
+                {"success": False, "message": f"load_format {body['load_format']!r} is not served here"},
+                status=400,
+            )
+
+        def receive(member: WeightGroup) -> list[tuple[str, Any]]:
+            import torch
+
+            out = []
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, str(dtype)), device=self.engine.device)
+                member.broadcast(tensor, src=0)
+                out.append((str(name), tensor))
+            return out
+
+        async def load(version: int) -> None:
+            try:
+                received = await asyncio.gather(*(asyncio.to_thread(receive, m) for m in members))
+            except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+                raise _BadRequest(str(e)) from e
+            await self.engine.load_state_dict(dict(received[0]), weight_version=version)
+
+        return await self._apply_update(
+            body,
+            load,
+            ok="Succeeded to update parameter online.",
+            fail="Failed to update parameter online; the full weights of the ModelRunner are partially "
+            "updated. Please discard the whole weights",
         )
-        return web.json_response({"success": False, "message": message}, status=400)
 
 
 async def serve(
@@ -589,9 +845,11 @@ async def serve(
     device: str = "cpu",
     logprob_mode: str = "processed",
     cpu_threads: int | None = None,
+    tp_size: int = 1,
     ready: asyncio.Event | None = None,
-) -> None:
-    """Load a model directory and serve it until cancelled."""
+) -> str | None:
+    """Load a model directory and serve it until cancelled (returns None) or until a fatal error
+    kills it as it would kill SGLang (returns the reason)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -602,10 +860,13 @@ async def serve(
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
     engine = LocalEngine(model, tokenizer, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads)
     try:
-        async with EngineServer(engine, model_path=str(path), host=host, port=port) as server:
+        async with EngineServer(
+            engine, model_path=str(path), host=host, port=port, tp_size=tp_size
+        ) as server:
             print(f"agentrl engine serving {path} at {server.url}", flush=True)
             if ready is not None:
                 ready.set()
-            await asyncio.Event().wait()
+            await server.died.wait()
+            return server.dead
     finally:
         await engine.aclose()

@@ -25,6 +25,22 @@ on the worker the same way.
 Control plane (pause, continue, flush, weight updates, model info, abort) goes to every worker
 directly: the router does not forward these paths (404). Through a router the worker list comes
 from its `GET /workers` (or the older `GET /list_workers`) unless `worker_urls` is given.
+
+Fleet semantics (one client over many servers implements the `Engine` control plane):
+- `weight_version` is the version last confirmed by the servers: `refresh_weight_version()` reads
+  every server's `/model_info` (they must agree), and every `update_weights` reads them back and
+  raises `EngineVersionMismatch` naming each server that reports another version than requested.
+- `update_weights` always sends `flush_cache` explicitly (false unless asked): SGLang's default is
+  true, and a flush requested while requests run or wait (after an in_place pause) kills the server.
+- `flush_cache` retries each server's `/flush_cache` once a second while it is busy (400), as Miles.
+- A server that refuses connections during a control call is counted dead (`dead_workers`, logged):
+  later control calls skip it after one try each, so the run goes on with the others; a server that
+  answers again is used again (its weights are then overwritten by the next update).
+- Data plane through the router: when a worker dies, the router replays its in-flight requests in
+  full on another worker, which answers with its own weight version. A turn whose
+  `meta_info.weight_version` is neither the fleet's version when it was sent nor when it came back is
+  flagged (`Generation.version_mismatch`, counted in `version_mismatches`, logged), or raised as
+  `EngineVersionMismatch` with `on_version_mismatch="raise"` so that the turn is retried.
 """
 
 from __future__ import annotations
@@ -32,17 +48,35 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import uuid
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from agentrl.engine.base import Engine, EngineBadRequest, EngineError, Generation, SamplingParams
+from agentrl.engine.base import (
+    PAUSE_MODES,
+    DiskWeights,
+    DistributedWeights,
+    Engine,
+    EngineBadRequest,
+    EngineError,
+    EngineVersionMismatch,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    TensorWeights,
+    WeightUpdate,
+)
+
+log = logging.getLogger("agentrl.engine.sglang")
 
 SGLANG_VERSION = "0.5.16"
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -56,8 +90,15 @@ _TEXT_FIELDS = {"skip_special_tokens": False, "no_stop_trim": True, "spaces_betw
 class _NotServed(Exception):
     """The request was provably not served (no connection, or 502/503/504): safe to re-send."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, no_connection: bool = False) -> None:
         super().__init__(message)
+        self.no_connection = no_connection
+
+
+class _WorkerDown(EngineError):
+    """A worker refused the connection on every attempt (the process is gone)."""
+
+    cause = "engine_unavailable"
 
 
 def _ring_hash(data: str) -> int:
@@ -88,6 +129,8 @@ class SGLangEngine(Engine):
         retries: int = 5,
         api_key_env: str | None = None,
         extra_sampling: dict[str, Any] | None = None,
+        on_version_mismatch: Literal["flag", "raise"] = "flag",
+        flush_wait_s: float = 60.0,
     ) -> None:
         if isinstance(base_urls, str):
             base_urls = [base_urls]
@@ -108,6 +151,13 @@ class SGLangEngine(Engine):
             (_ring_hash(f"{url}#{v}"), url) for url in self.base_urls for v in range(_VNODES)
         )
         self._ring_keys = [h for h, _ in self._ring]
+        if on_version_mismatch not in ("flag", "raise"):
+            raise ValueError("on_version_mismatch must be 'flag' or 'raise'")
+        self.on_version_mismatch = on_version_mismatch
+        self.flush_wait_s = flush_wait_s
+        self._weight_version = 0
+        self.dead_workers: dict[str, str] = {}  # url -> why it was counted dead
+        self.version_mismatches = 0
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -131,13 +181,19 @@ class SGLangEngine(Engine):
         return self._session
 
     def worker_for(self, session_id: str | None) -> str:
-        """The worker URL a direct-mode request of this session goes to."""
+        """The worker URL a direct-mode request of this session goes to: its place on the ring,
+        walking on past workers counted dead (as the router skips unhealthy ones)."""
         if self.router_url:
             return self.router_url
+        live = [u for u in self.base_urls if u not in self.dead_workers] or self.base_urls
         if session_id is None:
-            return self.base_urls[next(self._rr) % len(self.base_urls)]
-        i = bisect.bisect_left(self._ring_keys, _ring_hash(session_id)) % len(self._ring)
-        return self._ring[i][1]
+            return live[next(self._rr) % len(live)]
+        i = bisect.bisect_left(self._ring_keys, _ring_hash(session_id))
+        for k in range(len(self._ring)):
+            url = self._ring[(i + k) % len(self._ring)][1]
+            if url in live:
+                return url
+        return live[0]
 
     async def _call(
         self,
@@ -167,7 +223,7 @@ class SGLangEngine(Engine):
                 status = resp.status
                 ctype = resp.content_type
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            raise _NotServed(f"cannot connect to {url}: {e}") from e
+            raise _NotServed(f"cannot connect to {url}: {e}", no_connection=True) from e
         except TimeoutError as e:
             raise EngineError(
                 f"{method} {url} timed out after {timeout.total} s", cause="engine_timeout"
@@ -184,20 +240,22 @@ class SGLangEngine(Engine):
                 pass
         return status, body
 
-    async def _request(self, method: str, url: str, **kw: Any) -> tuple[int, Any]:
+    async def _request(
+        self, method: str, url: str, *, attempts: int | None = None, **kw: Any
+    ) -> tuple[int, Any]:
+        attempts = attempts or self.retries
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_NotServed),
-                stop=stop_after_attempt(self.retries),
+                stop=stop_after_attempt(attempts),
                 wait=wait_random_exponential(multiplier=0.05, max=2.0),
                 reraise=True,
             ):
                 with attempt:
                     return await self._call(method, url, **kw)
         except _NotServed as e:
-            raise EngineError(
-                f"{e} (gave up after {self.retries} attempts)", cause="engine_unavailable"
-            ) from e
+            kind = _WorkerDown if e.no_connection else EngineError
+            raise kind(f"{e} (gave up after {attempts} attempts)", cause="engine_unavailable") from e
         raise AssertionError("unreachable: tenacity either returns or raises")
 
     @staticmethod
@@ -227,6 +285,7 @@ class SGLangEngine(Engine):
         rid: str | None = None,
     ) -> Generation:
         rid = rid or uuid.uuid4().hex
+        sent_version = self._weight_version
         url = self.worker_for(session_id)
         body = {
             "input_ids": list(input_ids),
@@ -242,12 +301,33 @@ class SGLangEngine(Engine):
         except asyncio.CancelledError:
             await self._abort_quietly(url, rid)
             raise
+        except _WorkerDown as e:
+            if not self.router_url:
+                self._mark_dead(url, str(e))  # the next turn of this session goes to the next worker
+            raise
         except EngineError as e:
             if e.cause != "engine_unavailable":  # it may have been accepted and still be running
                 await self._abort_quietly(url, rid)
             raise
         self._raise_for(status, reply, "SGLang /generate")
-        return self._parse(reply)
+        gen = self._parse(reply)
+        expected = {sent_version, self._weight_version}
+        if gen.weight_version in expected:
+            return gen
+        # Served by a server on other weights: replayed by the router after a worker died, or a
+        # worker that came back with its launch weights. Never let it pass silently.
+        self.version_mismatches += 1
+        message = (
+            f"SGLang /generate rid {rid}: the reply's weight_version {gen.meta.get('weight_version')!r} is not "
+            f"the fleet's ({' or '.join(str(v) for v in sorted(expected))}); served by another worker's weights "
+            "(a replay after a worker died, or a worker that restarted)"
+        )
+        log.warning(message)
+        if self.on_version_mismatch == "raise":
+            raise EngineVersionMismatch(message)
+        return dataclasses.replace(
+            gen, version_mismatch=True, meta={**gen.meta, "expected_weight_version": max(expected)}
+        )
 
     def _parse(self, reply: Any) -> Generation:
         try:
@@ -317,6 +397,11 @@ class SGLangEngine(Engine):
         # Data-parallel-aware routers list workers as base@rank; control calls go to the base.
         return sorted({u.split("@")[0].rstrip("/") for u in urls if u})
 
+    def _mark_dead(self, url: str, why: str) -> None:
+        if url not in self.dead_workers:
+            log.error("SGLang worker %s is down (%s); control calls go on with the others", url, why)
+        self.dead_workers[url] = why
+
     async def _fan_out(
         self,
         method: str,
@@ -325,120 +410,211 @@ class SGLangEngine(Engine):
         *,
         timeout_s: float | None = None,
         check_success: bool = False,
-    ) -> list[Any]:
+    ) -> dict[str, Any]:
+        """The same call on every live worker, concurrently; {url: reply}. A worker that refuses
+        the connection is counted dead and left out (one try per call while it stays dead); any
+        other failure raises. Raises if no worker answers at all."""
         urls = await self.worker_urls()
         if not urls:
             raise EngineError("no SGLang workers to send the control call to", cause="engine_unavailable")
 
-        async def one(url: str) -> Any:
-            status, reply = await self._request(method, f"{url}{path}", json_body=body, timeout_s=timeout_s)
+        async def one(url: str) -> tuple[str, Any]:
+            attempts = 1 if url in self.dead_workers else None
+            try:
+                status, reply = await self._request(
+                    method, f"{url}{path}", json_body=body, timeout_s=timeout_s, attempts=attempts
+                )
+            except _WorkerDown as e:
+                self._mark_dead(url, str(e))
+                return url, e
+            if self.dead_workers.pop(url, None) is not None:
+                log.warning("SGLang worker %s answers again; it rejoins the control plane", url)
             self._raise_for(status, reply, f"SGLang {path} on {url}")
             if check_success and not (isinstance(reply, dict) and reply.get("success")):
                 raise EngineError(
                     f"SGLang {path} on {url} failed: {self._message(reply)}", cause="engine_weight_update"
                 )
-            return reply
+            return url, reply
 
-        return list(await asyncio.gather(*(one(u) for u in urls)))
+        results = dict(await asyncio.gather(*(one(u) for u in urls)))
+        live = {u: r for u, r in results.items() if not isinstance(r, _WorkerDown)}
+        if not live:
+            raise EngineError(
+                f"SGLang {path}: no worker answers ({', '.join(urls)} refuse connections)",
+                cause="engine_unavailable",
+            )
+        return live
 
-    async def pause(self, *, mode: str = "in_place") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         """`/pause_generation` on every worker. "abort" returns once in-flight requests have
         returned (with finish_reason abort); "in_place" / "retract" hold them until `resume`."""
+        if mode not in PAUSE_MODES:
+            raise EngineBadRequest(f"pause mode {mode!r}: use one of {PAUSE_MODES}")
         await self._fan_out("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
         await self._fan_out("POST", "/continue_generation", {})
 
-    async def flush_cache(self, *, wait_s: float = 60.0) -> None:
-        """`/flush_cache` on every worker; a worker with requests in flight refuses (400), so
-        retry once a second for up to `wait_s`, as Miles does."""
-        urls = await self.worker_urls()
+    async def flush_cache(self, *, wait_s: float | None = None) -> None:
+        """`/flush_cache` on every worker; a worker with requests running or queued refuses (400),
+        so retry once a second for up to `wait_s` (default `flush_wait_s`), as Miles does."""
+        urls = [u for u in await self.worker_urls() if u not in self.dead_workers]
+        wait = self.flush_wait_s if wait_s is None else wait_s
 
         async def one(url: str) -> None:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + wait_s
+            deadline = loop.time() + wait
             while True:
                 status, body = await self._request("GET", f"{url}/flush_cache")
                 if status == 200:
                     return
                 if loop.time() >= deadline:
-                    raise EngineError(f"SGLang /flush_cache on {url} kept failing: {self._message(body)}")
+                    raise EngineError(
+                        f"SGLang /flush_cache on {url} kept failing for {wait:.0f} s (requests still running "
+                        f"or queued: pause with mode='abort' first): {self._message(body)}",
+                        cause="engine_flush_busy",
+                    )
                 await asyncio.sleep(1.0)
 
         await asyncio.gather(*(one(u) for u in urls))
 
-    async def abort(self, rid: str = "", *, abort_all: bool = False) -> None:
-        """`/abort_request` on every worker (rid is matched as a prefix by SGLang)."""
-        await self._fan_out("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """`/abort_request` on every worker: the request whose rid is exactly `rid` (SGLang 0.5.16
+        ignores partial rids), or all of them."""
+        if not rid and not abort_all:
+            raise EngineBadRequest("abort needs a request id or abort_all=True")
+        await self._fan_out("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
-    async def update_weights(  # type: ignore[override]  # strict keywords: a typo must not pass
+    async def update_weights(
         self,
+        update: WeightUpdate,
         *,
-        model_path: str | None = None,
-        serialized_named_tensors: list[str] | None = None,
-        names: list[str] | None = None,
-        dtypes: list[str] | None = None,
-        shapes: list[list[int]] | None = None,
-        weight_version: int | str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        load_format: str | None = None,
-        group_name: str = "weight_update_group",
+        weight_version: int,
+        flush_cache: bool = False,
         timeout_s: float = 600.0,
     ) -> None:
-        """Dispatch to `/update_weights_from_disk` (model_path), `/update_weights_from_tensor`
-        (serialized_named_tensors) or `/update_weights_from_distributed` (names, dtypes, shapes)
-        on every worker; raises `EngineError` unless every worker answers success."""
-        common: dict[str, Any] = {"flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
-        if weight_version is not None:
-            common["weight_version"] = str(weight_version)
-        if load_format is not None:
-            common["load_format"] = load_format
-        given = [x is not None for x in (model_path, serialized_named_tensors, names)]
-        if sum(given) != 1:
-            raise EngineBadRequest(
-                "update_weights needs exactly one of model_path, serialized_named_tensors, names"
-            )
-        if model_path is not None:
-            path, body = "/update_weights_from_disk", {"model_path": model_path, **common}
-        elif serialized_named_tensors is not None:
-            path, body = (
-                "/update_weights_from_tensor",
-                {"serialized_named_tensors": serialized_named_tensors, **common},
-            )
-        else:
-            if dtypes is None or shapes is None:
-                raise EngineBadRequest("update_weights_from_distributed needs names, dtypes and shapes")
+        """`/update_weights_from_disk|tensor|distributed` on every worker, then every worker's
+        `/model_info` version must be `weight_version` (else `EngineVersionMismatch` naming the
+        servers). `flush_cache` is sent explicitly, false by default (see `agentrl.engine.base`)."""
+        common: dict[str, Any] = {
+            "flush_cache": bool(flush_cache),
+            "abort_all_requests": False,
+            "weight_version": str(int(weight_version)),
+        }
+        if isinstance(update, DiskWeights):
+            path = "/update_weights_from_disk"
+            body = {"model_path": update.model_path, "load_format": update.load_format, **common}
+        elif isinstance(update, TensorWeights):
+            path = "/update_weights_from_tensor"
+            body = {
+                "serialized_named_tensors": list(update.serialized_named_tensors),
+                "load_format": update.load_format,
+                **common,
+            }
+        elif isinstance(update, DistributedWeights):
             path = "/update_weights_from_distributed"
-            body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, **common}
-        await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True)
+            body = {
+                "names": list(update.names),
+                "dtypes": list(update.dtypes),
+                "shapes": [list(s) for s in update.shapes],
+                "group_name": update.group_name,
+                **common,
+            }
+        else:
+            raise EngineBadRequest(
+                f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
+            )
+        updated = await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True)
+        await self._confirm_version(int(weight_version), list(updated))
+
+    async def _confirm_version(self, version: int, urls: list[str]) -> None:
+        versions = await self.weight_versions()
+        wrong = {u: versions.get(u) for u in urls if versions.get(u) != version}
+        if wrong:
+            raise EngineVersionMismatch(
+                f"after updating to weight version {version}: "
+                + ", ".join(f"{u} reports {v}" for u, v in wrong.items())
+            )
+        self._weight_version = version
+
+    async def refresh_weight_version(self) -> int:
+        """Read every live server's version (they must agree) into `weight_version`. Call once
+        before handing the fleet to a rollout manager: a fleet may not start at 0."""
+        versions = await self.weight_versions()
+        if len(set(versions.values())) != 1:
+            raise EngineVersionMismatch(
+                "SGLang servers disagree on the weight version: "
+                + ", ".join(f"{u} reports {v}" for u, v in versions.items())
+            )
+        self._weight_version = next(iter(versions.values()))
+        return self._weight_version
+
+    async def server_tp_sizes(self) -> dict[str, int]:
+        """`tp_size` of every live worker (`/server_info`): a tensor update needs one payload per
+        TP rank, and each TP rank is one member of a weight-update group."""
+        infos = await self._fan_out("GET", "/server_info")
+        return {u: int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for u, info in infos.items()}
 
     async def init_weights_update_group(
         self,
         *,
         master_address: str,
         master_port: int,
-        rank_offset: int,
         world_size: int,
+        rank_offsets: Mapping[str, int],
         group_name: str = "weight_update_group",
         backend: str = "nccl",
+        timeout_s: float = 600.0,
     ) -> None:
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
+        """`/init_weights_update_group` on every worker, each with its own `rank_offset` (the
+        trainer is rank 0; a worker's TP ranks are rank_offset .. rank_offset + tp_size - 1). The
+        calls return once the trainer has joined too, so run them concurrently with its join."""
+        urls = [u for u in await self.worker_urls() if u not in self.dead_workers]
+        missing = [u for u in urls if u not in rank_offsets]
+        if missing:
+            raise EngineBadRequest(f"init_weights_update_group: no rank_offset for {missing}")
+
+        async def one(url: str) -> None:
+            body = {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": int(rank_offsets[url]),
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            status, reply = await self._request(
+                "POST", f"{url}/init_weights_update_group", json_body=body, timeout_s=timeout_s
+            )
+            self._raise_for(status, reply, f"SGLang /init_weights_update_group on {url}")
+            if not (isinstance(reply, dict) and reply.get("success")):
+                raise EngineError(
+                    f"SGLang /init_weights_update_group on {url} failed: {self._message(reply)}",
+                    cause="engine_weight_update",
+                )
+
+        await asyncio.gather(*(one(u) for u in urls))
+
+    async def model_info(self) -> dict[str, dict[str, Any]]:
+        """`/model_info` of every live worker, by URL (falls back to the deprecated
+        `/get_model_info` of older servers)."""
+        urls = [u for u in await self.worker_urls() if u not in self.dead_workers]
+
+        async def one(url: str) -> tuple[str, dict[str, Any]]:
+            status, body = await self._request("GET", f"{url}/model_info")
+            if status == 404:
+                status, body = await self._request("GET", f"{url}/get_model_info")
+            self._raise_for(status, body, f"SGLang /model_info on {url}")
+            return url, body if isinstance(body, dict) else {}
+
+        return dict(await asyncio.gather(*(one(u) for u in urls)))
+
+    async def weight_versions(self) -> dict[str, int]:
+        """The version each live worker reports in `/model_info`, by URL."""
+        return {
+            u: parse_weight_version(info.get("weight_version"))
+            for u, info in (await self.model_info()).items()
         }
-        await self._fan_out("POST", "/init_weights_update_group", body, check_success=True)
-
-    async def model_info(self) -> list[dict[str, Any]]:
-        """`/get_model_info` of every worker (the deprecated alias older servers also serve)."""
-        return await self._fan_out("GET", "/get_model_info")
-
-    async def weight_versions(self) -> list[int]:
-        return [parse_weight_version(info.get("weight_version")) for info in await self.model_info()]
 
     async def health(self) -> bool:
         try:

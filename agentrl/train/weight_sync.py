@@ -1,189 +1,187 @@
-"""Weight sync: new trainer weights into the inference engines, one interface, three strategies.
+"""Weight sync = a weight source x a transport.
 
-`sync(model, version)` runs the same envelope around every strategy's transfer:
-    pause every engine -> push the weights (tagged with the new weight version) -> resume every engine
-The resume runs whatever happened before it (a failed pause, a failed or timed-out push,
-cancellation), so a failed sync never leaves an engine paused; the failure is then raised as a
-`WeightSyncError` (an infrastructure error, never a policy outcome). A caller that pauses engines
-itself (the rollout manager around its own update) calls `push` alone.
+The source is the trainer's `export_weights(dtype)`: an iterator of buckets, each a list of
+`(hf_name, tensor)`. A transport moves those buckets into every engine and makes each serve them as
+weight version `version`: `await transport.push(buckets, version=v)`.
 
-Strategies and the engine calls they make (the `Engine` control plane):
-  InProcessSync  engine.load_state_dict(state_dict, weight_version=v)          LocalEngine, same process
-  DiskSync       engine.update_weights(model_path=dir, weight_version=v)     SGLang `/update_weights_from_disk`
-                 (or LocalEngine); the safetensors directory is written to a temporary directory and
-                 renamed into place before any engine reads it
-  TensorSync     engine.update_weights(serialized_named_tensors=[...], weight_version=v)
-                 SGLang `/update_weights_from_tensor`, in buckets of bounded size
+Transports never pause or resume engines: the one pause/resume wrapper is the rollout manager's
+(`RolloutManager.update_weights(sync_fn, mode)`: pause -> flush after an abort pause -> sync_fn ->
+check versions -> resume). Only the last call of a push carries the new version; earlier ones
+(several buckets) carry the engine's current version, so a push that fails half-way leaves the
+engines on the version they had, and the manager's version check fails loudly instead of a
+half-loaded model passing as the new version.
+
+  InProcessTransport   `LocalEngine.load_state_dict` in this process (no copy: the engine copies
+                       from the trainer's tensors)
+  DiskTransport        a safetensors directory per version, written atomically (temporary dir +
+                       rename), then `DiskWeights(dir)` on every engine (SGLang
+                       `/update_weights_from_disk`)
+  TensorTransport      per bucket, `TensorWeights` with one payload per TP rank of the servers,
+                       each a serialized list of `(name, tensor)` pairs (SGLang
+                       `/update_weights_from_tensor`; agentrl's safe encoding, `agentrl.engine.tensors`)
+  DistributedTransport a process group joined once (the trainer is rank 0, each server TP rank one
+                       more: SGLang `/init_weights_update_group`), then per bucket the HTTP
+                       `DistributedWeights` call on every engine concurrently with the trainer's
+                       `broadcast(src=0)` of each tensor, in order (NCCL on GPUs, gloo on CPU)
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import inspect
+import json
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from agentrl.engine.base import DiskWeights, DistributedWeights, Engine, TensorWeights
 from agentrl.errors import InfraError
 from agentrl.train.checkpoint import atomic_dir
 
+Bucket = list[tuple[str, torch.Tensor]]
+
+# Files of a Hugging Face model directory that a server reading weights from disk may need besides
+# the weights (SGLang's loader reads the config of `model_path`).
+_MODEL_FILES = ("config.json", "generation_config.json")
+
 
 class WeightSyncError(InfraError):
-    """Weights could not be delivered to every engine (engines were resumed regardless)."""
+    """Weights could not be delivered to every engine."""
 
     cause = "weight_sync"
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each item with whether it is the last one (one item of look-ahead)."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
 
 
-class WeightSync(abc.ABC):
-    """Pushes a model's weights to `engines`, pausing them around the update.
+class Transport(abc.ABC):
+    """Moves weight buckets into `engines`. `timeout` bounds each engine call."""
 
-    `pause_mode` is passed to `engine.pause(mode=...)` ("abort" makes in-flight generations return
-    early with finish reason abort; the rollout side retries those turns). `timeout` bounds each
-    engine call.
-    """
-
-    def __init__(self, engines: Sequence[Any], *, timeout: float = 600.0, pause_mode: str = "abort") -> None:
+    def __init__(self, engines: Sequence[Engine], *, timeout: float = 600.0) -> None:
         if not engines:
             raise ValueError("weight sync needs at least one engine")
         self.engines = list(engines)
         self.timeout = timeout
-        self.pause_mode = pause_mode
-        self.version: int | None = None
 
-    async def _each(self, what: str, fn: Any) -> list[BaseException]:
-        """Run fn(engine) on every engine concurrently, each under the timeout; return the failures."""
+    async def _each(self, what: str, fn: Callable[[Engine], Awaitable[Any]]) -> None:
+        """fn(engine) on every engine concurrently, each under the timeout; raises
+        `WeightSyncError` naming the engines that failed."""
 
-        async def one(engine: Any) -> None:
+        async def one(engine: Engine) -> None:
             try:
-                await asyncio.wait_for(_maybe_await(fn(engine)), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await fn(engine)
             except TimeoutError as exc:
                 raise WeightSyncError(f"{what} on {engine!r} timed out after {self.timeout:.0f}s") from exc
 
         results = await asyncio.gather(*(one(e) for e in self.engines), return_exceptions=True)
-        return [r for r in results if isinstance(r, BaseException)]
-
-    async def sync(self, model: Any, version: int) -> None:
-        """Deliver `model`'s weights to every engine as weight version `version`."""
-        failures: list[BaseException] = []
-        try:
-            failures += await self._each("pause", lambda e: e.pause(mode=self.pause_mode))
-            if not failures:
-                await self.push(model, version)
-        except Exception as exc:
-            failures.append(exc)
-        finally:
-            # Shielded so that a cancelled sync still resumes the engines before the cancellation lands.
-            resume_failures = await asyncio.shield(self._each("resume", lambda e: e.resume()))
-        failures += resume_failures
+        failures = [
+            (e, r) for e, r in zip(self.engines, results, strict=True) if isinstance(r, BaseException)
+        ]
+        for _, r in failures:
+            if not isinstance(r, Exception):  # cancellation and the like pass through
+                raise r
         if failures:
-            first = failures[0]
+            first = failures[0][1]
+            if isinstance(first, WeightSyncError) and len(failures) == 1:
+                raise first
             raise WeightSyncError(
-                f"{type(self).__name__} to version {version} failed on {len(failures)} call(s); "
-                f"engines were resumed{' except where resume failed' if resume_failures else ''}: {first}",
+                f"{what} failed on {len(failures)} of {len(self.engines)} engine(s): "
+                + "; ".join(f"{e!r}: {r}" for e, r in failures)
             ) from first
-        self.version = version
 
     @abc.abstractmethod
-    async def push(self, model: Any, version: int) -> None:
-        """Transfer the weights to every (paused) engine; raise on any failure."""
+    async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        """Deliver every bucket to every engine; afterwards each serves weight version `version`."""
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Release what the transport holds (a process group)."""
 
 
-def _named_tensors(model: Any, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        yield name, t
+class InProcessTransport(Transport):
+    """Engines in this process (`LocalEngine.load_state_dict`): one load of all buckets."""
 
-
-class InProcessSync(WeightSync):
-    """Copy the state dict into engines that live in this process (`LocalEngine.load_state_dict`)."""
-
-    def __init__(self, engines: Sequence[Any], *, dtype: torch.dtype | None = None, **kw: Any) -> None:
-        super().__init__(engines, **kw)
-        self.dtype = dtype
-
-    async def push(self, model: Any, version: int) -> None:
-        # No copy: the engine copies into its own parameters, and sync() returns only after it has.
-        state = dict(_named_tensors(model, self.dtype))
-        failures = await self._each(
-            "load_state_dict", lambda e: e.load_state_dict(state, weight_version=version)
+    async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        state = {name: t for bucket in buckets for name, t in bucket}
+        await self._each(
+            "load_state_dict",
+            lambda e: e.load_state_dict(state, weight_version=version),  # type: ignore[attr-defined]
         )
-        if failures:
-            raise failures[0]
 
 
-class DiskSync(WeightSync):
-    """Write a safetensors model directory per version under `directory`, then have engines load it.
-
-    The directory appears only complete (temporary dir + rename); `keep` newest versions stay on disk.
-    """
+class DiskTransport(Transport):
+    """A safetensors model directory per version under `directory` (`v00000007/`): one shard per
+    bucket plus `model.safetensors.index.json`, and the config files of `model_files_from` (the
+    initial model directory) when given. The directory appears only complete; the `keep` newest
+    versions stay on disk. Then every engine loads it (`DiskWeights`)."""
 
     def __init__(
         self,
-        engines: Sequence[Any],
+        engines: Sequence[Engine],
         directory: str | Path,
         *,
-        dtype: torch.dtype | None = None,
         keep: int = 2,
-        **kw: Any,
+        model_files_from: str | Path | None = None,
+        load_format: str | None = None,
+        timeout: float = 600.0,
     ) -> None:
-        super().__init__(engines, **kw)
+        super().__init__(engines, timeout=timeout)
         self.directory = Path(directory)
-        self.dtype = dtype
         self.keep = max(1, keep)
-        self._pending: tuple[int, Path] | None = None
+        self.model_files_from = Path(model_files_from) if model_files_from else None
+        self.load_format = load_format
 
-    def write(self, model: Any, version: int) -> Path:
-        """The atomic write alone (usable before pausing engines: writing can take a while)."""
+    def write(self, buckets: Iterable[Bucket], version: int) -> Path:
+        """The atomic write alone; returns the version's directory."""
         final = self.directory / f"v{version:08d}"
 
         def fill(tmp: Path) -> None:
-            tensors = {k: v.contiguous() for k, v in _named_tensors(model, self.dtype)}
             tmp.mkdir(parents=True, exist_ok=True)
-            save_file(_dedup(tensors), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "to_json_file"):
-                config.to_json_file(str(tmp / "config.json"))
+            index: dict[str, str] = {}
+            for i, bucket in enumerate(buckets):
+                shard = f"model-{i + 1:05d}.safetensors"
+                tensors = _dedup({name: t.detach().contiguous().cpu() for name, t in bucket})
+                save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+                index.update(dict.fromkeys(tensors, shard))
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": index}, indent=1)
+            )
+            if self.model_files_from is not None:
+                for name in _MODEL_FILES:
+                    if (self.model_files_from / name).exists():
+                        shutil.copyfile(self.model_files_from / name, tmp / name)
 
-        atomic_dir(final, fill)
+        try:
+            atomic_dir(final, fill)
+        except OSError as exc:
+            raise WeightSyncError(
+                f"could not write weights for version {version} under {final}: {exc}"
+            ) from exc
         old = sorted(p for p in self.directory.glob("v*") if p.is_dir() and p != final)
         for stale in old[: max(0, len(old) - (self.keep - 1))]:
             shutil.rmtree(stale, ignore_errors=True)
         return final
 
-    async def sync(self, model: Any, version: int) -> None:
-        # Write before pausing: engines keep generating while the (slow) write happens.
-        await self._write(model, version)
-        await super().sync(model, version)
-
-    async def _write(self, model: Any, version: int) -> Path:
-        if self._pending is None or self._pending[0] != version:
-            try:
-                self._pending = (version, await asyncio.to_thread(self.write, model, version))
-            except OSError as exc:
-                raise WeightSyncError(
-                    f"could not write weights for version {version} under {self.directory}: {exc}"
-                ) from exc
-        return self._pending[1]
-
-    async def push(self, model: Any, version: int) -> None:
-        path = str(await self._write(model, version))
-        failures = await self._each(
-            "update_weights(model_path)",
-            lambda e: e.update_weights(model_path=path, weight_version=version),
+    async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        path = await asyncio.to_thread(self.write, buckets, version)
+        update = DiskWeights(str(path), load_format=self.load_format)
+        await self._each(
+            "update_weights(DiskWeights)", lambda e: e.update_weights(update, weight_version=version)
         )
-        if failures:
-            raise failures[0]
 
 
 def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -197,58 +195,168 @@ def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-class TensorSync(WeightSync):
-    """Send the tensors themselves in buckets of at most `bucket_bytes` (one tensor larger than
-    that goes alone), each bucket one `update_weights(serialized_named_tensors=...)` call.
+async def _tp_size(engine: Engine) -> int:
+    """The TP size of an engine's servers (they must agree); 1 for an in-process engine."""
+    sizes_of = getattr(engine, "server_tp_sizes", None)
+    if sizes_of is None:
+        return 1
+    sizes = await sizes_of()
+    if len(set(sizes.values())) != 1:
+        raise WeightSyncError(
+            f"servers of {engine!r} have different TP sizes {sizes}: give tp_size per fleet"
+        )
+    return int(next(iter(sizes.values())))
 
-    `serialize` turns a bucket into one `serialized_named_tensors` entry. The default is the format
-    agentrl's engine server accepts (base64 safetensors, `agentrl.engine.tensors`); a real SGLang
-    worker expects its own `MultiprocessingSerializer` payload (CUDA IPC handles, so only for
-    engines colocated with the trainer): pass that serializer and its `load_format` there.
-    """
+
+class TensorTransport(Transport):
+    """Each bucket as one `TensorWeights` call: `serialized_named_tensors` holds one payload per TP
+    rank of the servers (SGLang's `tp_worker.py` picks its rank's entry), each the bucket's full
+    list of `(name, tensor)` pairs. `tp_size` None asks each engine's servers (`/server_info`).
+
+    `serialize` turns a bucket into one entry; the default is the encoding agentrl's engine server
+    accepts (`agentrl.engine.tensors`). A real SGLang worker expects its `MultiprocessingSerializer`
+    payload (CUDA IPC handles, so only for engines colocated with the trainer): pass that serializer
+    and its `load_format` there."""
 
     def __init__(
         self,
-        engines: Sequence[Any],
+        engines: Sequence[Engine],
         *,
-        dtype: torch.dtype | None = None,
-        bucket_bytes: int = 512 * 2**20,
-        serialize: Callable[[dict[str, torch.Tensor]], str] | None = None,
+        tp_size: int | None = None,
+        serialize: Callable[[Bucket], str] | None = None,
         load_format: str | None = None,
-        **kw: Any,
+        timeout: float = 600.0,
     ) -> None:
-        super().__init__(engines, **kw)
-        self.dtype = dtype
-        self.bucket_bytes = bucket_bytes
+        super().__init__(engines, timeout=timeout)
+        if tp_size is not None and tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.tp_size = tp_size
         if serialize is None:
             from agentrl.engine.tensors import serialize_named_tensors
 
             serialize = serialize_named_tensors
-        self.serialize: Callable[[dict[str, torch.Tensor]], str] = serialize
+        self.serialize: Callable[[Bucket], str] = serialize
         self.load_format = load_format
 
-    def buckets(self, model: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in _named_tensors(model, self.dtype):
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-        if bucket:
-            yield bucket
+    async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        sizes = [self.tp_size or await _tp_size(e) for e in self.engines]
+        start = {id(e): e.weight_version for e in self.engines}
+        for bucket, last in _with_last(buckets):
+            entry = await asyncio.to_thread(self.serialize, bucket)
 
-    async def push(self, model: Any, version: int) -> None:
-        extra = {"load_format": self.load_format} if self.load_format is not None else {}
-        for bucket in self.buckets(model):
-            payload = await asyncio.to_thread(self.serialize, dict(bucket))
-            failures = await self._each(
-                "update_weights(serialized_named_tensors)",
-                lambda e, p=payload: e.update_weights(
-                    serialized_named_tensors=[p], weight_version=version, **extra
-                ),
+            def call(e: Engine, entry: str = entry, last: bool = last) -> Awaitable[None]:
+                update = TensorWeights([entry] * sizes[self.engines.index(e)], load_format=self.load_format)
+                return e.update_weights(update, weight_version=version if last else start[id(e)])
+
+            await self._each("update_weights(TensorWeights)", call)
+
+
+class DistributedTransport(Transport):
+    """Broadcast buckets from the trainer (rank 0) to every server through a process group.
+
+    The first push sets the group up: each engine's servers report their TP sizes, each server
+    gets a `rank_offset` (1, then one more per TP rank before it), and the trainer joins as rank 0
+    while the servers join through `/init_weights_update_group`. Each bucket then is one
+    `DistributedWeights` call per engine, concurrent with the trainer's broadcast of each tensor
+    in order. Tensors travel from `device` ("cpu" for gloo; a CUDA device for NCCL)."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int,
+        backend: str = "nccl",
+        group_name: str = "weight_update_group",
+        device: str | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        super().__init__(engines, timeout=timeout)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.group_name = group_name
+        self.device = device or ("cuda" if backend == "nccl" else "cpu")
+        self._group: Any = None
+
+    async def _init_group(self) -> None:
+        from agentrl.engine.weight_group import WeightGroup
+
+        for e in self.engines:
+            if not hasattr(e, "init_weights_update_group"):
+                raise WeightSyncError(f"{e!r} cannot join a weight-update group: serve it over HTTP")
+        offsets: list[dict[str, int]] = []
+        rank = 1
+        for e in self.engines:
+            sizes = await e.server_tp_sizes()  # type: ignore[attr-defined]
+            mine = {}
+            for url, tp in sorted(sizes.items()):
+                mine[url] = rank
+                rank += tp
+            offsets.append(mine)
+        world_size = rank
+
+        def join() -> WeightGroup:
+            return WeightGroup(
+                master_address=self.master_address,
+                master_port=self.master_port,
+                rank=0,
+                world_size=world_size,
+                group_name=self.group_name,
+                backend=self.backend,
+                timeout_s=self.timeout,
             )
-            if failures:
-                raise failures[0]
+
+        async def servers_join() -> None:
+            await asyncio.gather(
+                *(
+                    e.init_weights_update_group(  # type: ignore[attr-defined]
+                        master_address=self.master_address,
+                        master_port=self.master_port,
+                        world_size=world_size,
+                        rank_offsets=off,
+                        group_name=self.group_name,
+                        backend=self.backend,
+                        timeout_s=self.timeout,
+                    )
+                    for e, off in zip(self.engines, offsets, strict=True)
+                )
+            )
+
+        # The rendezvous needs every rank at once: the trainer's join and the servers' together.
+        group, _ = await asyncio.gather(asyncio.to_thread(join), servers_join())
+        self._group = group
+
+    async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        if self._group is None:
+            try:
+                await self._init_group()
+            except WeightSyncError:
+                raise
+            except Exception as exc:
+                raise WeightSyncError(f"could not set up the weight-update group: {exc}") from exc
+        start = {id(e): e.weight_version for e in self.engines}
+        for bucket, last in _with_last(buckets):
+            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+            update = DistributedWeights(
+                names=[n for n, _ in bucket],
+                dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                shapes=[list(t.shape) for t in tensors],
+                group_name=self.group_name,
+            )
+
+            def send(tensors: list[torch.Tensor] = tensors) -> None:
+                for t in tensors:
+                    self._group.broadcast(t, src=0)
+
+            def call(e: Engine, update: DistributedWeights = update, last: bool = last) -> Awaitable[None]:
+                return e.update_weights(update, weight_version=version if last else start[id(e)])
+
+            await asyncio.gather(
+                asyncio.to_thread(send), self._each("update_weights(DistributedWeights)", call)
+            )
+
+    async def aclose(self) -> None:
+        if self._group is not None:
+            self._group.destroy()
+            self._group = None
