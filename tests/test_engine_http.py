@@ -12,7 +12,14 @@ from aiohttp import web
 
 torch = pytest.importorskip("torch")
 
-from agentrl.engine.base import EngineBadRequest, EngineError, SamplingParams  # noqa: E402
+from agentrl.engine.base import (  # noqa: E402
+    DiskWeights,
+    DistributedWeights,
+    EngineBadRequest,
+    EngineError,
+    SamplingParams,
+    TensorWeights,
+)
 from agentrl.engine.local import LocalEngine  # noqa: E402
 from agentrl.engine.server import EngineServer, serialize_named_tensors  # noqa: E402
 from agentrl.engine.sglang import ROUTING_KEY_HEADER, SGLangEngine  # noqa: E402
@@ -80,15 +87,15 @@ async def test_weight_update_from_disk_changes_version_and_logprobs(served, tiny
         for p in changed.parameters():
             p.mul_(1.3)
     changed.save_pretrained(tmp_path)
-    await client.update_weights(model_path=str(tmp_path), weight_version=5)
+    await client.update_weights(DiskWeights(str(tmp_path)), weight_version=5)
     after = await client.generate(prompt, SamplingParams(max_new_tokens=8, seed=4))
     assert after.weight_version == 5
     assert max_diff(after.logprobs, recompute(changed, prompt, after.output_ids)) <= 1e-4
     assert max_diff(before.logprobs, recompute(changed, prompt, before.output_ids)) > 1e-3
-    assert await client.weight_versions() == [5]
+    assert list((await client.weight_versions()).values()) == [5] and client.weight_version == 5
     with pytest.raises(EngineError, match="not a directory"):
-        await client.update_weights(model_path=str(tmp_path / "missing"), weight_version=6)
-    assert (await client.model_info())[0]["weight_version"] == "5"
+        await client.update_weights(DiskWeights(str(tmp_path / "missing")), weight_version=6)
+    assert [i["weight_version"] for i in (await client.model_info()).values()] == ["5"]
 
 
 async def test_weight_update_from_tensor_accepts_safetensors_and_refuses_pickles(served, tiny) -> None:
@@ -96,8 +103,8 @@ async def test_weight_update_from_tensor_accepts_safetensors_and_refuses_pickles
     model, tok = tiny
     prompt = _prompt(tok)
     new_head = model.lm_head.weight * 2.0
-    blob = serialize_named_tensors({"lm_head.weight": new_head})
-    await client.update_weights(serialized_named_tensors=[blob], weight_version=9)
+    blob = serialize_named_tensors([("lm_head.weight", new_head)])
+    await client.update_weights(TensorWeights([blob]), weight_version=9)
     assert torch.equal(engine.model.lm_head.weight, new_head)
     gen = await client.generate(prompt, SamplingParams(max_new_tokens=4, seed=1))
     assert gen.weight_version == 9
@@ -106,14 +113,20 @@ async def test_weight_update_from_tensor_accepts_safetensors_and_refuses_pickles
 
     evil = base64.b64encode(pickle.dumps({"lm_head.weight": [1.0]})).decode()
     with pytest.raises(EngineError, match="pickled tensors are refused"):
-        await client.update_weights(serialized_named_tensors=[evil], weight_version=10)
+        await client.update_weights(TensorWeights([evil]), weight_version=10)
     assert engine.weight_version == 9
 
 
-async def test_distributed_update_without_a_group_is_a_clear_error(served) -> None:
-    _, _, client = served
-    with pytest.raises(EngineError, match="init_weights_update_group first"):
-        await client.update_weights(names=["lm_head.weight"], dtypes=["float32"], shapes=[[3072, 256]])
+async def test_distributed_update_before_init_group_kills_the_server_as_sglangs_assertion(served) -> None:
+    # SGLang model_runner_components/weight_updater.py asserts the group exists outside its try
+    # block: the scheduler dies, and with it the server.
+    server, _, client = served
+    with pytest.raises(EngineError):
+        await client.update_weights(
+            DistributedWeights(["lm_head.weight"], ["float32"], [[3072, 256]]), weight_version=1
+        )
+    assert server.dead is not None and "init_weights_update_group" in server.dead
+    assert not await client.health()
 
 
 async def test_pause_in_place_holds_generation_until_continue(served, tiny) -> None:
@@ -145,6 +158,8 @@ async def test_abort_request_by_rid_and_cancellation_abort_on_the_server(served,
     prompt = _prompt(tiny[1])
     task = asyncio.create_task(client.generate(prompt, SamplingParams(max_new_tokens=3000), rid="job-77"))
     await _until(lambda: "job-77" in engine._requests)
+    await client.abort("job-7")  # SGLang 0.5.16 aborts exact rids only: a prefix does nothing
+    assert engine.num_requests == 1 and not engine._requests["job-77"].abort.is_set()
     await client.abort("job-77")
     assert (await asyncio.wait_for(task, 10)).finish_reason == "abort"
 
@@ -171,7 +186,7 @@ async def test_sticky_sessions_across_several_workers(tiny) -> None:
                     assert client.worker_for(f"s{s}") == (a.url, b.url)[gen.weight_version - 1], turn
             assert all(len(v) == 1 for v in seen.values())
             assert set().union(*seen.values()) == {1, 2}
-            assert sorted(await client.weight_versions()) == [1, 2]
+            assert await client.weight_versions() == {a.url: 1, b.url: 2}
             assert await client.health()
         finally:
             await client.aclose()
@@ -374,7 +389,7 @@ async def test_error_shapes_match_sglang(served) -> None:
 async def test_flush_cache_refuses_while_busy(served, tiny) -> None:
     server, engine, client = served
     task = asyncio.create_task(client.generate(_prompt(tiny[1]), SamplingParams(max_new_tokens=3000)))
-    await _until(lambda: engine.num_requests > 0)
+    await _until(lambda: engine.busy)
     status, _, raw = await _raw("GET", f"{server.url}/flush_cache")
     assert status == 400 and raw == b"Flush cache failed.\n"
     await client.abort(abort_all=True)

@@ -682,10 +682,9 @@ class EngineServer:
         response = await self._apply_update(
             body, load, ok="Succeeded to update model weights.", fail="Failed to update weights"
         )
-        if response.status == 200:  # 0.5.16 adds num_paused_requests to the disk update's answer
-            payload = json.loads(response.body)  # type: ignore[arg-type]
-            return web.json_response({**payload, "num_paused_requests": 0})
-        return response
+        # 0.5.16's disk update answers (UpdateWeightFromDiskReqOutput) also carry num_paused_requests.
+        payload = json.loads(response.body)  # type: ignore[arg-type]
+        return web.json_response({**payload, "num_paused_requests": 0}, status=response.status)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         try:
