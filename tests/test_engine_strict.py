@@ -26,9 +26,12 @@ def tiny():
 
 
 async def _until(predicate, timeout: float = 20.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
+    """Poll a condition that no event signals (engine internals), failing after `timeout`."""
+    for _ in range(int(timeout / 0.005)):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached in time")
 
 
 async def _post(url: str, body: dict) -> tuple[int, object]:
@@ -67,7 +70,7 @@ async def test_update_with_sglangs_default_flush_after_in_place_pause_kills_the_
     # scheduler_components/weight_updater.py flush_cache_after_weight_update asserts the flush
     # succeeded; Scheduler.flush_cache refuses while a request runs: the scheduler process dies.
     # This is the body the old client sent by default (flush_cache omitted means true).
-    server, engine, _, task = held
+    server, _, _, task = held
     entry = serialize_named_tensors([("lm_head.weight", tiny[0].lm_head.weight * 2)])
     with pytest.raises(aiohttp.ClientError):  # no answer: the connection drops, as a dead process's
         await _post(f"{server.url}/update_weights_from_tensor", {"serialized_named_tensors": [entry]})
@@ -84,7 +87,7 @@ async def test_client_update_after_in_place_pause_sends_no_flush_and_the_turn_re
     # The client sends flush_cache false by default, so the same update succeeds; the held request
     # then finishes on the new weights and, as SGLang builds meta_info after the load
     # (tokenizer_manager.py reads weight_version when it answers), reports the new version.
-    server, engine, client, task = held
+    server, _, client, task = held
     entry = serialize_named_tensors([("lm_head.weight", tiny[0].lm_head.weight * 2)])
     await client.update_weights(TensorWeights([entry]), weight_version=7)
     assert server.dead is None and client.weight_version == 7
