@@ -73,7 +73,8 @@ async def test_agent_phase_container(task) -> None:
         assert info["HostConfig"]["NetworkMode"] == "none"
         assert info["HostConfig"]["PidsLimit"] == provider.pids_limit
         assert info["HostConfig"]["Memory"] == 256 * 1024 * 1024
-        assert info["Mounts"] == []
+        assert [(m["Destination"], m["RW"]) for m in info["Mounts"]] == [("/run/agentrl-init", False)]
+        assert info["Config"]["Entrypoint"] in ("/run/agentrl-init", ["/run/agentrl-init"])
         res = await sb.exec("test -d /logs/verifier && test -d /logs/agent && pwd; ls /tests /solution")
         assert res.stdout.startswith("/app\n")  # the Dockerfile's WORKDIR
         assert "No such file" in res.stderr  # tests/ and solution/ are not inside yet
@@ -103,19 +104,41 @@ async def test_cancelled_command_is_killed_inside(task) -> None:
         assert left.stdout.strip() == "0"
 
 
-async def test_dead_shell_falls_back_to_exec_per_command(task, caplog) -> None:
+async def test_dead_shell_is_replaced_between_commands(task, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="agentrl.sandbox.podman")
-    async with await PodmanProvider(cli=CLI).create(task, run_id="fallback") as sb:
+    async with await PodmanProvider(cli=CLI).create(task, run_id="restart") as sb:
         assert isinstance(sb, PodmanSandbox)
         await sb.exec("true")
         assert sb._shell is not None
+        first = sb._shell
+        first.kill()
+        await first.proc.wait()
+        for i in range(3):
+            res = await sb.exec(f"echo {i}; echo e >&2; exit 4", cwd="/tmp", env={"K": "v"})
+            assert (res.stdout, res.stderr, res.exit_code) == (f"{i}\n", "e\n", 4)
+        assert sb._shell is not None and sb._shell is not first and sb._shell.alive
+    assert not [r for r in caplog.records if "persistent shell" in r.getMessage()]
+
+
+async def test_shell_that_cannot_start_falls_back_to_exec_per_command(task, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="agentrl.sandbox.podman")
+    async with await PodmanProvider(cli=CLI).create(task, run_id="fallback") as sb:
+        assert isinstance(sb, PodmanSandbox)
+
+        async def broken() -> None:
+            raise SandboxTransportError("no shell today")
+
+        assert sb._shell is not None
         sb._shell.kill()
         await sb._shell.proc.wait()
+        sb._start_shell = broken  # type: ignore[method-assign]
         for i in range(3):
             res = await sb.exec(f"echo {i}; echo e >&2; exit 4", cwd="/tmp", env={"K": "v"})
             assert (res.stdout, res.stderr, res.exit_code) == (f"{i}\n", "e\n", 4)
         assert (await sb.exec("pwd", cwd="/tmp")).stdout == "/tmp\n"
         assert (await sb.exec("sleep 30", timeout=1)).timed_out
+        big = await sb.exec("head -c 50000000 /dev/zero | tr '\\0' a")  # bounded on the host too
+        assert len(big.stdout) < 70_000 and "49934464 bytes omitted" in big.stdout
     warnings = [r for r in caplog.records if "persistent shell" in r.getMessage()]
     assert len(warnings) == 1
 

@@ -12,7 +12,7 @@ from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import ExecResult
 from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider, Faults
 from agentrl.tasks import load_task
-from agentrl.verify import parse_reward, verify
+from agentrl.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
 
@@ -49,6 +49,9 @@ def test_parse_reward_accepts(json_text, txt_text, rewards) -> None:
         ('{"reward": 1e309}', None, "not a finite number"),
         ('{"reward": {"nested": 1}}', None, "not a finite number"),
         ('{"reward": true}', None, "not a finite number"),
+        (None, "7", "outside [0, 1]"),
+        (None, "-1", "outside [0, 1]"),
+        ('{"reward": 0.5, "style": 2}', None, "'style' = 2.0 is outside"),
     ],
 )
 def test_parse_reward_rejects(json_text, txt_text, why) -> None:
@@ -78,7 +81,8 @@ async def test_pass_and_fail(task) -> None:
         # tests arrive only at verification time, with the task's [verifier.env]
         assert sb.files["/tests/test.sh"] == task.test_script.read_bytes()
         run = next(c for c in reversed(sb.calls) if c.cmd.startswith("/tests/test.sh"))
-        assert run.env == {"EXPECTED": "hello"} and run.timeout == task.config.verifier.timeout_sec
+        assert run.env == {**VERIFIER_PYTHON_ENV, "EXPECTED": "hello"}
+        assert run.timeout == task.config.verifier.timeout_sec
 
 
 async def test_partial_reward_is_a_fail_with_its_value(task) -> None:
@@ -103,6 +107,8 @@ async def test_verifier_timeout_is_an_infra_failure(task) -> None:
     async with await provider.create(task, run_id="v") as sb:
         res = await verify(sb, task, timeout=0.1)
     assert res.outcome == "timeout" and res.infra_failure and res.reward is None
+    # ...that an agent's artefacts could have caused: after an agent phase, a policy failure.
+    assert res.policy_failure and res.cause == "verifier_timeout"
 
 
 async def test_reward_json_takes_precedence(task) -> None:
@@ -138,3 +144,68 @@ async def test_bad_test_script_is_a_typed_error(fixture: str, message: str, tmp_
     async with await provider.create(bad, run_id="v") as sb:
         with pytest.raises(TaskFormatError, match=message):
             await verify(sb, bad)
+
+
+def test_a_task_option_may_allow_other_reward_ranges() -> None:
+    assert parse_reward(None, "7", reward_range=None) == ({"reward": 7.0}, None)
+    assert parse_reward(None, "7", reward_range=(0, 10)) == ({"reward": 7.0}, None)
+
+
+async def test_reward_out_of_range_is_a_verifier_error_showing_the_value(task) -> None:
+    provider = FakeSandboxProvider(grader=lambda sb: 7.0)
+    async with await provider.create(task, run_id="v") as sb:
+        res = await verify(sb, task)
+    assert res.outcome == "verifier-error" and res.reward is None and res.infra_failure
+    assert res.cause == "reward_out_of_range" and not res.policy_failure
+    assert "7.0" in (res.error or "")
+
+
+async def test_a_background_loop_rewriting_the_reward_is_stopped_first(task) -> None:
+    def forge(sb: FakeSandbox) -> None:
+        sb.files["/logs/verifier/reward.txt"] = b"1\n"
+
+    provider = FakeSandboxProvider(grader=grader_from_output)
+    async with await provider.create(task, run_id="v") as sb:
+        sb.background.append(forge)  # the agent left it running
+        await sb.exec("true")
+        assert sb.files["/logs/verifier/reward.txt"] == b"1\n"
+        res = await verify(sb, task)
+    assert (res.outcome, res.reward) == ("fail", 0.0)
+    assert sb.background == []
+
+
+async def test_tests_and_logs_are_recreated_whatever_the_agent_made_of_them(task) -> None:
+    provider = FakeSandboxProvider(grader=grader_from_output)
+    async with await provider.create(task, run_id="v") as sb:
+        sb.files["/tests/conftest.py"] = b"import os; os.system('echo 1 > /logs/verifier/reward.txt')\n"
+        sb.files["/logs/verifier/reward.json"] = b'{"reward": 1}'
+        res = await verify(sb, task)
+        assert "/tests/conftest.py" not in sb.files
+    assert (res.outcome, res.reward) == ("fail", 0.0)
+
+
+async def test_a_changed_system_file_is_tampering_scored_zero(task) -> None:
+    provider = FakeSandboxProvider(
+        grader=lambda sb: 1.0, image_files={"/usr/bin/cat": b"ELF cat", "/usr/bin/python3": b"ELF py"}
+    )
+    async with await provider.create(task, run_id="v") as sb:
+        sb.files["/usr/bin/cat"] = b"#!/bin/sh\necho 1\n"
+        sb.files["/usr/local/bin/python3"] = b"#!/bin/sh\n"  # shadows the real one on PATH
+        sb.files["/app/notes.txt"] = b"ordinary work is fine\n"
+        res = await verify(sb, task)
+        assert not any(c.cmd.startswith("/tests/test.sh") for c in sb.calls)  # tests never ran
+    assert (res.outcome, res.reward, res.cause) == ("tampered", 0.0, "system_files")
+    assert res.policy_failure and not res.infra_failure
+    assert "/usr/bin/cat" in (res.error or "") and "/usr/local/bin/python3" in (res.error or "")
+    assert "/app/notes.txt" not in (res.error or "")
+
+
+async def test_an_oversized_reward_file_is_never_read_whole(task) -> None:
+    def big(sb: FakeSandbox, cmd: str, m) -> ExecResult:
+        sb.files["/logs/verifier/reward.txt"] = b"1" + b" " * (1 << 20)
+        return ExecResult("", "", 0)
+
+    provider = FakeSandboxProvider().on(r"^/tests/test\.sh", big)
+    async with await provider.create(task, run_id="v") as sb:
+        res = await verify(sb, task)
+    assert res.outcome == "verifier-error" and "too large" in (res.error or "")

@@ -7,17 +7,40 @@ same contract suite in `tests/sandbox_contract.py`.
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from agentrl.errors import InfraError
+from agentrl.errors import AgentRLError, InfraError
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024
+
+# Limits applied when a task does not set its own (Harbor's documented task defaults for cpus and
+# memory; a pids cap so a fork bomb stays inside its container; Harbor's storage default).
+DEFAULT_CPUS = 1.0
+DEFAULT_MEMORY_MB = 2048
+DEFAULT_PIDS_LIMIT = 1024
+DEFAULT_STORAGE_MB = 10240
+
+# Where a verifier's interpreter, shell and libraries live: a change to a file the image shipped
+# here (or one of these additions) lets an agent forge what the tests compute, so it is `tampered`.
+SYSTEM_PREFIXES = ("/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/", "/usr/")
+SUSPICIOUS_ADDITIONS = re.compile(
+    r"^/etc/ld\.so\.preload$"
+    r"|^/usr/(?:local/)?lib/python3[^/]*/"  # new modules, .pth files, sitecustomize on sys.path
+    r"|/(?:sitecustomize|usercustomize)\.py$"
+    r"|^/(?:conftest\.py|pytest\.ini|pyproject\.toml|tox\.ini|setup\.cfg|setup\.py)$"  # pytest's rootdir
+    r"|^/(?:usr/(?:local/)?)?s?bin/(?:python[0-9.]*|pytest|py\.test|pip[0-9.]*|uvx?|bash|sh|dash|env|"
+    r"cat|timeout|perl|node)$"  # a shadowing interpreter earlier on PATH
+)
+# Byte code is never read by the verifier (PYTHONPYCACHEPREFIX points elsewhere), so Python's own
+# cache writes are not tampering.
+HARMLESS = re.compile(r"/__pycache__(?:/|$)|\.pyc$")
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,32 @@ class ImageBuildError(SandboxCreateError):
 
 class SandboxTransportError(SandboxError):
     cause = "sandbox_transport"
+
+
+class SandboxPolicyError(AgentRLError):
+    """The sandbox broke in a way the agent's own commands could have caused: its shell killed or
+    stopped during its command, a forged or garbled reply frame, its storage limit exceeded,
+    verifier inputs it damaged beyond repair, system files it replaced (`docs/failures.md`).
+
+    Never infrastructure (not an `InfraError`): the episode is a policy failure with reward 0,
+    counted under `cause`. Retrying it would hand the policy a re-roll for sabotage.
+    """
+
+    cause = "policy"
+
+    def __init__(self, message: str, *, cause: str | None = None) -> None:
+        if cause is not None:
+            self.cause = cause
+        super().__init__(message)
+
+
+_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Sandbox output made safe for an operator's terminal: control characters, escape sequences
+    and bidirectional overrides shown as visible escapes (`\\x1b`), newlines and tabs kept."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def bound_output(text: str, limit: int = DEFAULT_OUTPUT_LIMIT) -> str:
@@ -107,6 +156,18 @@ class Sandbox(abc.ABC):
     async def close(self) -> None:
         """Stop and remove the sandbox. Idempotent, safe under cancellation."""
 
+    async def stop_processes(self) -> None:
+        """Kill every process started in the sandbox so far (the verifier's first step: nothing the
+        agent left running may touch the tests or the reward). The next `exec` works as usual.
+        Backends whose sandboxes hold their own service processes override this."""
+        await self.exec(KILL_ALL, timeout=60)
+
+    async def tampered_paths(self) -> list[str] | None:
+        """System files of the image the agent changed or deleted, and additions that hijack an
+        interpreter (`SYSTEM_PREFIXES`, `SUSPICIOUS_ADDITIONS`), seen from outside the sandbox.
+        None when the backend cannot tell."""
+        return None
+
     async def __aenter__(self) -> Sandbox:
         return self
 
@@ -114,6 +175,20 @@ class Sandbox(abc.ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+# `kill -STOP -1` freezes every process but PID 1 and the caller in one atomic sweep (a fork loop
+# cannot outrun it), then they are killed. PID 1 is the sandbox's init, which ignores both.
+KILL_ALL = "kill -STOP -1 2>/dev/null; kill -KILL -1 2>/dev/null; true"
+
+
+def tampered(changed: list[str], deleted: list[str], added: list[str]) -> list[str]:
+    """The suspicious entries of a file-system diff against the image (see `tampered_paths`).
+    A changed directory only means its entries changed, so directories are left out."""
+    parents = {p.rsplit("/", 1)[0] for p in [*changed, *deleted, *added]}
+    found = [p for p in [*changed, *deleted] if p.startswith(SYSTEM_PREFIXES) and p not in parents]
+    found += [p for p in added if SUSPICIOUS_ADDITIONS.search(p) and p not in parents]
+    return sorted(p for p in set(found) if not HARMLESS.search(p))
 
 
 class SandboxProvider(abc.ABC):

@@ -9,6 +9,11 @@ verifier and the contract suite use (`cat`, `tail -c`, `echo ... > f`, `echo ...
 `a; b; c` sequences, split naively on `;`. Running `/tests/test.sh` calls the provider's
 `grader(sandbox) -> float | None`, which writes `/logs/verifier/reward.txt` (None writes nothing).
 
+Processes the agent leaves running are `background` callables: each runs after every later exec
+and before every download (a loop rewriting a file, say) until `stop_processes` ends them all.
+`image_files` are the image's files: every sandbox starts with them, and `tampered_paths` compares
+them (and suspicious additions) with the sandbox's files, as `podman diff` does.
+
 Fault injection (seeded): create failures, transport errors mid-exec, latency and hangs.
 """
 
@@ -31,6 +36,7 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     SandboxTransportError,
     bound_output,
+    tampered,
 )
 
 if TYPE_CHECKING:
@@ -155,6 +161,8 @@ class FakeSandbox(Sandbox):
         self.last_env: dict[str, str] | None = None
         self.last_user: str | int | None = None
         self.closed = False
+        self.background: list[Callable[[FakeSandbox], None]] = []
+        self.files.update(provider.image_files)
 
     async def exec(
         self,
@@ -185,7 +193,8 @@ class FakeSandbox(Sandbox):
         if res is None and sequence:
             res = await self._sequence(cmd, timeout)
         if res is None:
-            return _result("", f"fake: no handler for {cmd[:80]!r}\n", self.provider.unknown_exit_code)
+            res = _result("", f"fake: no handler for {cmd[:80]!r}\n", self.provider.unknown_exit_code)
+        self._run_background()
         limit = self.provider.output_limit
         return ExecResult(
             bound_output(res.stdout, limit),
@@ -242,9 +251,26 @@ class FakeSandbox(Sandbox):
         else:
             self.files[dst] = src.read_bytes()
 
+    def _run_background(self) -> None:
+        for action in list(self.background):
+            action(self)
+
+    async def stop_processes(self) -> None:
+        if self.closed:
+            raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
+        self.background.clear()
+
+    async def tampered_paths(self) -> list[str] | None:
+        image = self.provider.image_files
+        changed = [p for p in image if p in self.files and self.files[p] != image[p]]
+        deleted = [p for p in image if p not in self.files]
+        added = [p for p in self.files if p not in image]
+        return tampered(changed, deleted, added)
+
     async def download(self, src: str, dst: Path) -> None:
         if self.closed:
             raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
+        self._run_background()
         dst = Path(dst)
         if src in self.files:
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -275,6 +301,7 @@ class FakeSandboxProvider(SandboxProvider):
     seed: int = 0
     output_limit: int = 64 * 1024
     unknown_exit_code: int = 127
+    image_files: dict[str, bytes] = field(default_factory=dict)
     created: int = 0
     _live: set[str] = field(default_factory=set)
     sandboxes: list[FakeSandbox] = field(default_factory=list)

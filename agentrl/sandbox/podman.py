@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
+import secrets
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -38,14 +42,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.sandbox.base import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY_MB,
     DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS_LIMIT,
+    DEFAULT_STORAGE_MB,
+    KILL_ALL,
     ExecResult,
     ImageBuildError,
     Sandbox,
     SandboxCreateError,
     SandboxError,
+    SandboxPolicyError,
     SandboxProvider,
     SandboxTransportError,
+    tampered,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +102,24 @@ def cli_cwd() -> str:
     path = Path(tempfile.gettempdir()) / f"agentrl-cli-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     return str(path)
+
+
+INIT_PATH = "/run/agentrl-init"
+_INIT_CANDIDATES = (
+    "/usr/libexec/podman/catatonit",
+    "/usr/libexec/catatonit/catatonit",
+    "/usr/local/libexec/podman/catatonit",
+    "/usr/bin/catatonit",
+)
+
+
+@functools.cache
+def find_init() -> str | None:
+    """A static catatonit on the host (where podman's own `--init` finds it), or None."""
+    for path in (*_INIT_CANDIDATES, shutil.which("catatonit")):
+        if path and os.access(path, os.X_OK):
+            return os.path.realpath(path)
+    return None
 
 
 # Containers this process started and has not removed; removed synchronously at interpreter exit.
@@ -161,45 +190,66 @@ def _from_images(dockerfile: Path) -> list[str]:
 # Defined once per persistent shell. Everything on the per-command path is a bash builtin except
 # the command itself and one fork for its subshell (process creation costs ~2-3 ms inside a
 # container here): the timeout watchdog waits with `read -t` on a FIFO, the output is read with
-# `read -N` and sent length-prefixed; `stat`/`head`/`tail` run only for outputs over the limit.
+# `read -N`; `stat`/`tail` run only for outputs over the limit.
+#
+# Framing. The agent's command runs as root next to this shell, so it can write anything to the
+# shell's stdout (`/proc/$PPID/fd/1`) at any time. The host therefore trusts nothing but one exact
+# frame per command: `__AGENTRL_<nonce> rc timed_out out_size out_head out_tail err_size err_head
+# err_tail`, the four byte strings of exactly those lengths, then `__AGENTRL_END_<nonce>`. The
+# nonce is fresh per command (128 random bits) and travels on its own line after the command line:
+# the shell reads it only after forking the command's subshell, so it is in no variable, argument,
+# environment or file the command can see. Anything else on the pipe (a forged or stray frame,
+# garbage, an endless line) is a typed error, read within a fixed memory bound.
 _BOOTSTRAP = r"""
 __ar_lc=${LC_ALL-__unset__}; export LC_ALL=C; set -m
 __ar_d=/tmp/.agentrl-shell-$$; mkdir -p $__ar_d; mkfifo $__ar_d/f; exec {__ar_fd}<>$__ar_d/f
-__ar_emit() {
-  local f=$__ar_d/$1 h= m= fd
-  exec {fd}<"$f"
-  IFS= read -r -N __LIMIT__ h <&$fd; IFS= read -r -N 1 m <&$fd
-  exec {fd}<&-
+__ar_grab() {
+  local fd=$1 m=
+  __ar_h= __ar_t= __ar_s=0
+  IFS= read -r -N __LIMIT__ __ar_h <&$fd; IFS= read -r -N 1 m <&$fd
+  __ar_s=${#__ar_h}
   if [ -n "$m" ]; then
-    printf '__AGENTRL_%s_%s BIG %s\n' "$3" "$2" "$(stat -c %s "$f")"
-    head -c __HALF__ "$f"; tail -c __HALF__ "$f"
-  else
-    printf '__AGENTRL_%s_%s %d\n%s' "$3" "$2" "${#h}" "$h"
+    __ar_s=$(stat -L -c %s /proc/$$/fd/$fd 2>/dev/null); case $__ar_s in ''|*[!0-9]*) __ar_s=0;; esac
+    __ar_h=${__ar_h:0:__HALF__}
+    IFS= read -r -N __HALF__ __ar_t < <(tail -c __HALF__ /proc/$$/fd/$fd 2>/dev/null)
   fi
+  exec {fd}<&-
 }
 __ar_run() {
-  local n=$1 t=$2 p w= rc to=0
-  : > $__ar_d/t
+  local t=$1 n= p w= rc to=0 oh ot os of ef
+  [ -d $__ar_d ] || mkdir -p $__ar_d 2>/dev/null
+  : > $__ar_d/t; : > $__ar_d/o; : > $__ar_d/e
+  { exec {of}<$__ar_d/o {ef}<$__ar_d/e; } 2>/dev/null
   ( if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
-    if [ -n "$3" ]; then cd -- "$3" || exit 1; fi
-    eval "$5"; eval "$4" ) </dev/null >$__ar_d/o 2>$__ar_d/e &
+    exec {of}<&- {ef}<&-; unset -f __ar_grab __ar_run; unset -v __ar_d __ar_fd __ar_lc
+    if [ -n "$2" ]; then cd -- "$2" || exit 1; fi
+    eval "$4"; eval "$3" ) </dev/null >$__ar_d/o 2>$__ar_d/e &
   p=$!; echo $p > $__ar_d/p
+  IFS= read -r n
   if [ -n "$t" ]; then
-    ( read -t "$t" -u $__ar_fd; echo 1 > $__ar_d/t; kill -KILL -- -$p 2>/dev/null || kill -KILL $p ) 2>/dev/null &
+    ( read -t "$t" -u $__ar_fd; echo 1 > $__ar_d/t; kill -KILL -- -$p 2>/dev/null || kill -KILL $p ) >/dev/null 2>&1 &
     w=$!
   fi
   wait $p; rc=$?
   if [ -n "$w" ]; then kill $w 2>/dev/null; wait $w 2>/dev/null; fi
   [ -s $__ar_d/t ] && to=1
-  __ar_emit o "$n" OUT; __ar_emit e "$n" ERR
-  printf '__AGENTRL_END_%s %d %d\n' "$n" "$rc" "$to"
+  __ar_grab $of; oh=$__ar_h ot=$__ar_t os=$__ar_s
+  __ar_grab $ef
+  printf '__AGENTRL_%s %d %d %d %d %d %d %d %d\n%s%s%s%s__AGENTRL_END_%s\n' "$n" "$rc" "$to" \
+    "$os" "${#oh}" "${#ot}" "$__ar_s" "${#__ar_h}" "${#__ar_t}" "$oh" "$ot" "$__ar_h" "$__ar_t" "$n"
 }
 echo __AGENTRL_READY $__ar_d
 """
+_HEADER_LIMIT = 4096  # bytes a frame header may take; more is a protocol error, never a buffer
+_STREAM_LIMIT = 64 * 1024  # asyncio's read buffer for the shell's stdout: host memory per sandbox
 
 
 class _NotSent(Exception):
     """The command never reached the persistent shell, so running it another way is safe."""
+
+
+class _FrameError(SandboxTransportError):
+    """The persistent shell's reply was not the one frame expected for the command."""
 
 
 class _Shell:
@@ -220,73 +270,153 @@ class _Shell:
         script = _BOOTSTRAP.replace("__LIMIT__", str(2 * half)).replace("__HALF__", str(half))
         self.proc.stdin.write(script.encode())
         await self.proc.stdin.drain()
-        line = await asyncio.wait_for(self.proc.stdout.readline(), wait)
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readuntil(b"\n"), wait)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            raise SandboxTransportError(f"persistent shell did not start: {exc!r}") from exc
         parts = line.split()
         if len(parts) != 2 or parts[0] != b"__AGENTRL_READY":
             raise SandboxTransportError(f"persistent shell did not start: {line[:200]!r}")
-        self.state_dir = parts[1].decode()
-
-    async def _payload(self, tag: bytes, wait: float) -> tuple[bytes, int]:
-        """Read one `__AGENTRL_<tag>_<nonce> <len>` header and its bytes: (data, original size)."""
-        assert self.proc.stdout is not None
-        header = await asyncio.wait_for(self.proc.stdout.readline(), wait)
-        if not header.startswith(tag):
-            raise SandboxTransportError(f"persistent shell protocol error: {header[:200]!r}")
-        parts = header.split()
-        if parts[1] == b"BIG":
-            size = int(parts[2])
-            data = await asyncio.wait_for(self.proc.stdout.readexactly(self._half * 2), wait)
-            return data, size
-        n = int(parts[1])
-        data = await asyncio.wait_for(self.proc.stdout.readexactly(n), wait) if n else b""
-        return data, n
+        self.state_dir = parts[1].decode(errors="replace")
 
     async def run(
         self, line: str, nonce: str, wait: float, limit: int
-    ) -> tuple[bytes, int, bytes, int, int, bool]:
+    ) -> tuple[bytes, bytes, int, bytes, bytes, int, int, bool]:
+        """Send one command, read its frame: (out head, out tail, out size, err head, err tail,
+        err size, exit code, timed out)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._half = limit // 2
         async with self.lock:
             if not self.alive:
                 raise _NotSent("the persistent shell has exited")
             try:
-                self.proc.stdin.write(line.encode())
+                self.proc.stdin.write(f"{line}{nonce}\n".encode())
                 await self.proc.stdin.drain()
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise _NotSent(repr(exc)) from exc
-            out, out_size = await self._payload(f"__AGENTRL_OUT_{nonce}".encode(), wait)
-            err, err_size = await self._payload(f"__AGENTRL_ERR_{nonce}".encode(), 30.0)
-            end = await asyncio.wait_for(self.proc.stdout.readline(), 30.0)
-            parts = end.split()
-            if not end.startswith(f"__AGENTRL_END_{nonce}".encode()) or len(parts) != 3:
-                raise SandboxTransportError(f"persistent shell protocol error: {end[:200]!r}")
-            return out, out_size, err, err_size, int(parts[1]), parts[2] == b"1"
+            header = await asyncio.wait_for(self.proc.stdout.readuntil(b"\n"), wait)
+            fields = self._header(header, nonce, limit)
+            rc, to, out_size, oh, ot, err_size, eh, et = fields
+            body = await asyncio.wait_for(self.proc.stdout.readexactly(oh + ot + eh + et), 30.0)
+            trailer = f"__AGENTRL_END_{nonce}\n".encode()
+            end = await asyncio.wait_for(self.proc.stdout.readexactly(len(trailer)), 30.0)
+            if end != trailer:
+                raise _FrameError(f"persistent shell frame has a bad trailer: {end[:80]!r}")
+            o1, o2 = body[:oh], body[oh : oh + ot]
+            e1, e2 = body[oh + ot : oh + ot + eh], body[oh + ot + eh :]
+            return o1, o2, out_size, e1, e2, err_size, rc, to == 1
+
+    @staticmethod
+    def _header(header: bytes, nonce: str, limit: int) -> list[int]:
+        parts = header.split()
+        if len(header) > _HEADER_LIMIT or len(parts) != 9 or parts[0] != f"__AGENTRL_{nonce}".encode():
+            raise _FrameError(
+                f"persistent shell sent something other than this command's frame: {header[:120]!r}"
+            )
+        try:
+            fields = [int(p) for p in parts[1:]]
+        except ValueError:
+            raise _FrameError(f"persistent shell frame header is not numeric: {header[:120]!r}") from None
+        _rc, to, _out_size, oh, ot, _err_size, eh, et = fields
+        if min(fields[2:]) < 0 or oh + ot > limit or eh + et > limit or to not in (0, 1):
+            raise _FrameError(f"persistent shell frame header is out of range: {header[:120]!r}")
+        return fields
 
     def kill(self) -> None:
         if self.alive:
             self.proc.kill()
 
 
-def _bounded(data: bytes, size: int) -> str:
-    if size > len(data):
-        half = len(data) // 2
-        return (
-            f"{data[:half].decode(errors='replace')}\n[... {size - len(data)} bytes omitted ...]\n"
-            f"{data[half:].decode(errors='replace')}"
+def _bounded(head: bytes, tail: bytes, size: int) -> str:
+    """Head and tail of an output of `size` bytes, with a marker for what was cut in between."""
+    omitted = size - len(head) - len(tail)
+    if omitted <= 0 and not tail:
+        return head.decode(errors="replace")
+    return (
+        f"{head.decode(errors='replace')}\n[... {max(omitted, 0)} bytes omitted ...]\n"
+        f"{tail.decode(errors='replace')}"
+    )
+
+
+class _HeadTail:
+    """Keeps the first and last `half` bytes of a stream and counts the rest (bounded memory)."""
+
+    def __init__(self, half: int) -> None:
+        self.half = half
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            del self.tail[: max(0, len(self.tail) - self.half)]
+
+    def text(self) -> str:
+        return _bounded(bytes(self.head), bytes(self.tail), self.size)
+
+
+async def run_cli_bounded(
+    cli: str, *args: str, timeout: float, limit: int = DEFAULT_OUTPUT_LIMIT
+) -> tuple[int, str, str]:
+    """`run_cli` for commands whose output the agent controls: stdout and stderr are streamed and
+    kept as head + tail within `limit` characters each, so host memory stays bounded."""
+    proc = await asyncio.create_subprocess_exec(
+        cli,
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cli_cwd(),
+    )
+    out, err = _HeadTail(limit // 2), _HeadTail(limit // 2)
+
+    async def pump(stream: asyncio.StreamReader | None, sink: _HeadTail) -> None:
+        assert stream is not None
+        while chunk := await stream.read(64 * 1024):
+            sink.feed(chunk)
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err), proc.wait()), timeout
         )
-    return data.decode(errors="replace")
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.shield(proc.wait())
+        raise
+    return proc.returncode or 0, out.text(), err.text()
 
 
 class PodmanSandbox(Sandbox):
-    def __init__(self, provider: PodmanProvider, name: str, workdir: str | None) -> None:
+    def __init__(
+        self,
+        provider: PodmanProvider,
+        name: str,
+        workdir: str | None,
+        *,
+        storage_mb: int | None = None,
+        upper_dir: str | None = None,
+    ) -> None:
         self.provider = provider
         self.cli = provider.cli
         self.sandbox_id = name
         self.workdir = workdir
         self.output_limit = provider.output_limit
+        self.shell_grace_s = provider.shell_grace_s
         self._shell: _Shell | None = None
         self._fallback_noted = False
         self._closed = False
+        self.storage_mb = storage_mb
+        self._upper_dir = upper_dir
+        self._storage_used: int | None = None  # bytes, set once the limit was exceeded
+        self._monitor: asyncio.Task[None] | None = None
+        if storage_mb is not None and upper_dir is not None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 
     async def _start_shell(self) -> None:
         proc = await asyncio.create_subprocess_exec(
@@ -300,31 +430,31 @@ class PodmanSandbox(Sandbox):
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
-            limit=32 * 1024 * 1024,  # one framed line carries a whole (bounded) output
+            limit=_STREAM_LIMIT,
             cwd=cli_cwd(),
         )
         self._shell = _Shell(proc)
-        await self._shell.start(self.output_limit)
+        try:
+            await self._shell.start(self.output_limit)
+        except BaseException:
+            self._shell.kill()
+            self._shell = None
+            raise
 
     @staticmethod
-    def _line(
-        cmd: str, *, timeout: float | None, cwd: str | None, env: dict[str, str] | None, nonce: str
-    ) -> str:
+    def _line(cmd: str, *, timeout: float | None, cwd: str | None, env: dict[str, str] | None) -> str:
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
         t = "" if timeout is None else f"{max(timeout, 0.001):.3f}"
-        return (
-            " ".join(
-                [
-                    "__ar_run",
-                    nonce,
-                    shlex.quote(t),
-                    shlex.quote(cwd or ""),
-                    shlex.quote(cmd),
-                    shlex.quote(exports),
-                ]
+        args = ["__ar_run", shlex.quote(t), shlex.quote(cwd or ""), shlex.quote(cmd), shlex.quote(exports)]
+        return " ".join(args) + "\n"
+
+    def _check_storage(self) -> None:
+        if self._storage_used is not None:
+            raise SandboxPolicyError(
+                f"sandbox {self.sandbox_id} wrote {self._storage_used / 2**20:.0f} MiB, over its "
+                f"storage limit of {self.storage_mb} MiB; its processes were killed",
+                cause="storage_exceeded",
             )
-            + "\n"
-        )
 
     async def exec(
         self,
@@ -337,54 +467,102 @@ class PodmanSandbox(Sandbox):
     ) -> ExecResult:
         if self._closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed")
+        self._check_storage()
         cwd = cwd or self.workdir
-        if user not in (None, "root", 0, "0"):
+        if user not in (None, "root", 0, "0") or self._fallback_noted:
             return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
-        if self._fallback_noted:
-            return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
-        if self._shell is None:
+        for attempt in range(2):
+            if self._shell is None or not self._shell.alive:
+                # A shell that died between commands (or never started) is replaced: nothing of a
+                # command was sent to it, so a fresh one runs the command once.
+                if self._shell is not None:
+                    self._kill_inside(self._shell.state_dir)
+                    self._shell = None
+                try:
+                    await self._start_shell()
+                except (TimeoutError, SandboxTransportError, OSError) as exc:
+                    return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
             try:
-                await self._start_shell()
-            except (TimeoutError, SandboxTransportError, OSError) as exc:
-                return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
-        assert self._shell is not None
-        nonce = uuid.uuid4().hex
+                return await self._exec_shell(cmd, timeout=timeout, cwd=cwd, env=env)
+            except _NotSent as exc:
+                if attempt:
+                    return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
+        raise AssertionError("unreachable")
+
+    async def _exec_shell(
+        self, cmd: str, *, timeout: float | None, cwd: str | None, env: dict[str, str] | None
+    ) -> ExecResult:
+        shell = self._shell
+        assert shell is not None
+        nonce = secrets.token_hex(16)
         start = time.monotonic()
-        wait = (timeout or 3600.0) + 30.0
+        wait = (timeout or 3600.0) + self.shell_grace_s
         try:
-            out, out_size, err, err_size, rc, timed_out = await self._shell.run(
-                self._line(cmd, timeout=timeout, cwd=cwd, env=env, nonce=nonce),
-                nonce,
-                wait,
-                self.output_limit,
+            oh, ot, out_size, eh, et, err_size, rc, timed_out = await shell.run(
+                self._line(cmd, timeout=timeout, cwd=cwd, env=env), nonce, wait, self.output_limit
             )
-        except _NotSent as exc:
-            return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
-        except (TimeoutError, SandboxTransportError, OSError, asyncio.IncompleteReadError) as exc:
+        except _NotSent:
+            raise
+        except (
+            TimeoutError,
+            SandboxTransportError,
+            OSError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+        ) as exc:
             # The command may have run, partly or fully: never run it a second time.
-            self._shell.kill()
-            self._kill_inside(self._shell.state_dir)
-            self._shell = None
-            running = await self._running()
-            self._note_fallback(exc)
-            where = "its persistent shell failed mid-command" if running else "the container is gone"
-            raise SandboxTransportError(f"exec in {self.sandbox_id}: {where}: {exc!r}") from exc
+            raise await self._shell_failed(shell, exc) from exc
         except asyncio.CancelledError:
             # The shell is mid-command: its framing can no longer be trusted. Killing the client
             # does not stop the command inside, so its process group is killed in the background.
-            self._shell.kill()
-            self._kill_inside(self._shell.state_dir)
+            shell.kill()
+            self._kill_inside(shell.state_dir)
             self._shell = None
             raise
         duration = time.monotonic() - start
         return ExecResult(
-            _bounded(out, out_size), _bounded(err, err_size), None if timed_out else rc, timed_out, duration
+            _bounded(oh, ot, out_size),
+            _bounded(eh, et, err_size),
+            None if timed_out else rc,
+            timed_out,
+            duration,
+        )
+
+    async def _shell_failed(self, shell: _Shell, exc: BaseException) -> Exception:
+        """Classify a persistent shell that failed during a command (docs/failures.md): the
+        container gone or the host's client killed is infrastructure; the shell inside killed,
+        stopped or writing anything but its frame is something the command could have done."""
+        if shell.alive and isinstance(exc, asyncio.IncompleteReadError):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(shell.proc.wait(), 5)
+        client_rc = shell.proc.returncode
+        shell.kill()
+        self._kill_inside(shell.state_dir)
+        if self._shell is shell:
+            self._shell = None
+        if not await self._running():
+            return SandboxTransportError(f"exec in {self.sandbox_id}: the container is gone: {exc!r}")
+        if client_rc is not None and client_rc < 0:
+            return SandboxTransportError(
+                f"exec in {self.sandbox_id}: its persistent shell failed mid-command (the host's "
+                f"`{self.cli} exec` client died of signal {-client_rc}): {exc!r}"
+            )
+        if isinstance(exc, TimeoutError):
+            cause, what = "shell_unresponsive", "stopped answering (stopped or hung by the command)"
+        elif isinstance(exc, asyncio.IncompleteReadError):
+            cause, what = "shell_killed", "was killed during the command"
+        else:
+            cause, what = "shell_protocol", "sent a forged or garbled reply"
+        return SandboxPolicyError(
+            f"exec in {self.sandbox_id}: the sandbox's shell {what}: {exc!r}; a fresh shell runs the next command",
+            cause=cause,
         )
 
     def _note_fallback(self, exc: BaseException) -> None:
         if not self._fallback_noted:
             log.warning(
-                "persistent shell of %s failed (%r); using one `%s exec` per command from now on",
+                "persistent shell of %s could not start (%r); using one `%s exec` per command from now on",
                 self.sandbox_id,
                 exc,
                 self.cli,
@@ -427,27 +605,32 @@ class PodmanSandbox(Sandbox):
         )
         start = time.monotonic()
         try:
-            rc, out, err = await run_cli(
-                self.cli, *args, self.sandbox_id, "bash", "-c", inner, timeout=(timeout or 3600.0) + 30.0
+            rc, out, err = await run_cli_bounded(
+                self.cli,
+                *args,
+                self.sandbox_id,
+                "bash",
+                "-c",
+                inner,
+                timeout=(timeout or 3600.0) + self.shell_grace_s,
+                limit=self.output_limit,
             )
         except TimeoutError as exc:
-            raise SandboxTransportError(f"`{self.cli} exec` into {self.sandbox_id} hung") from exc
+            if not await self._running():
+                raise SandboxTransportError(f"container {self.sandbox_id} is gone") from exc
+            raise SandboxPolicyError(
+                f"`{self.cli} exec` into {self.sandbox_id} did not return within the command's timeout "
+                "plus grace (a command outlived its own timeout)",
+                cause="shell_unresponsive",
+            ) from exc
         duration = time.monotonic() - start
         if rc in (125, 126) and "no such container" in err.lower():
             raise SandboxTransportError(f"container {self.sandbox_id} is gone: {err.strip()[-300:]}")
         timed_out = timeout is not None and rc in (124, 137) and duration >= timeout * 0.98
-        from agentrl.sandbox.base import bound_output
-
-        return ExecResult(
-            bound_output(out, self.output_limit),
-            bound_output(err, self.output_limit),
-            None if timed_out else rc,
-            timed_out,
-            duration,
-        )
+        return ExecResult(out, err, None if timed_out else rc, timed_out, duration)
 
     def _kill_inside(self, state_dir: str) -> None:
-        if not state_dir:
+        if not state_dir or self._closed:
             return
         script = f"kill -KILL -- -$(cat {state_dir}/p) 2>/dev/null; rm -rf {state_dir}"
         t = asyncio.get_running_loop().create_task(
@@ -462,6 +645,68 @@ class PodmanSandbox(Sandbox):
         )
         return rc == 0 and out.strip() == "true"
 
+    # -- verification support ---------------------------------------------------------------------
+    async def stop_processes(self) -> None:
+        """Kill every process in the container but its init, the persistent shell included (a new
+        one starts on the next exec), through a fresh `exec`: nothing the agent left running
+        survives into verification."""
+        if self._shell is not None:
+            self._shell.kill()
+            self._shell = None
+        await self._measure_storage()
+        self._check_storage()
+        script = f"{KILL_ALL}; rm -rf /tmp/.agentrl-shell-*"
+        try:
+            rc, _, err = await run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=60)
+        except TimeoutError as exc:
+            raise SandboxTransportError(f"killing the processes of {self.sandbox_id} hung") from exc
+        if rc != 0 and not await self._running():
+            raise SandboxTransportError(f"container {self.sandbox_id} is gone: {err.strip()[-300:]}")
+
+    async def tampered_paths(self) -> list[str] | None:
+        """The container's changes against its image, as the storage driver sees them on the
+        host (`podman diff`): no tool inside the container takes part."""
+        rc, out, err = await run_cli(self.cli, "diff", "--format", "json", self.sandbox_id, timeout=120)
+        if rc != 0:
+            raise SandboxTransportError(f"`{self.cli} diff {self.sandbox_id}` failed: {err.strip()[-300:]}")
+        try:
+            data = json.loads(out or "{}")
+        except json.JSONDecodeError as exc:
+            raise SandboxTransportError(f"`{self.cli} diff` printed no JSON: {out[:200]!r}") from exc
+        if isinstance(data, list):  # docker: [{"Path": ..., "Kind": 0 changed | 1 added | 2 deleted}]
+            by_kind: dict[int, list[str]] = {0: [], 1: [], 2: []}
+            for item in data:
+                by_kind.setdefault(item.get("Kind"), []).append(item.get("Path", ""))
+            return tampered(by_kind[0], by_kind[2], by_kind[1])
+        return tampered(data.get("changed") or [], data.get("deleted") or [], data.get("added") or [])
+
+    # -- storage -------------------------------------------------------------------------------------
+    async def _measure_storage(self) -> None:
+        if self.storage_mb is None or self._upper_dir is None or self._storage_used is not None:
+            return
+        limit = self.storage_mb * 2**20
+        used = await asyncio.to_thread(_tree_bytes, self._upper_dir, limit)
+        if used > limit:
+            self._storage_used = used
+
+    async def _watch_storage(self) -> None:
+        """Where the storage driver cannot cap a container's writable layer (overlay on ext4), the
+        layer is measured from the host, more rarely the longer a measurement takes; over the limit,
+        every process in the container is killed and the next exec is a policy failure."""
+        while not self._closed and self._storage_used is None:
+            start = time.monotonic()
+            try:
+                await self._measure_storage()
+            except OSError as exc:
+                log.debug("measuring the storage of %s failed: %s", self.sandbox_id, exc)
+            spent = time.monotonic() - start
+            if self._storage_used is not None:
+                log.warning("%s exceeded its storage limit of %s MiB", self.sandbox_id, self.storage_mb)
+                with contextlib.suppress(SandboxError, TimeoutError):
+                    await run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", KILL_ALL, timeout=60)
+                return
+            await asyncio.sleep(max(self.provider.storage_check_s, 20 * spent))
+
     async def upload(self, src: Path, dst: str) -> None:
         src = Path(src).resolve()  # the CLI runs in cli_cwd()
         if src.is_dir():
@@ -474,9 +719,10 @@ class PodmanSandbox(Sandbox):
             raise SandboxTransportError(f"upload {src} -> {dst} failed: {err.strip()[-500:]}")
 
     async def download(self, src: str, dst: Path) -> None:
-        # A directory's contents land in dst, like upload, whether or not dst exists yet.
-        is_dir = (await self.exec(f"test -d {shlex.quote(src)}", timeout=30)).exit_code == 0
+        # A directory's contents land in dst, like upload, whether or not dst exists yet (when it
+        # does not, `cp` gives that for a directory and a file alike, with no exec inside).
         dst = Path(dst).resolve()  # the CLI runs in cli_cwd()
+        is_dir = dst.exists() and (await self.exec(f"test -d {shlex.quote(src)}", timeout=30)).exit_code == 0
         dst.parent.mkdir(parents=True, exist_ok=True)
         source = f"{src.rstrip('/')}/." if is_dir else src
         rc, _, err = await run_cli(self.cli, "cp", f"{self.sandbox_id}:{source}", str(dst), timeout=300)
@@ -487,6 +733,8 @@ class PodmanSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
         if self._shell is not None:
             self._shell.kill()
         # Shielded: a cancelled owner must still not leave the container behind.
@@ -497,9 +745,32 @@ class PodmanSandbox(Sandbox):
             return False
         try:
             res = await self.exec("true", timeout=10)
-        except SandboxError:
+        except (SandboxError, SandboxPolicyError):
             return False
         return res.exit_code == 0
+
+
+def _tree_bytes(root: str, stop_above: int) -> int:
+    """Disk bytes under `root` (allocated blocks; links not followed), stopping once over `stop_above`."""
+    total = 0
+    stack = [root]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                if total > stop_above:
+                    return total
+    return total
 
 
 class PodmanProvider(SandboxProvider):
@@ -510,12 +781,21 @@ class PodmanProvider(SandboxProvider):
         *,
         cli: str | None = None,
         allow_network: bool | None = None,
-        pids_limit: int = 1024,
+        pids_limit: int = DEFAULT_PIDS_LIMIT,
         inject_ca: bool = True,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         warm_pool: int = 0,
-        default_memory_mb: int | None = None,
+        default_cpus: float | None = DEFAULT_CPUS,
+        default_memory_mb: int | None = DEFAULT_MEMORY_MB,
+        default_storage_mb: int | None = DEFAULT_STORAGE_MB,
+        storage_check_s: float = 2.0,
+        shell_grace_s: float = 30.0,
+        init: str | None = None,
     ) -> None:
+        """Limits: a task's own `cpus` / `memory_mb` / `storage_mb` win; when it is silent the
+        defaults apply (None: no limit). `init` is a static init run as PID 1 in pause mode
+        (default: catatonit, found like podman finds it): it reaps zombies and cannot be killed from
+        inside, so `kill -9 -1` ends the agent's processes but never the container."""
         self.cli = cli or os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
         self.allow_network = allow_network  # None: the task decides; True/False: user override
         self.pids_limit = pids_limit
@@ -524,7 +804,13 @@ class PodmanProvider(SandboxProvider):
         self._ca_dir = build_ca_dir() if inject_ca and self._podman else None
         self.output_limit = output_limit
         self.warm_pool = warm_pool
+        self.default_cpus = default_cpus
         self.default_memory_mb = default_memory_mb
+        self.default_storage_mb = default_storage_mb
+        self.storage_check_s = storage_check_s
+        self.shell_grace_s = shell_grace_s
+        self.init = init if init is not None else find_init()
+        self._storage_opt: bool | None = None  # whether the storage driver caps a container's size
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._live: set[str] = set()
         self._pool: dict[str, list[PodmanSandbox]] = {}
@@ -596,11 +882,9 @@ class PodmanProvider(SandboxProvider):
         )
         return "bridge" if allowed else "none"
 
-    async def _start(self, task: Task, run_id: str, image: str) -> PodmanSandbox:
+    def _run_args(self, task: Task, run_id: str, name: str) -> tuple[list[str], int | None]:
+        """`run` arguments without the storage cap, and the storage limit in MiB."""
         env = task.config.environment
-        # Container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]*; run ids and task ids may hold anything.
-        safe = re.sub(r"[^a-z0-9_.-]+", "-", f"{run_id[:24]}-{task.task_id[:24]}".lower())
-        name = f"agentrl-{safe}-{uuid.uuid4().hex[:8]}"
         args = [
             "run",
             "-d",
@@ -616,11 +900,16 @@ class PodmanProvider(SandboxProvider):
             f"{LABEL_CREATED}={int(time.time())}",
             "--pids-limit",
             str(self.pids_limit),
-            "--entrypoint",
-            "sleep",
         ]
-        if env.cpus:
-            args += ["--cpus", str(env.cpus)]
+        if self._podman:
+            args.append("--http-proxy=false")  # podman copies the host's proxy variables by default
+        if self.init:
+            args += ["-v", f"{self.init}:{INIT_PATH}:ro", "--entrypoint", INIT_PATH]
+        else:
+            args += ["--init", "--entrypoint", "sleep"]
+        cpus = env.cpus or self.default_cpus
+        if cpus:
+            args += ["--cpus", str(cpus)]
         memory = env.memory_mb or self.default_memory_mb
         if memory:
             args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
@@ -628,16 +917,55 @@ class PodmanProvider(SandboxProvider):
             args += ["-w", env.workdir]
         for k, v in env.env.items():
             args += ["-e", f"{k}={v}"]
-        args += [image, "infinity"]
+        return args, env.storage_mb or self.default_storage_mb
+
+    async def _start(self, task: Task, run_id: str, image: str) -> PodmanSandbox:
+        env = task.config.environment
+        # Container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]*; run ids and task ids may hold anything.
+        safe = re.sub(r"[^a-z0-9_.-]+", "-", f"{run_id[:24]}-{task.task_id[:24]}".lower())
+        name = f"agentrl-{safe}-{uuid.uuid4().hex[:8]}"
+        args, storage = self._run_args(task, run_id, name)
+        tail = [image, "-P"] if self.init else [image, "infinity"]
         _LIVE[name] = self.cli
         self._live.add(name)
         try:
-            rc, _, err = await run_cli(self.cli, *args, timeout=120)
+            rc, err = 1, ""
+            if storage and self._storage_opt is not False:
+                rc, _, err = await run_cli(
+                    self.cli, *args, "--storage-opt", f"size={storage}m", *tail, timeout=120
+                )
+                if rc == 0:
+                    self._storage_opt = True
+                elif "only supported for" in err or "storage-opt" in err.lower() or "quota" in err.lower():
+                    log.info(
+                        "the storage driver cannot cap container size (%s): measuring from the host",
+                        err.strip()[-200:],
+                    )
+                    self._storage_opt = False
+                    await run_cli(self.cli, *rm_args(self.cli), name, timeout=120)
+            if rc != 0 and not (storage and self._storage_opt):
+                rc, _, err = await run_cli(self.cli, *args, *tail, timeout=120)
             if rc != 0:
                 raise SandboxCreateError(
                     f"starting a container for {task.task_id} failed", log_tail=err[-2000:]
                 )
-            sandbox = PodmanSandbox(self, name, env.workdir)
+            upper = None
+            if storage and not self._storage_opt:
+                rc, out, err = await run_cli(
+                    self.cli, "inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", name, timeout=60
+                )
+                upper = out.strip() if rc == 0 and os.path.isdir(out.strip()) else None
+                if upper is None:
+                    raise SandboxCreateError(
+                        f"{task.task_id} asks for storage_mb={storage}, which this host can enforce neither "
+                        "with the storage driver (overlay on xfs with pquota) nor by measuring the "
+                        "container's writable layer from the host; pass default_storage_mb=None and set no "
+                        "storage_mb to run without a storage limit",
+                        log_tail=err[-500:],
+                    )
+            sandbox = PodmanSandbox(
+                self, name, env.workdir, storage_mb=storage if upper else None, upper_dir=upper
+            )
             res = await sandbox.exec(
                 "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
             )
