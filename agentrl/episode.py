@@ -201,34 +201,51 @@ async def run_episode(
                     recorder.write("turn", asdict(turn))
             if run.infra_error is not None:
                 raise run.infra_error
-            t_v = time.monotonic()
-            vres = await verify(sandbox, task)
-            timings["verifier_s"] = time.monotonic() - t_v
-        if vres.outcome in ("verifier-error", "timeout"):
-            cause = "verifier_timeout" if vres.outcome == "timeout" else "verifier_error"
+            if run.policy_error is not None:
+                # The agent's command broke its own sandbox (docs/failures.md): nothing to verify.
+                vres = VerifyResult(
+                    "tampered",
+                    0.0,
+                    {"reward": 0.0},
+                    error=str(run.policy_error),
+                    cause=run.policy_error.cause,
+                )
+            else:
+                t_v = time.monotonic()
+                vres = await verify(sandbox, task)
+                timings["verifier_s"] = time.monotonic() - t_v
+        if vres.infra_failure and not vres.policy_failure:
             raise VerifierInfraError(
                 f"verifier of {task.task_id}: {vres.outcome}: {vres.error or ''}",
-                cause=cause,
+                cause=vres.cause or "verifier_error",
                 log_tail=vres.log_tail,
             )
-        assert vres.reward is not None
+        # A policy failure (tampering, a broken sandbox, tests the agent's work hangs or breaks)
+        # scores 0 and says why; it is trained on like any other outcome, never retried.
+        reward = 0.0 if vres.policy_failure else vres.reward
+        assert reward is not None
         timings["total_s"] = time.monotonic() - t_start
         episode = _episode_from_run(
             run,
-            reward=vres.reward,
+            reward=reward,
             prompt_id=prompt_id,
             sample_index=sample_index,
             task_id=task.task_id,
             timings=timings,
         )
+        if vres.policy_failure:
+            episode.status, episode.failure_cause = Status.FAILED_POLICY, vres.cause
+            for seg in episode.segments:
+                seg.status, seg.failure_cause = Status.FAILED_POLICY, vres.cause
         if recorder is not None:
             recorder.write(
                 "result",
                 {
                     "status": episode.status.value,
                     "end_reason": run.end_reason.value,
-                    "reward": vres.reward,
+                    "reward": reward,
                     "outcome": vres.outcome,
+                    "failure_cause": vres.cause,
                     "rewards": vres.rewards,
                     "timings": timings,
                     "verifier_log_tail": vres.log_tail,

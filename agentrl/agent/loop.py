@@ -22,7 +22,7 @@ from agentrl.agent.actions import ActionFormat, Command, ParsedAction, TerminusJ
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
 from agentrl.errors import InfraError
-from agentrl.sandbox.base import Sandbox, SandboxError, bound_output
+from agentrl.sandbox.base import Sandbox, SandboxError, SandboxPolicyError, bound_output
 
 OBSERVATION_LIMIT_BYTES = 10_000
 _TMUX_KEYS = {"C-c", "C-d", "C-z", "C-l", "Enter", "Escape", "Tab", "Up", "Down", "Left", "Right", "C-m"}
@@ -36,6 +36,7 @@ class EndReason(enum.StrEnum):
     NO_ACTION = "no_action"
     ENGINE_ERROR = "engine_error"
     SANDBOX_ERROR = "sandbox_error"
+    SANDBOX_BROKEN = "sandbox_broken"  # the agent's command broke its sandbox: a policy failure
 
 
 TRUNCATING = {EndReason.MAX_TURNS, EndReason.TOKEN_BUDGET, EndReason.TIMEOUT}
@@ -86,6 +87,7 @@ class AgentRun:
     end_reason: EndReason
     malformed_turns: int = 0
     infra_error: InfraError | None = None
+    policy_error: SandboxPolicyError | None = None  # reward 0, counted under its `cause`
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -271,6 +273,7 @@ async def run_agent(
     deadline = start + config.wall_clock_s if config.wall_clock_s else None
     end: EndReason | None = None
     infra: InfraError | None = None
+    policy: SandboxPolicyError | None = None
 
     for index in range(config.max_turns):
         max_new = min(config.max_new_tokens, config.max_total_tokens - session.context_len())
@@ -316,9 +319,14 @@ async def run_agent(
                         config.command_timeout_s if left is None else min(config.command_timeout_s, left)
                     )
                     outputs.append(await run_command(sandbox, command, timeout))
-            except SandboxError as exc:
+            except (SandboxError, SandboxPolicyError) as exc:
+                # Infrastructure (the container gone, the host's client dead) vs. what the command
+                # itself could have done to its shell (docs/failures.md): the sandbox decides.
                 sandbox_s += time.monotonic() - t1
-                end, infra = EndReason.SANDBOX_ERROR, exc
+                if isinstance(exc, SandboxPolicyError):
+                    end, policy = EndReason.SANDBOX_BROKEN, exc
+                else:
+                    end, infra = EndReason.SANDBOX_ERROR, exc
                 turns.append(
                     TurnRecord(
                         index,
@@ -388,6 +396,7 @@ async def run_agent(
         end_reason=end,
         malformed_turns=malformed,
         infra_error=infra,
+        policy_error=policy,
         timings={"engine_s": engine_s, "sandbox_s": sandbox_s, "agent_s": time.monotonic() - start},
     )
 
