@@ -83,7 +83,7 @@ def configure(config: Path | None, overrides: list[str] | None, dry_run: bool) -
     try:
         cfg = resolve(LocalConfig, defaults=DEFAULTS, config_file=config, overrides=overrides)
     except ConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
         raise typer.Exit(2) from None
     if dry_run:
         console.print_json(json.dumps(cfg.dump()))
@@ -196,16 +196,23 @@ def eval_cmd(
     (`--set env.eval_tasks=DIR --set eval.samples_per_row=4 --set eval.ks=[1,4]`)."""
     from agentrl.engine.build import EngineSpec, build_engine
     from agentrl.environments import EnvContext, get_plugin
+    from agentrl.errors import AgentRLError
     from agentrl.evaluation import EvalError
     from agentrl.runtime.loop import RunParts, close_parts, run_eval
 
     cfg = configure(config, set_, dry_run=False)
     assert cfg is not None
     model = model_dir or Path(str(cfg.engine.model))
+    if engine == "local" and not model.is_dir():
+        raise typer.BadParameter(f"{model} is missing: run `prepare` first or pass a model directory")
     spec = EngineSpec(
         kind=engine, model=model, urls=list(url or []), tokenizer=tokenizer, api_model=api_model, api_key_env=api_key_env
     )
-    eng, tok = build_engine(spec)
+    try:
+        eng, tok = build_engine(spec)
+    except AgentRLError as exc:
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     plugin = get_plugin(cfg.env["name"])
     ctx = EnvContext(tokenizer=tok, seed=cfg.seed, out_dir=cfg.out_dir, temperature=cfg.sampling.temperature)
     parts = RunParts(env=plugin.build(plugin.Config.model_validate(cfg.env), ctx), engine=eng, trainer=None, transport=None)  # type: ignore[arg-type]

@@ -12,11 +12,12 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Generation, SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeConfig
-from agentrl.evaluation import EvalError, evaluate_tasks, pass_at_k
+from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.evaluation import EvalError, evaluate, pass_at_k
 from agentrl.sandbox.base import SandboxCreateError
 from agentrl.sandbox.fake import FakeSandboxProvider
 from agentrl.tasks import load_task
+from agentrl.tasks.dataset import task_row
 from tests.chat_tokenizer import byte_tokenizer
 
 TASK = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "write-hello"
@@ -85,21 +86,19 @@ CONFIG = EpisodeConfig(
 )
 
 
-async def evaluate(prov: FlakyProvider, engine: SeededEngine, **kw: Any) -> Any:
-    return await evaluate_tasks(
-        [load_task(TASK)],
-        provider=prov,
-        engine=engine,
-        renderer=ChatRenderer(engine.tokenizer),
-        config=CONFIG,
-        **kw,
-    )
+def runner_for(prov: FlakyProvider, engine: Any, renderer: Any) -> EpisodeRunner:
+    return EpisodeRunner(provider=prov, engine=engine, renderer=renderer, config=CONFIG, run_id="eval-test")
+
+
+async def run_eval(prov: FlakyProvider, engine: SeededEngine, **kw: Any) -> Any:
+    runner = runner_for(prov, engine, ChatRenderer(engine.tokenizer))
+    return await evaluate(runner, [task_row(load_task(TASK))], **kw)
 
 
 async def test_every_episode_gets_its_fixed_seed_and_pass_at_k_is_estimated_per_task() -> None:
     engine = SeededEngine()
     prov = provider()
-    summary = await evaluate(prov, engine, samples_per_task=4, ks=[1, 2, 4], seed_base=100)
+    summary = await run_eval(prov, engine, samples_per_row=4, ks=[1, 2, 4], seed_base=100)
     # seeds 100..103, one per episode (two turns each); even seeds solve the task.
     assert sorted(set(engine.seeds)) == [100, 101, 102, 103]
     assert summary.episodes == 4 and summary.unscored == 0
@@ -114,7 +113,7 @@ async def test_every_episode_gets_its_fixed_seed_and_pass_at_k_is_estimated_per_
 
 async def test_an_infra_failure_is_retried_with_the_same_seed_and_counted() -> None:
     engine = SeededEngine()
-    summary = await evaluate(provider(fail_first=2), engine, samples_per_task=2, concurrency=1, seed_base=0)
+    summary = await run_eval(provider(fail_first=2), engine, samples_per_row=2, concurrency=1, seed_base=0)
     assert summary.episodes == 2 and summary.unscored == 0
     assert summary.infra_failures == {"sandbox_create": 2}
     assert summary.pass_at(1) == pytest.approx(0.5)  # seed 0 passes, seed 1 fails: retries kept the seeds
@@ -123,8 +122,8 @@ async def test_an_infra_failure_is_retried_with_the_same_seed_and_counted() -> N
 async def test_an_episode_that_never_runs_is_unscored_not_zero() -> None:
     engine = SeededEngine()
     # concurrency 1: the first episode (seed 0, a pass) burns all 3 attempts and stays unscored.
-    summary = await evaluate(
-        provider(fail_first=3), engine, samples_per_task=3, concurrency=1, max_attempts=3
+    summary = await run_eval(
+        provider(fail_first=3), engine, samples_per_row=3, concurrency=1, max_attempts=3
     )
     assert summary.unscored == 1 and summary.episodes == 2
     assert summary.pass_at(1) == pytest.approx(0.5)  # seeds 1 and 2 only; not 1/3
@@ -133,17 +132,15 @@ async def test_an_episode_that_never_runs_is_unscored_not_zero() -> None:
 
 async def test_an_evaluation_mostly_lost_to_infrastructure_raises() -> None:
     with pytest.raises(EvalError, match=r"unscored.*sandbox_create"):
-        await evaluate(provider(fail_first=100), SeededEngine(), samples_per_task=2, max_attempts=2)
+        await run_eval(provider(fail_first=100), SeededEngine(), samples_per_row=2, max_attempts=2)
 
 
 async def test_bad_arguments_are_rejected_before_any_episode() -> None:
     engine = SeededEngine()
     with pytest.raises(ValueError, match="every k"):
-        await evaluate(provider(), engine, samples_per_task=2, ks=[3])
+        await run_eval(provider(), engine, samples_per_row=2, ks=[3])
     with pytest.raises(EvalError, match="empty"):
-        await evaluate_tasks(
-            [], provider=provider(), engine=engine, renderer=None, config=CONFIG, samples_per_task=1
-        )
+        await evaluate(runner_for(provider(), engine, None), [], samples_per_row=1)
     assert engine.seeds == []
 
 
@@ -184,13 +181,10 @@ async def test_an_openai_compatible_api_is_evaluated_through_chat_messages(monke
         base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", model="m", api_key_env="EVAL_TEST_KEY"
     )
     try:
-        summary = await evaluate_tasks(
-            [load_task(TASK)],
-            provider=provider(),
-            engine=engine,
-            renderer=None,
-            config=CONFIG,
-            samples_per_task=4,
+        summary = await evaluate(
+            runner_for(provider(), engine, None),
+            [task_row(load_task(TASK))],
+            samples_per_row=4,
             ks=[1, 4],
             seed_base=10,
         )
@@ -200,3 +194,17 @@ async def test_an_openai_compatible_api_is_evaluated_through_chat_messages(monke
     assert sorted(set(seeds)) == [10, 11, 12, 13]
     assert summary.pass_at(1) == pytest.approx(0.5) and summary.pass_at(4) == 1.0
     assert summary.unscored == 0
+
+
+async def test_an_ambiguous_failure_counts_against_the_run_not_as_unscored() -> None:
+    """An untyped exception might have been provoked by the episode itself: after the retries it is
+    scored as a failure (reward 0), never left out of the pass rate."""
+
+    class Exploding:
+        async def run(self, row: dict, **kw: Any) -> Any:
+            raise RuntimeError("something the episode made happen")
+
+    summary = await evaluate(Exploding(), [task_row(load_task(TASK))], samples_per_row=2, max_attempts=2)  # type: ignore[arg-type]
+    assert summary.unscored == 0 and summary.episodes == 2 and summary.pass_at(1) == 0.0
+    assert summary.infra_failures == {"internal_error": 4}
+    assert summary.tasks[0].counted_as_failed == 2

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -43,7 +42,8 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
     from agentrl.tasks.dataset import task_row
     from agentrl.train.config import TrainConfig
     from agentrl.train.torch_backend import TorchTrainer
-    from agentrl.train.weight_sync import InProcessSync
+    from agentrl.train.batch import training_samples
+    from agentrl.train.weight_sync import InProcessTransport
 
     torch.manual_seed(0)
     policy, tokenizer = load_tiny(seed=0)
@@ -51,7 +51,7 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
     trainer = TorchTrainer(
         policy, TrainConfig(lr=1e-3, weight_decay=0.0, logprob_chunk_size=None), device="cpu"
     )
-    sync = InProcessSync([engine])
+    transport = InProcessTransport([engine])
     provider = PodmanProvider()
     records = tmp_path / "records"
     runner = EpisodeRunner(
@@ -76,10 +76,14 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
         async with RolloutManager(runner, engine, rows, cfg, seed=0) as mgr:
             for step in range(1, 3):
                 groups = await mgr.get_batch(timeout=600)
-                samples = [s for g in groups for s in g.trainable_samples]
+                samples = training_samples([g.episodes for g in groups])
                 consumed += [copy.deepcopy(s) for s in samples]
                 await asyncio.to_thread(trainer.train_step, samples)
-                await mgr.update_weights(functools.partial(sync.push, trainer.model, step))
+
+                async def push(version: int = step) -> None:
+                    await transport.push(trainer.export_weights(), version=version)
+
+                await mgr.update_weights(push)
                 versions_after_sync.append(engine.weight_version)
                 # The engine now scores a consumed sample exactly as the trainer does.
                 s = samples[0]
@@ -95,7 +99,7 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
         await engine.aclose()
 
     assert versions_after_sync == [1, 2]
-    assert len(consumed) == 8
+    assert len({s.episode_id for s in consumed}) == 8
     produced = {}
     for path in records.glob("*.jsonl"):
         for line in path.read_text().splitlines():

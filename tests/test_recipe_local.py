@@ -14,37 +14,78 @@ from typer.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def recipe():
-    spec = importlib.util.spec_from_file_location("local_tbench2", ROOT / "recipes" / "local_tbench2.py")
+def _load(name: str):
+    sys.path.insert(0, str(ROOT / "recipes"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["local_tbench2"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def test_dry_run_prints_the_learning_setup_and_overrides(recipe):
-    result = CliRunner().invoke(recipe.app, ["train", "--dry-run", "--set", "lr=1e-4", "--set", "steps=3"])
+@pytest.fixture(scope="module")
+def recipe():
+    return _load("local_tbench2")
+
+
+@pytest.fixture(scope="module")
+def probe(recipe):
+    return _load("local_tbench2_probe")
+
+
+def test_dry_run_prints_every_resolved_value_and_applies_dotted_overrides(recipe):
+    result = CliRunner().invoke(
+        recipe.app, ["train", "--dry-run", "--set", "trainer.lr=1e-4", "--set", "steps=3", "--set", "env.agent.max_turns=5"]
+    )
     assert result.exit_code == 0, result.output
     cfg = json.loads(result.output)
-    assert cfg["lr"] == 1e-4 and cfg["steps"] == 3
-    assert cfg["aggregation"] == "token_mean" and cfg["temperature"] == 0.7
+    assert cfg["trainer"]["lr"] == 1e-4 and cfg["steps"] == 3 and cfg["env"]["agent"]["max_turns"] == 5
+    assert cfg["trainer"]["loss"]["aggregation"] == "token_mean" and cfg["sampling"]["temperature"] == 0.7
+    # The trainer's log-probs follow the sampling temperature: one setting, shown resolved.
+    assert cfg["trainer"]["temperature"] == 0.7
+    # What used to hide in code is printed: episode cap, micro-batch token cap, batch wait, harvest.
+    assert cfg["rollout"]["episode_timeout_s"] == 300.0 and cfg["trainer"]["max_tokens_per_micro_batch"] == 8192
+    assert cfg["batch_timeout_s"] == 900.0 and cfg["prepare"]["harvest_max_new_tokens"] == 1024
+    assert cfg["env"]["max_agent_timeout_s"] == 120.0 and cfg["env"]["agent"]["wall_clock_s"] is None
+    assert cfg["engine"]["model"].endswith("runs/local_tbench2/sft")
 
 
-def test_unknown_setting_is_rejected(recipe):
-    result = CliRunner().invoke(recipe.app, ["train", "--dry-run", "--set", "learning_rate=1"])
+def test_a_config_file_and_overrides_stack(recipe, tmp_path):
+    (tmp_path / "run.toml").write_text('steps = 7\n[trainer]\nlr = 2e-5\n[rollout]\nmax_in_flight = 3\n')
+    result = CliRunner().invoke(
+        recipe.app, ["train", "--dry-run", "--config", str(tmp_path / "run.toml"), "--set", "steps=9"]
+    )
+    assert result.exit_code == 0, result.output
+    cfg = json.loads(result.output)
+    assert cfg["steps"] == 9 and cfg["trainer"]["lr"] == 2e-5 and cfg["rollout"]["max_in_flight"] == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("learning_rate=1", "learning_rate: Extra inputs are not permitted"),
+        ("trainer.lr=-1", "lr must be > 0"),
+        ("trainer.temperature=1.0", "differs from sampling.temperature"),
+        ("env.name=nope", "unknown environment 'nope'"),
+        ("env.agent.max_turnz=3", "max_turnz"),
+        ("rollout.batch_size=5", "multiple of n_samples_per_prompt"),
+        ("trainer", "write section.field=value"),
+    ],
+)
+def test_bad_settings_are_rejected_with_the_setting_named(recipe, override, message):
+    result = CliRunner().invoke(recipe.app, ["train", "--dry-run", "--set", override])
     assert result.exit_code != 0
-    assert "unknown setting 'learning_rate'" in result.output
+    assert message in " ".join(result.output.split()), result.output
 
 
-def test_probe_without_prepare_says_what_to_run(recipe, tmp_path):
-    result = CliRunner().invoke(recipe.app, ["probe", "--set", f"out={tmp_path}"])
+def test_probe_without_prepare_says_what_to_run(probe, tmp_path):
+    result = CliRunner().invoke(probe.app, ["--set", f"out={tmp_path}"])
     assert result.exit_code != 0
     assert "run `prepare` first" in result.output
 
 
 @pytest.mark.slow
-def test_probe_trains_on_harvest_records_with_the_proxy_reward(recipe, tmp_path):
+def test_probe_trains_on_harvest_records_with_the_proxy_reward(probe, tmp_path):
     """A harvest record whose reference command the model has just been taught: the probe's
     proxy reward sees successes, and the trainer takes real (non-zero) gradient steps."""
     import torch
@@ -91,14 +132,13 @@ def test_probe_trains_on_harvest_records_with_the_proxy_reward(recipe, tmp_path)
     )
 
     result = CliRunner().invoke(
-        recipe.app,
+        probe.app,
         [
-            "probe",
             "--set", f"out={tmp_path}",
             "--set", "steps=2",
-            "--set", "prompts_per_step=1",
-            "--set", "samples_per_prompt=8",
-            "--set", "temperature=1.0",
+            "--set", "rollout.batch_size=8",
+            "--set", "rollout.n_samples_per_prompt=8",
+            "--set", "sampling.temperature=1.0",
             "--eval-every", "2",
             "--eval-samples", "8",
         ],

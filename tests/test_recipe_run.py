@@ -48,9 +48,9 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
     for name in TASKS:
         shutil.copytree(ROOT / "envs" / "tbench2" / "tasks" / name, tasks / name)
     out = tmp_path / "out"
-    common = ["--set", f"out={out}", "--set", f"tasks={tasks}"]
+    common = ["--set", f"out={out}", "--set", f"env.tasks={tasks}"]
 
-    invoke(recipe, "prepare", *common, "--set", "sft_steps=4")
+    invoke(recipe, "prepare", *common, "--set", "prepare.sft_steps=4")
     assert (out / "sft" / "config.json").is_file()
     assert sorted(p.name.split("__")[0] for p in (out / "harvest").glob("*.jsonl")) == TASKS
 
@@ -59,12 +59,12 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
         "train",
         *common,
         "--set", "steps=2",
-        "--set", "prompts_per_step=1",
-        "--set", "samples_per_prompt=2",
-        "--set", "max_in_flight=2",
-        "--set", "minibatches=2",
-        "--set", "dynamic_filter=false",  # a 4-step SFT model fails everything: nothing would pass it
-        "--set", "eval_samples=1",
+        "--set", "rollout.batch_size=2",
+        "--set", "rollout.n_samples_per_prompt=2",
+        "--set", "rollout.max_in_flight=2",
+        "--set", "trainer.num_minibatches=2",
+        "--set", "rollout.dynamic_filter=false",  # a 4-step SFT model fails everything: nothing would pass it
+        "--set", "eval.samples_per_row=1",
     )  # fmt: skip
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -80,12 +80,32 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
     assert [r["extra"]["trainer"]["step"] for r in rows] == [2.0, 4.0]
     assert [r["weight_version"] for r in rows] == [0, 1]
     evals = json.loads((out / "evals.json").read_text())
-    assert [e["label"] for e in evals] == ["after-SFT", "after-RL"]
+    assert [e["label"] for e in evals] == ["before", "after"]
     assert all(e["episodes"] == 2 and e["unscored"] == 0 for e in evals)
     for name in ("reward.png", "final/config.json", "final/tokenizer.json"):
         assert (out / name).is_file(), name
     assert any((out / "checkpoints").iterdir())
     assert len(list((out / "records").glob("*.jsonl"))) >= 4
+    assert json.loads((out / "config.json").read_text())["trainer"]["num_minibatches"] == 2
+
+    # Resume: one more step from the last checkpoint; metrics and evals continue, nothing redone.
+    invoke(
+        recipe,
+        "train",
+        *common,
+        "--set", "steps=3",
+        "--set", "checkpoint.resume=true",
+        "--set", "rollout.batch_size=2",
+        "--set", "rollout.n_samples_per_prompt=2",
+        "--set", "rollout.max_in_flight=2",
+        "--set", "trainer.num_minibatches=2",
+        "--set", "rollout.dynamic_filter=false",
+        "--set", "eval.samples_per_row=1",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["extra"]["trainer"]["step"] == 6.0
+    assert [e["label"] for e in json.loads((out / "evals.json").read_text())] == ["before", "after", "after"]
 
     # eval over HTTP: the trained model behind the SGLang-compatible server.
     async def serve_and_eval() -> str:
@@ -105,12 +125,10 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
                 "--engine", "sglang",
                 "--url", url,
                 "--tokenizer", str(out / "final"),
-                "--tasks", str(tasks),
-                "--samples", "2",
-                "--k", "1",
-                "--k", "2",
                 "--output", str(out / "http_eval.json"),
                 *common,
+                "--set", "eval.samples_per_row=2",
+                "--set", "eval.ks=[1,2]",
             )  # fmt: skip
         finally:
             proc.terminate()
@@ -127,6 +145,6 @@ def test_eval_with_a_missing_model_or_bad_engine_says_what_to_do(recipe, tmp_pat
     result = CliRunner().invoke(recipe.app, ["eval", "--set", f"out={tmp_path}"])
     assert result.exit_code != 0 and "run `prepare` first" in result.output
     result = CliRunner().invoke(recipe.app, ["eval", "--engine", "vllm", "--set", f"out={tmp_path}"])
-    assert result.exit_code != 0 and "unknown engine 'vllm'" in result.output
+    assert result.exit_code != 0 and "unknown engine 'vllm'" in result.output, result.output
     result = CliRunner().invoke(recipe.app, ["eval", "--engine", "sglang", "--set", f"out={tmp_path}"])
-    assert result.exit_code != 0 and "--engine sglang needs --url" in result.output
+    assert result.exit_code != 0 and "sglang engine needs one or more worker URLs" in result.output

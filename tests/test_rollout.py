@@ -131,7 +131,7 @@ async def test_no_trained_sample_is_more_than_max_staleness_versions_behind(max_
     lags = Counter(s.metadata["consumed_version"] - s.start_version for s in samples_of(batches))
     assert max(lags) <= max_staleness and sum(lags.values()) == 64
     assert all(
-        min(s.weight_versions) >= s.metadata["consumed_version"] - max_staleness for s in samples_of(batches)
+        min(s.turn_versions) >= s.metadata["consumed_version"] - max_staleness for s in samples_of(batches)
     )
     assert all(limit is not None and out <= limit for out, limit in seen)
     if max_staleness:
@@ -335,8 +335,8 @@ async def test_weight_update_modes_keep_per_turn_versions(mode: str) -> None:
         batches = await train(mgr, engine, steps=6, mode=mode)
     assert engine.pauses == [mode] * 6
     trained = samples_of(batches)
-    assert all(s.weight_versions == sorted(s.weight_versions) for s in trained)
-    mixed = [s for s in trained if len(set(s.weight_versions)) > 1]
+    assert all(s.turn_versions == sorted(s.turn_versions) for s in trained)
+    mixed = [s for s in trained if len(set(s.turn_versions)) > 1]
     assert mixed, "episodes spanning an update must show turns on old and new weights"
     if mode == "abort":
         assert engine.aborted > 0
@@ -357,7 +357,7 @@ async def test_update_weights_resumes_engine_and_admission_even_when_sync_fails(
         assert engine._open.is_set() and mgr._admit_open.is_set()
         assert len(await mgr.get_batch(timeout=10)) == 2
         with pytest.raises(RolloutError, match="pause mode"):
-            await mgr.update_weights(bump(engine), mode="retract")  # type: ignore[arg-type]
+            await mgr.update_weights(bump(engine), mode="bogus")  # type: ignore[arg-type]
 
 
 async def test_eval_while_training_pauses_admission_uses_eval_settings_and_reports() -> None:
@@ -410,16 +410,24 @@ async def test_resume_mid_epoch_neither_repeats_nor_skips_a_prompt() -> None:
     assert provider.live_sandboxes() == provider2.live_sandboxes() == 0
 
 
-async def test_a_runner_bug_stops_the_rollout_loudly() -> None:
-    mgr, _engine, _provider, runner = build()
+async def test_an_untyped_error_in_one_episode_is_caught_counted_and_the_run_goes_on(caplog) -> None:
+    mgr, engine, _provider, runner = build(max_staleness=None)
+    inner = runner.run
 
-    async def buggy(row: dict, **kw: Any) -> Episode:
-        raise KeyError("metadata")
+    async def buggy(row: dict, *, sample_index: int, **kw: Any) -> Episode:
+        if sample_index == 1:
+            raise KeyError("metadata")
+        return await inner(row, sample_index=sample_index, **kw)
 
     runner.run = buggy  # type: ignore[method-assign]
     async with mgr:
-        with pytest.raises(BufferError, match="producer failed"):
-            await mgr.get_batch(timeout=10)
+        batches = await train(mgr, engine, steps=3)
+    groups = [g for b in batches for g in b]
+    assert len(groups) == 6 and all(not g.complete for g in groups)
+    assert all(g.episodes[1].failure_cause == "internal_error" and g.episodes[1].reward is None for g in groups)
+    assert all(len(g.trainable_episodes) == 3 for g in groups)
+    assert mgr.counters.internal_errors >= 18 and mgr.counters.failures["internal_error"] >= 18
+    assert "KeyError" in caplog.text
 
 
 def test_batch_size_must_hold_whole_groups() -> None:

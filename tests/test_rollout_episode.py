@@ -9,7 +9,7 @@ from pathlib import Path
 
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
+from agentrl.engine.base import DiskWeights, Engine, EngineError, Generation, SamplingParams
 from agentrl.engine.fake import FakeEngine
 from agentrl.engine.fake import Faults as EngineFaults
 from agentrl.episode import EpisodeConfig, EpisodeRunner
@@ -64,12 +64,15 @@ class FlakyAgentEngine(Engine):
         ids = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
         return Generation(ids, [-0.1] * len(ids), "stop", self.weight_version)
 
-    async def pause(self, *, mode: str = "in_place") -> None:
+    async def pause(self, mode: str = "abort") -> None:
         self._open.clear()
         await self._idle.wait()
 
     async def resume(self) -> None:
         self._open.set()
+
+    async def flush_cache(self) -> None:
+        assert self._idle.is_set(), "flush while generating"
 
 
 async def test_fault_injection_through_the_real_episode_runner() -> None:
@@ -129,7 +132,7 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
         for step in range(6):
             groups = await mgr.get_batch(timeout=60)
             tracker.step(step, groups)
-            trained += [(s, engine.weight_version) for g in groups for s in g.samples]
+            trained += [(s, engine.weight_version) for g in groups for s in g.episodes]
 
             async def sync() -> None:
                 engine.weight_version += 1
@@ -141,7 +144,7 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
     assert engine.rejected > 0
     assert all(s is not None and s.status is not Status.FAILED_INFRA for s, _ in trained)
     assert {s.reward for s, _ in trained} == {0.0, 1.0}
-    assert all(v - min(s.weight_versions + [s.metadata["start_version"]]) <= 1 for s, v in trained)
+    assert all(v - min(s.turn_versions + [s.start_version]) <= 1 for s, v in trained)
     assert mgr.counters.samples_exhausted == 0 and mgr.counters.infra_scored == 0
     assert sum(sum(m.failures_by_cause.values()) for m in tracker.history) <= sum(raised.values())
     assert provider.live_sandboxes() == 0
@@ -187,10 +190,10 @@ async def test_fake_engine_faults_and_abort_updates_through_the_real_episode_run
     async with mgr:
         for _ in range(5):
             groups = await mgr.get_batch(timeout=60)
-            trained += [(s, engine.weight_version) for g in groups for s in g.samples]
+            trained += [(s, engine.weight_version) for g in groups for s in g.episodes]
 
             async def sync() -> None:
-                await engine.update_weights()
+                await engine.update_weights(DiskWeights("/unused"), weight_version=engine.weight_version + 1)
 
             await mgr.update_weights(sync, mode="abort")
     assert len(trained) == 40 and engine.weight_version == 5
@@ -199,6 +202,6 @@ async def test_fake_engine_faults_and_abort_updates_through_the_real_episode_run
     assert failures.get("sandbox_create", 0) > 0 and failures.get("sandbox_transport", 0) > 0
     assert engine.aborts > 0
     assert all(s.status is Status.FAILED_POLICY and s.reward == 0.0 for s, _ in trained)
-    assert all(v - min(s.weight_versions + [s.metadata["start_version"]]) <= 1 for s, v in trained)
+    assert all(v - min(s.turn_versions + [s.start_version]) <= 1 for s, v in trained)
     assert mgr.counters.samples_exhausted == 0 and mgr.counters.infra_scored == 0
     assert provider.live_sandboxes() == 0

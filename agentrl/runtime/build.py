@@ -49,7 +49,9 @@ def build_transport(cfg: RunConfig, engine: Any) -> Any:
             raise AgentRLError("sync.transport=in_process needs engine.kind=local; use disk, tensor or distributed")
         return ws.InProcessTransport([engine])
     if s.transport == "disk":
-        return ws.DiskTransport([engine], s.directory or str(cfg.out_dir / "weights"))
+        return ws.DiskTransport(
+            [engine], s.directory or str(cfg.out_dir / "weights"), model_files_from=cfg.engine.model
+        )
     if s.transport == "tensor":
         return ws.TensorTransport([engine], tp_size=s.tp_size)
     return ws.DistributedTransport(
@@ -86,11 +88,13 @@ def build_parts(cfg: RunConfig) -> RunParts:
         ),
     )
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[cfg.sync.dtype]
+    transport = build_transport(cfg, engine)
     return RunParts(
         env=env,
         engine=engine,
         trainer=trainer,
-        transport=build_transport(cfg, engine),
+        transport=transport,
         tokenizer=tokenizer,
         export_dtype=dtype,
+        closers=[transport.aclose],
     )

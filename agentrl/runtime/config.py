@@ -9,6 +9,7 @@ run uses, nothing hidden in code.
 
 from __future__ import annotations
 
+import copy
 import json
 import tomllib
 from pathlib import Path
@@ -63,7 +64,9 @@ class SyncSettings(_Section):
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Cast floats (None: as trained).")
     directory: str | None = Field(None, description="Disk transport: where versions are written (default <out>/weights).")
     bucket_mb: int = Field(512, gt=0)
-    tp_size: int = Field(1, ge=1, description="Tensor transport: payloads per engine (one per TP rank).")
+    tp_size: int | None = Field(
+        None, ge=1, description="Tensor transport: payloads per server, one per TP rank (None: ask the servers)."
+    )
     master_address: str = "127.0.0.1"
     master_port: int = 29555
 
@@ -207,7 +210,7 @@ def resolve(
     overrides: list[str] | None = None,
 ) -> Any:
     """defaults <- file <- --set overrides, validated into `model` (a RunConfig or a subclass)."""
-    data = _merge({}, defaults or {})
+    data = copy.deepcopy(defaults or {})
     if config_file is not None:
         data = _merge(data, load_file(config_file))
     apply_overrides(data, overrides)
@@ -216,3 +219,5 @@ def resolve(
     except ValidationError as exc:
         lines = [f"  {'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors()]
         raise ConfigError("invalid run configuration:\n" + "\n".join(lines)) from None
+    except AgentRLError as exc:  # a section's own check (e.g. RolloutConfig's) in its constructor
+        raise ConfigError(f"invalid run configuration: {exc}") from None
