@@ -74,7 +74,8 @@ async def test_a_solved_episode_yields_one_aligned_sample() -> None:
     assert prov.live_sandboxes() == 0
     # tests/ reached the sandbox only for verification, after every agent command.
     sb = prov.sandboxes[0]
-    first_test_cmd = next(i for i, c in enumerate(sb.commands) if "/tests/" in c)
+    first_test_cmd = next(i for i, c in enumerate(sb.commands) if "/tests" in c)
+    assert sb.commands[first_test_cmd].startswith("rm -rf /tests")  # the verifier's own reset
     assert all("/tests" not in c for c in sb.commands[:first_test_cmd])
 
 
@@ -139,12 +140,23 @@ async def test_sandbox_transport_error_is_infra() -> None:
     assert prov.live_sandboxes() == 0
 
 
-async def test_a_verifier_that_writes_no_reward_is_infra_not_zero() -> None:
+async def test_a_verifier_that_writes_no_reward_after_an_agent_phase_is_a_policy_failure() -> None:
+    """The agent's work could have broken the tests (docs/failures.md): reward 0 with its cause,
+    never an infra failure that would hand the policy a re-roll. The oracle sweep, where no agent
+    ran, still reports such a verifier as the task's error."""
     tok = byte_tokenizer()
     prov = FakeSandboxProvider(grader=lambda sb: None)
+    result = await run(ScriptedEngine([fenced("echo hello > /app/hello.txt"), "TASK_COMPLETE"], tok), prov)
+    assert result.episode.reward == 0.0 and result.episode.status is Status.FAILED_POLICY
+    assert result.episode.failure_cause == "verifier_error"
+
+
+async def test_a_reward_out_of_range_is_infra_with_the_value_shown() -> None:
+    tok = byte_tokenizer()
+    prov = FakeSandboxProvider(grader=lambda sb: 7.0)
     with pytest.raises(InfraError) as info:
         await run(ScriptedEngine([fenced("echo hello > /app/hello.txt"), "TASK_COMPLETE"], tok), prov)
-    assert info.value.cause == "verifier_error"
+    assert info.value.cause == "reward_out_of_range" and "7.0" in str(info.value)
 
 
 async def test_record_then_replay_matches(tmp_path: Path) -> None:
