@@ -12,10 +12,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from agentrl.errors import AgentRLError, InfraError
+from agentrl.errors import AgentRLError, InfraError, TaskFormatError
+from agentrl.sandbox.base import printable
 
 app = typer.Typer(no_args_is_help=True, help="Run, record and replay single episodes.")
 console = Console()
+
+
+def _safe(text: str) -> str:
+    """Sandbox or task text as inert terminal text: escape sequences shown, never obeyed."""
+    return escape(printable(text))
 
 
 def scripted_solution_texts(task: Any, action_format: str) -> list[str]:
@@ -110,8 +116,13 @@ def run_cmd(
     from agentrl.sandbox.registry import make_provider
     from agentrl.tasks import load_task
 
-    task = load_task(task_dir)
-    task.validate()
+    try:
+        task = load_task(task_dir)
+        task.validate()
+        _ = task.instruction  # refused here, before any sandbox starts, when over the size cap
+    except TaskFormatError as exc:
+        console.print(f"[red]task error:[/red] {_safe(str(exc))}")
+        raise typer.Exit(2) from None
     eng, tok = build_engine(
         engine,
         task=task,
@@ -156,7 +167,7 @@ def run_cmd(
     try:
         result = asyncio.run(go())
     except InfraError as exc:
-        console.print(f"[red]infrastructure failure ({exc.cause}):[/red] {escape(str(exc))}")
+        console.print(f"[red]infrastructure failure ({_safe(exc.cause)}):[/red] {_safe(str(exc))}")
         raise typer.Exit(2) from None
     table = Table(title=f"episode {task.task_id}")
     for col in ("reward", "outcome", "end reason", "turns", "malformed", "generated tokens", "seconds"):
@@ -164,7 +175,7 @@ def run_cmd(
     run = result.run
     table.add_row(
         f"{result.verify.reward}",
-        result.verify.outcome,
+        _safe(result.verify.outcome + (f" ({result.verify.cause})" if result.verify.cause else "")),
         run.end_reason.value,
         str(len(run.turns)),
         str(run.malformed_turns),
@@ -201,7 +212,7 @@ def replay_cmd(
     table.add_column("outputs match")
     table.add_column("detail", overflow="fold")
     for t in report.turns:
-        table.add_row(str(t.index), "yes" if t.matched else "[red]no[/red]", escape(t.detail))
+        table.add_row(str(t.index), "yes" if t.matched else "[red]no[/red]", _safe(t.detail))
     console.print(table)
     console.print(f"reward recorded {report.recorded_reward}, replayed {report.replayed_reward}")
     if not (report.reward_matches and report.outputs_match):

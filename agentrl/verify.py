@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.sandbox.base import Sandbox, SandboxPolicyError, SandboxTransportError
+from agentrl.sandbox.base import Sandbox, SandboxPolicyError
 from agentrl.tasks import Task, resolve_env_templates
 
 PASS_THRESHOLD = 1.0
@@ -197,24 +197,21 @@ def _tampered(start: float, cause: str, error: str) -> VerifyResult:
 
 
 async def _read_verifier_logs(sandbox: Sandbox) -> dict[str, str]:
-    """The verifier's files, copied out through the backend: regular files only (a link the tests
-    left is not followed), each up to `REWARD_FILE_LIMIT` bytes (the log: its last bytes)."""
+    """The reward files, copied out through the backend (`Sandbox.fetch_files`), each read up to
+    `REWARD_FILE_LIMIT` bytes; a link is not followed. The log's tail is only shown to people,
+    so the sandbox's own `tail` may give it."""
     files: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="agentrl-verifier-") as tmp:
-        dst = Path(tmp) / "verifier"
-        try:
-            await sandbox.download("/logs/verifier", dst)
-        except SandboxTransportError:
-            return files  # nothing there: test.sh removed it
-        for name in ("reward.json", "reward.txt", "test-stdout.txt"):
-            path = dst / name
+        for name in await sandbox.fetch_files("/logs/verifier", ["reward.json", "reward.txt"], Path(tmp)):
+            path = Path(tmp) / name
             if path.is_symlink() or not path.is_file():
                 continue
             with path.open("rb") as fh:
-                size = fh.seek(0, os.SEEK_END)
-                if name != "test-stdout.txt" and size > REWARD_FILE_LIMIT:
-                    files[name] = f"<{size} bytes: too large for a reward file>"
-                    continue
-                fh.seek(max(0, size - REWARD_FILE_LIMIT))
-                files[name] = fh.read(REWARD_FILE_LIMIT).decode(errors="replace")
+                data = fh.read(REWARD_FILE_LIMIT + 1)
+            if len(data) > REWARD_FILE_LIMIT:
+                files[name] = f"<{path.stat().st_size} bytes: too large for a reward file>"
+            else:
+                files[name] = data.decode(errors="replace")
+    log = await sandbox.exec("tail -c 3000 /logs/verifier/test-stdout.txt", timeout=60)
+    files["test-stdout.txt"] = log.stdout
     return files

@@ -156,6 +156,22 @@ class Sandbox(abc.ABC):
     async def close(self) -> None:
         """Stop and remove the sandbox. Idempotent, safe under cancellation."""
 
+    async def fetch_files(self, directory: str, names: list[str], dst: Path) -> list[str]:
+        """Copy the files `names` of sandbox `directory` into host directory `dst` through the
+        backend itself, never the sandbox's own tools (the agent may have replaced them); return
+        the names that existed. A missing file is no error; a broken transport is."""
+        dst.mkdir(parents=True, exist_ok=True)
+        found = []
+        for name in names:
+            try:
+                await self.download(f"{directory.rstrip('/')}/{name}", dst / name)
+            except SandboxTransportError as exc:
+                if _MISSING.search(str(exc)):
+                    continue
+                raise
+            found.append(name)
+        return found
+
     async def stop_processes(self) -> None:
         """Kill every process started in the sandbox so far (the verifier's first step: nothing the
         agent left running may touch the tests or the reward). The next `exec` works as usual.
@@ -176,6 +192,8 @@ class Sandbox(abc.ABC):
     ) -> None:
         await self.close()
 
+
+_MISSING = re.compile(r"could not be found on container|does not exist(?! on)|no such file", re.IGNORECASE)
 
 # `kill -STOP -1` freezes every process but PID 1 and the caller in one atomic sweep (a fork loop
 # cannot outrun it), then they are killed. PID 1 is the sandbox's init, which ignores both.

@@ -65,6 +65,7 @@ from agentrl.sandbox.base import (
     Sandbox,
     SandboxCreateError,
     SandboxError,
+    SandboxPolicyError,
     SandboxProvider,
     SandboxTransportError,
     bound_output,
@@ -81,6 +82,25 @@ LABEL_TASK = "agentrl.task-id"
 LABEL_LAUNCHER = "agentrl.launcher"
 LABEL_OWNER = "agentrl.owner"
 DEFAULT_LAUNCHER = "agentrl"
+# Kills every process but PID 1, the toolbox daemon's (same executable as PID 1) and this script's
+# own ancestors (the daemon's exec chain). Stopping first, three sweeps, so a fork loop cannot
+# outrun it; the daemon must survive, or the sandbox stops answering.
+STOP_PROCESSES = r"""
+keep=" 1 $$ "; p=$$
+while [ "$p" -gt 1 ] 2>/dev/null; do
+  p=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$p/status 2>/dev/null); [ -n "$p" ] || break; keep="$keep$p "
+done
+daemon=$(readlink /proc/1/exe 2>/dev/null)
+for sig in STOP STOP STOP KILL KILL; do
+  for e in /proc/[0-9]*; do
+    q=${e#/proc/}
+    case "$keep" in *" $q "*) continue;; esac
+    [ -n "$daemon" ] && [ "$(readlink $e/exe 2>/dev/null)" = "$daemon" ] && continue
+    kill -$sig $q 2>/dev/null
+  done
+done
+true
+"""
 PREPARE_LOGS = "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*"
 NO_TIMEOUT_S = 7 * 24 * 3600  # `timeout` still runs, for its process group, when the caller sets none
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -264,9 +284,12 @@ class DaytonaSandbox(Sandbox):
         end = re.search(rf"\n__AGENTRL_END_{nonce} (-?\d+)", raw)
         i, j = raw.find(out_tag), raw.find(err_tag)
         if i < 0 or j < i or end is None or end.start() < j:
-            raise SandboxTransportError(
+            # The toolbox answered, so the sandbox is there: the command itself broke the wrapper
+            # (killed it, filled the disk, wrote into its stdout). A policy outcome, never infra.
+            raise SandboxPolicyError(
                 f"daytona sandbox {self.sandbox_id}: the command wrapper's reply is incomplete "
-                f"(the sandbox may have run out of disk or lost its shell): {raw[-500:]!r}"
+                f"(the command killed its shell, filled the disk or wrote into the reply): {raw[-500:]!r}",
+                cause="shell_protocol",
             )
         out = raw[i + len(out_tag) : j]
         err = raw[j + len(err_tag) : end.start()]
@@ -362,6 +385,32 @@ class DaytonaSandbox(Sandbox):
         d = f"/tmp/.agentrl-exec-{nonce}"
         script = f'p=$(cat {d}/p 2>/dev/null) && {{ kill -9 "-$p" 2>/dev/null || kill -9 "$p"; }}; rm -rf {d}'
         self.provider._spawn(self.sdk.process.exec(f"sh -c {shlex.quote(script)}", timeout=30), 45)
+
+    async def stop_processes(self) -> None:
+        await self.exec(STOP_PROCESSES, timeout=120)
+
+    async def fetch_files(self, directory: str, names: list[str], dst: Path) -> list[str]:
+        """All files in one request to the toolbox's file API: no `test` or `tar` run by the
+        sandbox, whose binaries the agent may have replaced."""
+        if self._closed:
+            raise SandboxError(f"daytona sandbox {self.sandbox_id} is closed")
+        requests = [FileDownloadRequest(source=f"{directory.rstrip('/')}/{n}") for n in names]
+        try:
+            responses = await asyncio.wait_for(
+                self.sdk.fs.download_files(requests, timeout=self.provider.transfer_timeout_s),
+                self.provider.transfer_timeout_s + 30,
+            )
+        except (DaytonaError, TimeoutError) as exc:
+            raise SandboxTransportError(f"daytona sandbox {self.sandbox_id}: download failed: {exc}") from exc
+        dst.mkdir(parents=True, exist_ok=True)
+        present = []
+        for name, resp in zip(names, responses, strict=True):
+            if resp.error or resp.result is None:
+                continue
+            data = resp.result if isinstance(resp.result, bytes) else Path(resp.result).read_bytes()
+            (dst / name).write_bytes(data)
+            present.append(name)
+        return present
 
     # -- files -----------------------------------------------------------------------------------
     async def _checked(self, cmd: str, what: str) -> ExecResult:

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from agentrl.errors import AgentRLError, TaskFormatError
+from agentrl.sandbox.base import printable
 from agentrl.tasks.dataset import split_rows, write_jsonl
 from agentrl.tasks.lint import lint_tasks
 from agentrl.tasks.task import discover_tasks
@@ -18,11 +19,17 @@ app = typer.Typer(no_args_is_help=True, help="Harbor / terminal-bench-2 task dir
 console = Console()
 
 
+def _safe(text: str) -> str:
+    """Text from a task or a sandbox as inert terminal text: escape sequences shown, never obeyed,
+    and no rich markup."""
+    return escape(printable(text))
+
+
 def _discover(dirs: list[Path]) -> list:
     try:
         return discover_tasks(*dirs)
     except TaskFormatError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        console.print(f"[red]error:[/red] {_safe(str(exc))}")
         raise typer.Exit(1) from None
 
 
@@ -43,9 +50,9 @@ def lint(
         n_err += bool(r.errors)
         n_warn += bool(r.warnings)
         if r.errors:
-            table.add_row(r.task.task_id, "[red]error[/red]", escape("\n".join(r.errors + r.warnings)))
+            table.add_row(r.task.task_id, "[red]error[/red]", _safe("\n".join(r.errors + r.warnings)))
         elif r.warnings:
-            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", escape("\n".join(r.warnings)))
+            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", _safe("\n".join(r.warnings)))
         elif show_ok:
             table.add_row(r.task.task_id, "[green]ok[/green]", "")
     if table.row_count:
@@ -68,7 +75,7 @@ def make_data(
     results = lint_tasks(tasks)
     bad = [r for r in results if r.errors]
     for r in bad:
-        console.print(f"[yellow]skipped[/yellow] {r.task.task_id}: {escape(r.errors[0])}")
+        console.print(f"[yellow]skipped[/yellow] {r.task.task_id}: {_safe(r.errors[0])}")
     good = [r.task for r in results if not r.errors]
     if eval_fraction > 0 and eval_output is None:
         console.print("[red]error:[/red] --eval-fraction needs --eval-output")
@@ -106,7 +113,7 @@ def oracle(
             run_oracle(provider, tasks, run_id=run_id, solution=not no_solution, concurrency=concurrency)
         )
     except AgentRLError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        console.print(f"[red]error:[/red] {_safe(str(exc))}")
         raise typer.Exit(2) from None
     table = Table(title=f"oracle ({'no solution' if no_solution else 'solutions'}), run {run_id}")
     for col in ("task", "reward", "seconds", "failure cause"):
@@ -114,11 +121,13 @@ def oracle(
     for r in results:
         reward = "-" if r.reward is None else f"{r.reward:g}"
         color = "green" if r.ok else "red"
-        table.add_row(r.task_id, f"[{color}]{reward}[/{color}]", f"{r.seconds:.1f}", escape(r.cause or ""))
+        table.add_row(
+            _safe(r.task_id), f"[{color}]{reward}[/{color}]", f"{r.seconds:.1f}", _safe(r.cause or "")
+        )
     console.print(table)
     bad = [r for r in results if not r.ok]
     for r in bad:
-        console.print(f"[red]{r.task_id}[/red] ({r.cause}): {escape(r.detail[-1500:])}")
+        console.print(f"[red]{_safe(r.task_id)}[/red] ({_safe(r.cause or '')}): {_safe(r.detail[-1500:])}")
     console.print(f"{len(results) - len(bad)}/{len(results)} tasks gave the expected reward")
     if bad:
         raise typer.Exit(1)

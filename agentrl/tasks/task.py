@@ -18,6 +18,10 @@ from pathlib import Path
 from agentrl.errors import TaskFormatError
 from agentrl.tasks.config import TaskConfig, parse_task_config
 
+# An instruction is a prompt: 256 KiB is far above any real task's (terminal-bench's are a few KiB)
+# and far below what would stall tokenization or fill a context (a 48 MB one took 9.5 GB).
+MAX_INSTRUCTION_BYTES = 256 * 1024
+
 _CANARY = re.compile(r"^\s*(<!--.*canary.*-->|#.*canary.*)\s*$", re.IGNORECASE)
 
 
@@ -66,7 +70,17 @@ class Task:
 
     @functools.cached_property
     def instruction(self) -> str:
+        """The instruction, canary lines stripped. Raises `TaskFormatError` when it is missing,
+        not UTF-8, or over `MAX_INSTRUCTION_BYTES` (checked before anything is read)."""
         path = self.path / "instruction.md"
+        size = self.instruction_bytes
+        if size is not None and size > MAX_INSTRUCTION_BYTES:
+            raise TaskFormatError(
+                str(path),
+                None,
+                f"instruction.md is {size} bytes, over the {MAX_INSTRUCTION_BYTES} byte cap",
+                "shorten it; put large inputs in environment/ for the agent to read",
+            )
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -76,6 +90,14 @@ class Task:
         except UnicodeDecodeError:
             raise TaskFormatError(str(path), None, "instruction.md is not UTF-8 text") from None
         return strip_canary(text)
+
+    @property
+    def instruction_bytes(self) -> int | None:
+        """The size of instruction.md, None when it does not exist."""
+        try:
+            return (self.path / "instruction.md").stat().st_size
+        except FileNotFoundError:
+            return None
 
     @property
     def environment_dir(self) -> Path:
@@ -111,8 +133,13 @@ class Task:
         config = self.config
         warnings = [f"task.toml: unknown key '{k}' (kept, ignored)" for k in config.unknown_keys]
         warnings += [f"task.toml: {d}" for d in config.deprecations]
-        _ = self.instruction
-        if not self.instruction.strip():
+        size = self.instruction_bytes
+        if size is not None and size > MAX_INSTRUCTION_BYTES:
+            warnings.append(
+                f"instruction.md is {size} bytes, over the {MAX_INSTRUCTION_BYTES} byte cap: episodes "
+                "refuse this task"
+            )
+        elif not self.instruction.strip():
             raise TaskFormatError(str(self.path / "instruction.md"), None, "instruction.md is empty")
         if config.environment.docker_image is None:
             if not self.environment_dir.is_dir():
