@@ -64,6 +64,7 @@ def test_a_config_file_and_overrides_stack(recipe, tmp_path):
     ("override", "message"),
     [
         ("learning_rate=1", "learning_rate: Extra inputs are not permitted"),
+        ("trainer.bogus=1", "trainer.bogus: Unexpected keyword argument"),
         ("trainer.lr=-1", "lr must be > 0"),
         ("trainer.temperature=1.0", "differs from sampling.temperature"),
         ("env.name=nope", "unknown environment 'nope'"),

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict
+
 from agentrl.agent.actions import ActionFormat, Command, ParsedAction, TerminusJSONFormat
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
@@ -44,6 +46,9 @@ TRUNCATING = {EndReason.MAX_TURNS, EndReason.TOKEN_BUDGET, EndReason.TIMEOUT}
 
 @dataclass
 class AgentConfig:
+    # Unknown keys in a run configuration are errors, not silently dropped settings.
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     max_turns: int = 20
     max_new_tokens: int = 512
     max_total_tokens: int = 16384

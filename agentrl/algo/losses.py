@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+from pydantic import ConfigDict
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean"]
 
@@ -28,6 +29,9 @@ KLKind = Literal["k1", "k2", "k3"]
 @dataclass(frozen=True)
 class LossConfig:
     """Every loss knob. Defaults follow the GLM-5.2 RL recipe (clip 0.2 / 0.28, TIS 0.5 / 2.0)."""
+    # Unknown keys in a run configuration are errors, not silently dropped settings.
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
 
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28

@@ -54,6 +54,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from pydantic import ConfigDict
+
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.rollout.buffer import Buffer, Group
 from agentrl.rollout.source import Prompt, PromptSource
@@ -100,6 +102,9 @@ class ControlPlane(Protocol):
 
 @dataclass
 class RolloutConfig:
+    # Unknown keys in a run configuration are errors, not silently dropped settings.
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     batch_size: int  # samples per trainer step; a multiple of n_samples_per_prompt
     n_samples_per_prompt: int = 8
     max_in_flight: int = 64

@@ -45,29 +45,21 @@ def load_samples(paths: list[Path]) -> list[Sample]:
 
 
 def resolve_config(overrides: list[str]) -> TrainConfig:
-    """TrainConfig with `key=value` overrides (`loss.eps_clip=0.1` reaches the loss settings);
-    values are JSON (`lr=1e-5`, `betas=[0.9,0.95]`, `logprob_chunk_size=null`) or plain strings."""
-    data: dict[str, Any] = dataclasses.asdict(TrainConfig())
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"--set {item!r}: write key=value")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        target, parts = data, key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(target.get(part), dict):
-                raise typer.BadParameter(f"--set {key}: {part!r} is not a settings group")
-            target = target[part]
-        if parts[-1] not in target:
-            raise typer.BadParameter(f"--set {key}: unknown setting; known: {', '.join(sorted(target))}")
-        target[parts[-1]] = value
+    """TrainConfig with the runtime's one override syntax (`lr=1e-5`, `loss.eps_clip=0.1`,
+    `betas=[0.9,0.95]`, `logprob_chunk_size=null`: JSON values, else plain strings)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from agentrl.runtime.config import ConfigError, apply_overrides
+
     try:
-        return TrainConfig(**data)
-    except (TypeError, ValueError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
+        data = apply_overrides(dataclasses.asdict(TrainConfig()), overrides)
+        return TypeAdapter(TrainConfig).validate_python(data)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except ValidationError as exc:
+        raise typer.BadParameter(
+            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        ) from None
 
 
 def _batches(samples: list[Sample], groups_per_step: int) -> list[list[Sample]]:
@@ -105,6 +97,7 @@ def replay_cmd(
         raise typer.BadParameter("--model and --output are required (unless --dry-run)")
     from transformers import AutoModelForCausalLM
 
+    from agentrl.train.batch import with_advantages
     from agentrl.train.checkpoint import latest_checkpoint
     from agentrl.train.torch_backend import TorchTrainer
 
@@ -122,7 +115,7 @@ def replay_cmd(
             f"resumed from {latest_checkpoint(output)} at step {trainer.step}, batch {position}", err=True
         )
     for _ in range(steps):
-        metrics = trainer.train_step(batches[position % len(batches)])
+        metrics = trainer.train_step(with_advantages(batches[position % len(batches)]))
         position += 1
         typer.echo(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
     path = trainer.save(output, buffer_state={"position": position})

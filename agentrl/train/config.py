@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict
+
 from agentrl.algo import LossConfig
 
 
@@ -18,6 +20,9 @@ class TrainConfig:
     measured against the same recomputed old log-probs (so PPO clipping has something to clip).
     `dtype` "auto" trains fp32 on CPU and bf16 autocast over fp32 weights on GPU.
     """
+    # Unknown keys in a run configuration are errors, not silently dropped settings.
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
 
     lr: float = 1e-6
     weight_decay: float = 0.1
