@@ -21,7 +21,7 @@ from pathlib import Path
 
 from agentrl.sandbox.podman import PodmanProvider, PodmanSandbox, reap
 from agentrl.tasks import discover_tasks, load_task
-from agentrl.tasks.oracle import run_oracle
+from agentrl.oracle import run_oracle
 from agentrl.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -119,7 +119,7 @@ KEY = "dtn_secret_episode_key_42"
 
 
 async def test_oracle_run_leaves_the_key_out_of_logs_and_results(server, monkeypatch, caplog) -> None:
-    from agentrl.tasks.oracle import run_oracle
+    from agentrl.oracle import run_oracle
 
     monkeypatch.setenv("DAYTONA_API_KEY", KEY)
     caplog.set_level(logging.DEBUG)

@@ -103,7 +103,7 @@ def oracle(
     import uuid
 
     from agentrl.sandbox.registry import make_provider
-    from agentrl.tasks.oracle import run_oracle
+    from agentrl.oracle import run_oracle
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
