@@ -29,7 +29,7 @@ BUILTIN = {
 }
 
 
-class EnvironmentError(AgentRLError):  # noqa: A001  (scoped: agentrl.environments.EnvironmentError)
+class EnvironmentError(AgentRLError):
     """An environment plugin cannot be found, configured or built."""
 
 

@@ -44,50 +44,6 @@ def scripted_solution_texts(task: Any, action_format: str) -> list[str]:
     ]
 
 
-def build_engine(
-    kind: str,
-    *,
-    task: Any,
-    action_format: str,
-    model: Path | None,
-    url: list[str] | None,
-    tokenizer: Path | None,
-    api_model: str | None,
-    api_key_env: str,
-    seed: int,
-) -> tuple[Any, Any]:
-    """(engine, tokenizer-or-None) for the CLI's --engine choice."""
-    if kind == "openai":
-        from agentrl.engine.openai import OpenAIChatEngine
-
-        if not url or not api_model:
-            raise typer.BadParameter("--engine openai needs --url (base URL) and --api-model")
-        return OpenAIChatEngine(base_url=url[0], model=api_model, api_key_env=api_key_env), None
-    from transformers import AutoTokenizer
-
-    if kind == "sglang":
-        from agentrl.engine.sglang import SGLangEngine
-
-        if not url or tokenizer is None:
-            raise typer.BadParameter("--engine sglang needs --url (one or more) and --tokenizer DIR")
-        return SGLangEngine(url), AutoTokenizer.from_pretrained(str(tokenizer))
-    from agentrl.models.tiny import tiny_model_dir
-
-    model_dir = model or tiny_model_dir()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    if kind == "scripted":
-        from agentrl.engine.fake import ScriptedEngine
-
-        return ScriptedEngine(scripted_solution_texts(task, action_format), tok), tok
-    if kind == "local":
-        from transformers import AutoModelForCausalLM
-
-        from agentrl.engine.local import LocalEngine
-
-        return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok), tok
-    raise typer.BadParameter(f"unknown engine {kind!r}: local, sglang, openai or scripted")
-
-
 @app.command("run")
 def run_cmd(
     task_dir: Path = typer.Argument(..., help="A task directory."),
@@ -123,19 +79,24 @@ def run_cmd(
     except TaskFormatError as exc:
         console.print(f"[red]task error:[/red] {_safe(str(exc))}")
         raise typer.Exit(2) from None
-    eng, tok = build_engine(
-        engine,
-        task=task,
-        action_format=action_format,
+    from agentrl.engine.build import EngineSpec, build_engine
+
+    spec = EngineSpec(
+        kind=engine,
         model=model,
-        url=url,
+        urls=list(url or []),
         tokenizer=tokenizer,
         api_model=api_model,
         api_key_env=api_key_env,
-        seed=seed,
+        scripted_replies=scripted_solution_texts(task, action_format) if engine == "scripted" else (),
     )
+    try:
+        eng, tok = build_engine(spec)
+    except AgentRLError as exc:
+        console.print(f"[red]{_safe(str(exc))}[/red]")
+        raise typer.Exit(2) from None
     renderer = (
-        ChatRenderer(tok, observation_role="tool" if action_format == "tool-call" else "user")
+        ChatRenderer.for_format(tok, action_format)
         if tok
         else None
     )

@@ -165,7 +165,12 @@ async def evaluate(
             for attempt in range(max_attempts):
                 try:
                     episode = await runner.run(
-                        row, group_id=f"{label}:{rid}", sample_index=i, attempt=attempt, eval=True, seed=seed_base + i
+                        row,
+                        group_id=f"{label}:{rid}",
+                        sample_index=i,
+                        attempt=attempt,
+                        eval=True,
+                        seed=seed_base + i,
                     )
                 except InfraError as exc:
                     cause = exc.cause

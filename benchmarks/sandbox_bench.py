@@ -19,9 +19,9 @@ import time
 import uuid
 from pathlib import Path
 
+from agentrl.oracle import run_oracle
 from agentrl.sandbox.podman import PodmanProvider, PodmanSandbox, reap
 from agentrl.tasks import discover_tasks, load_task
-from agentrl.oracle import run_oracle
 from agentrl.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -161,7 +161,9 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
     if cfg is None:
         return
     if not Path(str(cfg.engine.model)).is_dir():
-        raise typer.BadParameter(f"{cfg.engine.model} is missing: run `python recipes/local_tbench2.py prepare` first")
+        raise typer.BadParameter(
+            f"{cfg.engine.model} is missing: run `python recipes/local_tbench2.py prepare` first"
+        )
     parts = build_parts(cfg)
 
     async def go() -> Any:
@@ -177,12 +179,16 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
     plot_run(cfg.out_dir / "metrics.jsonl", result.evals, cfg.out_dir / "reward.png", title=title)
     if len(result.evals) >= 2:
         a, b = result.evals[0]["pass@1"], result.evals[-1]["pass@1"]
-        console.print(f"[b]pass@1 before RL {a:.3f} -> after {b:.3f} ({b - a:+.3f}) in {result.seconds:.0f}s[/b]")
+        console.print(
+            f"[b]pass@1 before RL {a:.3f} -> after {b:.3f} ({b - a:+.3f}) in {result.seconds:.0f}s[/b]"
+        )
 
 
 @app.command("eval")
 def eval_cmd(
-    model_dir: Path = typer.Argument(None, help="Model directory for --engine local (default: the SFT model)."),
+    model_dir: Path = typer.Argument(
+        None, help="Model directory for --engine local (default: the SFT model)."
+    ),
     engine: str = typer.Option("local", help="local | sglang | openai"),
     url: list[str] = typer.Option(None, help="SGLang worker URL(s), or the OpenAI-compatible base URL."),
     tokenizer: Path = typer.Option(None, help="Tokenizer directory for --engine sglang."),
@@ -206,7 +212,12 @@ def eval_cmd(
     if engine == "local" and not model.is_dir():
         raise typer.BadParameter(f"{model} is missing: run `prepare` first or pass a model directory")
     spec = EngineSpec(
-        kind=engine, model=model, urls=list(url or []), tokenizer=tokenizer, api_model=api_model, api_key_env=api_key_env
+        kind=engine,
+        model=model,
+        urls=list(url or []),
+        tokenizer=tokenizer,
+        api_model=api_model,
+        api_key_env=api_key_env,
     )
     try:
         eng, tok = build_engine(spec)
@@ -215,11 +226,15 @@ def eval_cmd(
         raise typer.Exit(2) from None
     plugin = get_plugin(cfg.env["name"])
     ctx = EnvContext(tokenizer=tok, seed=cfg.seed, out_dir=cfg.out_dir, temperature=cfg.sampling.temperature)
-    parts = RunParts(env=plugin.build(plugin.Config.model_validate(cfg.env), ctx), engine=eng, trainer=None, transport=None)  # type: ignore[arg-type]
+    parts = RunParts(
+        env=plugin.build(plugin.Config.model_validate(cfg.env), ctx), engine=eng, trainer=None, transport=None
+    )  # type: ignore[arg-type]
 
     async def go() -> dict[str, Any]:
         try:
-            return await run_eval(cfg, parts, label=model.name if engine == "local" else engine, step=0, reporter=console.print)
+            return await run_eval(
+                cfg, parts, label=model.name if engine == "local" else engine, step=0, reporter=console.print
+            )
         finally:
             await close_parts(parts)
 

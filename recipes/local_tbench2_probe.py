@@ -57,7 +57,9 @@ def probe(
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         first = next(r for r in rows if r["type"] == "turn")
         sample = next(r for r in rows if r["type"] == "result")["samples"][0]
-        reference = commands(tokenizer.decode(tokenizer.encode(first["model_text"]), skip_special_tokens=True))
+        reference = commands(
+            tokenizer.decode(tokenizer.encode(first["model_text"]), skip_special_tokens=True)
+        )
         problems.append((rows[0]["task_id"], sample["tokens"][: sample["prompt_length"]], reference))
 
     @torch.no_grad()
@@ -88,7 +90,8 @@ def probe(
         }
         mean = sum(per_task.values()) / len(per_task)
         console.print(
-            f"[b]step {step:3d}  proxy pass@1 {mean:.3f}[/b]  " + "  ".join(f"{t}={v:.2f}" for t, v in per_task.items())
+            f"[b]step {step:3d}  proxy pass@1 {mean:.3f}[/b]  "
+            + "  ".join(f"{t}={v:.2f}" for t, v in per_task.items())
         )
         return mean
 
@@ -113,7 +116,9 @@ def probe(
             for j, (turn, r) in enumerate(zip(turns, group, strict=True)):
                 rewards.append(r)
                 with torch.no_grad():
-                    logp, _ = model_logprobs(model, torch.tensor([prompt + turn]), chunk_size=None, temperature=temperature)
+                    logp, _ = model_logprobs(
+                        model, torch.tensor([prompt + turn]), chunk_size=None, temperature=temperature
+                    )
                 batch.append(
                     Sample(
                         prompt_id=f"{step}:{p}",

@@ -48,7 +48,9 @@ def make_episode(
 ) -> Episode:
     """An episode of `segments` segments (as a history-rewriting template would split it)."""
     segs = [
-        make_sample(prompt_id, response=response, reward=reward, sample_index=sample_index, versions=(version,))
+        make_sample(
+            prompt_id, response=response, reward=reward, sample_index=sample_index, versions=(version,)
+        )
         for _ in range(segments)
     ]
     return Episode(

@@ -31,7 +31,10 @@ def test_groups_are_normalised_separately_and_untrainable_episodes_are_left_out(
 
 
 def test_seq_mean_weights_each_episode_once_whatever_its_segments() -> None:
-    group = [make_episode("g", reward=1.0, sample_index=0, segments=3), make_episode("g", reward=0.0, sample_index=1)]
+    group = [
+        make_episode("g", reward=1.0, sample_index=0, segments=3),
+        make_episode("g", reward=0.0, sample_index=1),
+    ]
     samples = training_samples([group])
     w = loss_weights(samples, "seq_mean_token_mean")
     per_episode = {}
@@ -55,7 +58,10 @@ def test_minibatches_never_cut_an_episode() -> None:
 
 
 def test_the_batch_carries_each_segments_episode_advantage_on_its_tokens() -> None:
-    group = [make_episode("g", reward=1.0, sample_index=0, segments=2), make_episode("g", reward=0.0, sample_index=1)]
+    group = [
+        make_episode("g", reward=1.0, sample_index=0, segments=2),
+        make_episode("g", reward=0.0, sample_index=1),
+    ]
     samples = training_samples([group])
     batch = build_batch(samples, aggregation="token_mean", max_tokens_per_micro_batch=1000)
     mb = batch.micro_batches[0]

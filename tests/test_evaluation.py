@@ -122,9 +122,7 @@ async def test_an_infra_failure_is_retried_with_the_same_seed_and_counted() -> N
 async def test_an_episode_that_never_runs_is_unscored_not_zero() -> None:
     engine = SeededEngine()
     # concurrency 1: the first episode (seed 0, a pass) burns all 3 attempts and stays unscored.
-    summary = await run_eval(
-        provider(fail_first=3), engine, samples_per_row=3, concurrency=1, max_attempts=3
-    )
+    summary = await run_eval(provider(fail_first=3), engine, samples_per_row=3, concurrency=1, max_attempts=3)
     assert summary.unscored == 1 and summary.episodes == 2
     assert summary.pass_at(1) == pytest.approx(0.5)  # seeds 1 and 2 only; not 1/3
     assert summary.to_dict()["unscored"] == 1

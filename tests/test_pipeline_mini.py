@@ -40,9 +40,9 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
     from agentrl.sandbox.podman import PodmanProvider
     from agentrl.tasks import load_task
     from agentrl.tasks.dataset import task_row
+    from agentrl.train.batch import training_samples
     from agentrl.train.config import TrainConfig
     from agentrl.train.torch_backend import TorchTrainer
-    from agentrl.train.batch import training_samples
     from agentrl.train.weight_sync import InProcessTransport
 
     torch.manual_seed(0)

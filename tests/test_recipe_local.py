@@ -35,7 +35,17 @@ def probe(recipe):
 
 def test_dry_run_prints_every_resolved_value_and_applies_dotted_overrides(recipe):
     result = CliRunner().invoke(
-        recipe.app, ["train", "--dry-run", "--set", "trainer.lr=1e-4", "--set", "steps=3", "--set", "env.agent.max_turns=5"]
+        recipe.app,
+        [
+            "train",
+            "--dry-run",
+            "--set",
+            "trainer.lr=1e-4",
+            "--set",
+            "steps=3",
+            "--set",
+            "env.agent.max_turns=5",
+        ],
     )
     assert result.exit_code == 0, result.output
     cfg = json.loads(result.output)
@@ -44,14 +54,16 @@ def test_dry_run_prints_every_resolved_value_and_applies_dotted_overrides(recipe
     # The trainer's log-probs follow the sampling temperature: one setting, shown resolved.
     assert cfg["trainer"]["temperature"] == 0.7
     # What used to hide in code is printed: episode cap, micro-batch token cap, batch wait, harvest.
-    assert cfg["rollout"]["episode_timeout_s"] == 300.0 and cfg["trainer"]["max_tokens_per_micro_batch"] == 8192
+    assert (
+        cfg["rollout"]["episode_timeout_s"] == 300.0 and cfg["trainer"]["max_tokens_per_micro_batch"] == 8192
+    )
     assert cfg["batch_timeout_s"] == 900.0 and cfg["prepare"]["harvest_max_new_tokens"] == 1024
     assert cfg["env"]["max_agent_timeout_s"] == 120.0 and cfg["env"]["agent"]["wall_clock_s"] is None
     assert cfg["engine"]["model"].endswith("runs/local_tbench2/sft")
 
 
 def test_a_config_file_and_overrides_stack(recipe, tmp_path):
-    (tmp_path / "run.toml").write_text('steps = 7\n[trainer]\nlr = 2e-5\n[rollout]\nmax_in_flight = 3\n')
+    (tmp_path / "run.toml").write_text("steps = 7\n[trainer]\nlr = 2e-5\n[rollout]\nmax_in_flight = 3\n")
     result = CliRunner().invoke(
         recipe.app, ["train", "--dry-run", "--config", str(tmp_path / "run.toml"), "--set", "steps=9"]
     )

@@ -424,7 +424,9 @@ async def test_an_untyped_error_in_one_episode_is_caught_counted_and_the_run_goe
         batches = await train(mgr, engine, steps=3)
     groups = [g for b in batches for g in b]
     assert len(groups) == 6 and all(not g.complete for g in groups)
-    assert all(g.episodes[1].failure_cause == "internal_error" and g.episodes[1].reward is None for g in groups)
+    assert all(
+        g.episodes[1].failure_cause == "internal_error" and g.episodes[1].reward is None for g in groups
+    )
     assert all(len(g.trainable_episodes) == 3 for g in groups)
     assert mgr.counters.internal_errors >= 18 and mgr.counters.failures["internal_error"] >= 18
     assert "KeyError" in caplog.text

@@ -43,7 +43,9 @@ async def test_a_think_stripped_episode_gets_one_advantage_on_all_its_segments()
         engine=engine,
         renderer=ChatRenderer.for_format(tok, "fenced-bash"),
         config=EpisodeConfig(
-            action_format="fenced-bash", agent=AgentConfig(max_turns=4), sampling=SamplingParams(max_new_tokens=128)
+            action_format="fenced-bash",
+            agent=AgentConfig(max_turns=4),
+            sampling=SamplingParams(max_new_tokens=128),
         ),
         run_id="think",
     )

@@ -305,7 +305,11 @@ def test_log_ratio_is_clamped_before_exp():
 
     logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-200.0, 0.0]])
-    loss, _ = policy_loss(logp, old, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), eps_clip=0.2, eps_clip_high=0.2)
+    loss, _ = policy_loss(
+        logp, old, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), eps_clip=0.2, eps_clip_high=0.2
+    )
     assert torch.isfinite(loss).all()
     w, stats = tis_weights(old, torch.tensor([[0.0, -500.0]]), torch.ones(1, 2), low=0.5, high=2.0)
-    assert torch.isfinite(w).all() and stats["tis_max"].item() == pytest.approx(float(torch.exp(torch.tensor(LOG_RATIO_CLAMP))))
+    assert torch.isfinite(w).all() and stats["tis_max"].item() == pytest.approx(
+        float(torch.exp(torch.tensor(LOG_RATIO_CLAMP)))
+    )

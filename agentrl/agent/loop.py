@@ -264,6 +264,8 @@ async def run_agent(
     ]
     session: _TokenSession | _ChatSession
     if renderer is not None:
+        # Observations in the role the action format defines (tool-call outputs as `tool` messages).
+        renderer = renderer.for_role(action_format.observation_role)
         traj = TokenTrajectory(renderer, messages, check_prefix=config.check_prefix)
         session = _TokenSession(engine, traj, session_id, config.engine_timeout_s)
     else:

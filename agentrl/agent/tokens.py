@@ -40,6 +40,7 @@ class ChatRenderer:
         # The Rust tokenizer directly: exact, and without the Python wrapper's per-call overhead.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._template_vars = {}
+        self._siblings: dict[str, ChatRenderer] = {}
         self.observation_role = self._supported_role(observation_role)
         self._compile_fast_render()
         base = [
@@ -58,6 +59,20 @@ class ChatRenderer:
         self.observation_prefix = pre_obs
         self.observation_suffix = post_obs  # ends with the next assistant generation prompt
         self.eos_ids = self._eos_ids()
+
+    def for_role(self, role: str) -> ChatRenderer:
+        """This renderer with observations in `role` (made once per role, then reused); the agent
+        loop calls it with its action format's role, so every caller gets the format's role."""
+        if role == self.observation_role:
+            return self
+        if role not in self._siblings:
+            supported = self._supported_role(role)
+            self._siblings[role] = (
+                self
+                if supported == self.observation_role
+                else ChatRenderer(self.tokenizer, observation_role=role)
+            )
+        return self._siblings[role]
 
     @classmethod
     def for_format(cls, tokenizer: Any, action_format: str) -> ChatRenderer:

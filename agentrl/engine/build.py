@@ -40,14 +40,18 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
 
         if not spec.urls or not spec.api_model:
             raise EngineConfigError("the openai engine needs a base URL and an API model name")
-        return OpenAIChatEngine(base_url=spec.urls[0], model=spec.api_model, api_key_env=spec.api_key_env), None
+        return OpenAIChatEngine(
+            base_url=spec.urls[0], model=spec.api_model, api_key_env=spec.api_key_env
+        ), None
     from transformers import AutoTokenizer
 
     if spec.kind == "sglang":
         from agentrl.engine.sglang import SGLangEngine
 
         if not spec.urls or spec.tokenizer is None:
-            raise EngineConfigError("the sglang engine needs one or more worker URLs and a tokenizer directory")
+            raise EngineConfigError(
+                "the sglang engine needs one or more worker URLs and a tokenizer directory"
+            )
         return SGLangEngine(list(spec.urls)), AutoTokenizer.from_pretrained(str(spec.tokenizer))
     if spec.kind not in KINDS:
         raise EngineConfigError(f"unknown engine {spec.kind!r}: choose one of {', '.join(KINDS)}")

@@ -318,7 +318,9 @@ class RolloutManager:
         cap = asyncio.timeout(self.config.episode_timeout_s)
         try:
             async with cap:
-                episode = await self.runner.run(group.row, group_id=group.uid, sample_index=idx, attempt=attempt)
+                episode = await self.runner.run(
+                    group.row, group_id=group.uid, sample_index=idx, attempt=attempt
+                )
         except InfraError as exc:
             log.warning("infra failure (%s) in %s/%d attempt %d: %s", exc.cause, group.uid, idx, attempt, exc)
             return exc.cause

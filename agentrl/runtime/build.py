@@ -46,7 +46,9 @@ def build_transport(cfg: RunConfig, engine: Any) -> Any:
     s = cfg.sync
     if s.transport == "in_process":
         if cfg.engine.kind != "local":
-            raise AgentRLError("sync.transport=in_process needs engine.kind=local; use disk, tensor or distributed")
+            raise AgentRLError(
+                "sync.transport=in_process needs engine.kind=local; use disk, tensor or distributed"
+            )
         return ws.InProcessTransport([engine])
     if s.transport == "disk":
         return ws.DiskTransport(
@@ -69,7 +71,9 @@ def build_parts(cfg: RunConfig) -> RunParts:
     from agentrl.train.torch_backend import TorchTrainer
 
     if not cfg.engine.model:
-        raise AgentRLError("engine.model is not set: give the initial weights (a Hugging Face model directory)")
+        raise AgentRLError(
+            "engine.model is not set: give the initial weights (a Hugging Face model directory)"
+        )
     tok_dir = cfg.engine.tokenizer or cfg.engine.model
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     policy = AutoModelForCausalLM.from_pretrained(cfg.engine.model, dtype=torch.float32)

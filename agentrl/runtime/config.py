@@ -62,10 +62,14 @@ class SyncSettings(_Section):
         "on the new weights over the old KV cache (no cache flush in this mode).",
     )
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Cast floats (None: as trained).")
-    directory: str | None = Field(None, description="Disk transport: where versions are written (default <out>/weights).")
+    directory: str | None = Field(
+        None, description="Disk transport: where versions are written (default <out>/weights)."
+    )
     bucket_mb: int = Field(512, gt=0)
     tp_size: int | None = Field(
-        None, ge=1, description="Tensor transport: payloads per server, one per TP rank (None: ask the servers)."
+        None,
+        ge=1,
+        description="Tensor transport: payloads per server, one per TP rank (None: ask the servers).",
     )
     master_address: str = "127.0.0.1"
     master_port: int = 29555
@@ -124,7 +128,11 @@ class RunConfig(_Section):
         if not isinstance(data, dict):
             return data
         sampling = data.get("sampling") or {}
-        t = sampling.get("temperature") if isinstance(sampling, dict) else getattr(sampling, "temperature", None)
+        t = (
+            sampling.get("temperature")
+            if isinstance(sampling, dict)
+            else getattr(sampling, "temperature", None)
+        )
         trainer = data.get("trainer")
         given = trainer.get("temperature") if isinstance(trainer, dict) else None
         if t is not None and given is not None and float(given) != float(t):

@@ -84,7 +84,10 @@ async def run_eval(
         label=label,
     )
     result = {**summary.to_dict(), "step": step, "weight_version": parts.engine.weight_version}
-    _report(reporter, f"eval {label} (step {step}): " + ", ".join(f"pass@{k} {summary.pass_at(k):.3f}" for k in summary.ks))
+    _report(
+        reporter,
+        f"eval {label} (step {step}): " + ", ".join(f"pass@{k} {summary.pass_at(k):.3f}" for k in summary.ks),
+    )
     return result
 
 
@@ -106,7 +109,9 @@ async def sync_weights(cfg: RunConfig, parts: RunParts, manager: RolloutManager 
     return version
 
 
-async def train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], None] | None = None) -> RunResult:
+async def train(
+    cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], None] | None = None
+) -> RunResult:
     """Run `cfg.steps` rollout steps (resuming from the last checkpoint when asked)."""
     t0 = time.monotonic()
     out = cfg.out_dir
@@ -164,7 +169,9 @@ async def train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], No
                 parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                 async with manager.paused():
-                    evals.append(await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter))
+                    evals.append(
+                        await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter)
+                    )
                 evals_path.write_text(json.dumps(evals, indent=1))
         parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
         history = tracker.history

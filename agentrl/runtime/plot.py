@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_run(metrics_path: Path, evals: list[dict[str, Any]], png: Path, *, title: str, window: int = 4) -> None:
+def plot_run(
+    metrics_path: Path, evals: list[dict[str, Any]], png: Path, *, title: str, window: int = 4
+) -> None:
     """Rollout pass rate over every finished episode and over the trained groups (`window`-step
     means), with the evals' pass@1 as markers."""
     import matplotlib
@@ -40,7 +42,9 @@ def plot_run(metrics_path: Path, evals: list[dict[str, Any]], png: Path, *, titl
         linestyle="--",
     )
     for e, marker in zip(evals, ("o", "s", "^", "D", "v"), strict=False):
-        ax.scatter([e["step"]], [e["pass@1"]], marker=marker, s=60, label=f"eval pass@1 ({e['label']})", zorder=3)
+        ax.scatter(
+            [e["step"]], [e["pass@1"]], marker=marker, s=60, label=f"eval pass@1 ({e['label']})", zorder=3
+        )
     ax.set_xlabel("trainer step")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)

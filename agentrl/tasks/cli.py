@@ -102,8 +102,8 @@ def oracle(
     import asyncio
     import uuid
 
-    from agentrl.sandbox.registry import make_provider
     from agentrl.oracle import run_oracle
+    from agentrl.sandbox.registry import make_provider
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"

@@ -10,6 +10,7 @@ other. Memory of a padded micro-batch is rows x longest row, so that is what the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -152,7 +153,7 @@ def episode_chunks(samples: Sequence[Sample], n: int) -> list[list[int]]:
         members[key].append(i)
     n = max(1, min(n, len(order)))
     bounds = [round(k * len(order) / n) for k in range(n + 1)]
-    return [[i for key in order[a:b] for i in members[key]] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [[i for key in order[a:b] for i in members[key]] for a, b in itertools.pairwise(bounds)]
 
 
 def loss_weights(samples: Sequence[Sample], aggregation: Aggregation) -> list[float]:
@@ -178,9 +179,7 @@ def loss_weights(samples: Sequence[Sample], aggregation: Aggregation) -> list[fl
     raise ValueError(f"aggregation={aggregation!r}: choose token_mean or seq_mean_token_mean")
 
 
-def _rows(
-    samples: Sequence[Sample], weights: Sequence[float], indices: list[int], pad_id: int
-) -> MicroBatch:
+def _rows(samples: Sequence[Sample], weights: Sequence[float], indices: list[int], pad_id: int) -> MicroBatch:
     width = max(len(samples[i].tokens) for i in indices)
     n = len(indices)
     ids = torch.full((n, width), pad_id, dtype=torch.long)

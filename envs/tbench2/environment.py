@@ -28,7 +28,9 @@ class TerminalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Literal["tbench2"] = "tbench2"
-    tasks: str = Field(str(BUNDLED_TASKS), description="Directory of Harbor task directories (training rows).")
+    tasks: str = Field(
+        str(BUNDLED_TASKS), description="Directory of Harbor task directories (training rows)."
+    )
     eval_tasks: str | None = Field(None, description="Task directory for evaluations (default: `tasks`).")
     max_solution_chars: int | None = Field(
         None,
@@ -42,7 +44,9 @@ class TerminalConfig(BaseModel):
     max_agent_timeout_s: float | None = Field(
         None, description="Cap on each task's [agent].timeout_sec (None: the task's own limit)."
     )
-    create_timeout_s: float | None = Field(None, description="Sandbox start limit (None: the task's build timeout).")
+    create_timeout_s: float | None = Field(
+        None, description="Sandbox start limit (None: the task's build timeout)."
+    )
     record: bool = Field(True, description="Write every episode as a JSONL record under <out>/records.")
 
 
@@ -100,7 +104,9 @@ class TerminalEnvironment:
     def eval_tasks(self) -> list[Task]:
         if self._eval_tasks is None:
             root = self.config.eval_tasks
-            self._eval_tasks = self.tasks if root is None else select_tasks(root, self.config.max_solution_chars)
+            self._eval_tasks = (
+                self.tasks if root is None else select_tasks(root, self.config.max_solution_chars)
+            )
         return self._eval_tasks
 
     def rows(self, split: Split) -> list[dict[str, Any]]:

@@ -37,7 +37,9 @@ async def harvest_solutions(
     # A script can be longer than the policy's own turns: give the scripted replies room.
     config = dataclasses.replace(
         config,
-        agent=dataclasses.replace(config.agent, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens),
+        agent=dataclasses.replace(
+            config.agent, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens
+        ),
     )
     for task in env.tasks:
         engine = ScriptedEngine(scripted_solution_texts(task, env.config.action_format), tokenizer)
@@ -53,5 +55,7 @@ async def harvest_solutions(
         reward = result.verify.reward if result.verify else None
         report(f"harvest {task.task_id}: reward {reward}")
         if reward != 1.0:
-            raise HarvestError(f"the reference solution of {task.task_id} did not pass through the agent loop")
+            raise HarvestError(
+                f"the reference solution of {task.task_id} did not pass through the agent loop"
+            )
     return record_dir
