@@ -34,6 +34,7 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -415,6 +416,7 @@ class PodmanSandbox(Sandbox):
         self._upper_dir = upper_dir
         self._storage_used: int | None = None  # bytes, set once the limit was exceeded
         self._monitor: asyncio.Task[None] | None = None
+        self._init_pid: int | None = None  # host pid of the container's init, once looked up
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 
@@ -548,6 +550,7 @@ class PodmanSandbox(Sandbox):
                 f"exec in {self.sandbox_id}: its persistent shell failed mid-command (the host's "
                 f"`{self.cli} exec` client died of signal {-client_rc}): {exc!r}"
             )
+        self._check_storage()  # the storage watch killed the command's processes
         if isinstance(exc, TimeoutError):
             cause, what = "shell_unresponsive", "stopped answering (stopped or hung by the command)"
         elif isinstance(exc, asyncio.IncompleteReadError):
@@ -648,13 +651,21 @@ class PodmanSandbox(Sandbox):
     # -- verification support ---------------------------------------------------------------------
     async def stop_processes(self) -> None:
         """Kill every process in the container but its init, the persistent shell included (a new
-        one starts on the next exec), through a fresh `exec`: nothing the agent left running
-        survives into verification."""
+        one starts on the next exec). From the host where it can (stopped, then killed, by PID
+        namespace: no tool inside the container takes part, and a fork bomb that filled the pids
+        limit cannot block it), else through a fresh `exec`."""
         if self._shell is not None:
             self._shell.kill()
             self._shell = None
         await self._measure_storage()
         self._check_storage()
+        if self._init_pid is None:
+            rc, out, _ = await run_cli(
+                self.cli, "inspect", "--format", "{{.State.Pid}}", self.sandbox_id, timeout=60
+            )
+            self._init_pid = int(out.strip()) if rc == 0 and out.strip().isdigit() else 0
+        if self._init_pid > 0 and await asyncio.to_thread(_kill_namespace, self._init_pid):
+            return
         script = f"{KILL_ALL}; rm -rf /tmp/.agentrl-shell-*"
         try:
             rc, _, err = await run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=60)
@@ -748,6 +759,44 @@ class PodmanSandbox(Sandbox):
         except (SandboxError, SandboxPolicyError):
             return False
         return res.exit_code == 0
+
+
+def _kill_namespace(init_pid: int) -> bool:
+    """SIGSTOP, then SIGKILL, every host process in the PID namespace of `init_pid` but the init
+    itself, sweeping until none is left. False when this host cannot see that namespace (another
+    user's, a remote engine): the caller kills from inside instead."""
+    try:
+        ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    except OSError:
+        return False
+
+    def members() -> list[int]:
+        found = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and int(entry.name) != init_pid:
+                try:
+                    if os.readlink(f"/proc/{entry.name}/ns/pid") == ns:
+                        found.append(int(entry.name))
+                except OSError:
+                    continue  # gone, a zombie, or not ours to inspect
+        return found
+
+    for _ in range(100):
+        alive = members()
+        if not alive:
+            return True
+        stopped: set[int] = set()
+        while new := [p for p in alive if p not in stopped]:  # frozen before any can fork again
+            for pid in new:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped.update(new)
+            alive = members()
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    return not members()
 
 
 def _tree_bytes(root: str, stop_above: int) -> int:
