@@ -49,13 +49,15 @@ class WeightGroup:
         self.backend = backend
         # Rank 0 (the trainer) serves the rendezvous store, as torch's tcp:// init method does.
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-        self._store = store
+        self._store: Any = store
         prefixed = dist.PrefixStore(group_name, store)
         # Constructing the group is the rendezvous: it returns once every rank has joined.
         if backend == "gloo":
             self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
     def broadcast(self, tensor: Any, src: int = 0) -> None:
         """In place: rank `src` sends `tensor`, every other rank receives into it."""
