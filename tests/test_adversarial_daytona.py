@@ -1,0 +1,112 @@
+"""The adversarial suite through the Daytona backend, on the fake Daytona running its sandboxes in
+real podman containers: the attacks that apply to Daytona's one-wrapper-per-command exec (there is
+no persistent shell to forge frames on, and Daytona sets its own limits), each ending as reward 0
+or a policy failure, the run going on, and nothing left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.fake import ScriptedEngine
+from agentrl.episode import EpisodeResult, run_episode
+from agentrl.sample import Status
+from agentrl.sandbox.daytona import DaytonaProvider
+from agentrl.tasks import load_task
+from tests.chat_tokenizer import byte_tokenizer
+from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
+from tests.test_adversarial_podman import FAIL, GUARDED, HONEST, episode_config, fenced
+
+CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
+
+pytestmark = [
+    pytest.mark.container,
+    pytest.mark.skipif(shutil.which(CLI) is None, reason=f"{CLI} is not installed"),
+]
+
+ATTACKS = [
+    (
+        "background loop rewrites the reward while the tests run",
+        [
+            "(while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; sleep 0.02; done)"
+            " >/dev/null 2>&1 &",
+            "setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; sleep 0.02; done'"
+            " >/dev/null 2>&1 </dev/null &",
+        ],
+        FAIL,
+    ),
+    # The reward is read through Daytona's file API, never the sandbox's `cat` or `tar`.
+    (
+        "replaced /usr/bin/cat and tar",
+        ["printf '#!/bin/sh\\necho 1\\n' | tee /usr/bin/cat > /usr/bin/tar"],
+        FAIL,
+    ),
+    ("pytest.py in the working directory", ["printf 'import sys\\nsys.exit(0)\\n' > /app/pytest.py"], FAIL),
+    (
+        "conftest.py planted in /tests",
+        ["mkdir -p /tests && printf 'import os\\nos._exit(0)\\n' > /tests/conftest.py"],
+        FAIL,
+    ),
+    ("/tests/test.sh made a directory", ["mkdir -p /tests/test.sh"], FAIL),
+    ("/logs made a file", ["rm -rf /logs && echo x > /logs"], FAIL),
+    ("/tmp cleaned", ["rm -rf /tmp/* /tmp/.[!.]*", "echo still works"], FAIL),
+    ("its own shell killed", ["kill -9 $$"], FAIL),
+    ("every process killed", ["kill -9 -1"], {FAIL, ("tampered", "shell_protocol")}),
+]
+
+
+@pytest.fixture
+def server():  # type: ignore[no-untyped-def]
+    runtime = PodmanRuntime(CLI)
+    srv = FakeDaytonaServer(runtime)
+    yield srv
+    out = subprocess.run(
+        [CLI, "ps", "-a", "--filter", f"label={FAKE_LABEL}={runtime.server_tag}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if out:
+        subprocess.run([CLI, "rm", "-f", "-t", "0", *out], capture_output=True, check=False)
+    assert out == [], f"sandboxes left behind: {out}"
+
+
+async def episode(provider: DaytonaProvider, commands: list[str]) -> EpisodeResult:
+    tok = byte_tokenizer()
+    engine = ScriptedEngine([*(fenced(c) for c in commands), "TASK_COMPLETE"], tok)
+    return await run_episode(
+        load_task(GUARDED),
+        provider=provider,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=episode_config(),
+        run_id=f"adv-{uuid.uuid4().hex[:8]}",
+    )
+
+
+@pytest.mark.parametrize(("name", "commands", "expected"), ATTACKS, ids=[a[0] for a in ATTACKS])
+async def test_attack_through_daytona_scores_zero_and_the_run_goes_on(
+    server: FakeDaytonaServer, name: str, commands: list[str], expected: object
+) -> None:
+    provider = DaytonaProvider(client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0)
+    try:
+        result = await episode(provider, commands)
+        assert result.verify is not None
+        outcome, cause = result.verify.outcome, result.verify.cause
+        assert (outcome, cause) in (expected if isinstance(expected, set) else {expected}), (
+            result.verify.error
+        )
+        assert result.episode.reward == 0.0
+        if outcome == "tampered":
+            assert result.episode.status is Status.FAILED_POLICY
+        again = await episode(provider, HONEST)
+        assert again.episode.reward == 1.0
+    finally:
+        await provider.aclose()
+    assert provider.live_sandboxes() == 0
