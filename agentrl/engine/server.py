@@ -215,6 +215,7 @@ class EngineServer:
         self.served_model_name = served_model_name or (Path(self.model_path).name or "default")
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self._stopping: asyncio.Task[None] | None = None
         self._lock = _ModelUpdateLock()
         self._groups: dict[str, list[WeightGroup]] = {}
         self.dead: str | None = None
@@ -237,6 +238,8 @@ class EngineServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._stopping is not None:
+            await self._stopping
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -299,8 +302,9 @@ class EngineServer:
         self.engine.abort_requests(abort_all=True)
         self.died.set()
         if self._site is not None:
-            # Stop listening now: later connections are refused, as by a dead process.
-            asyncio.get_running_loop().create_task(self._site.stop())
+            # Stop listening now: later connections are refused, as by a dead process. Awaited in
+            # __aexit__.
+            self._stopping = asyncio.get_running_loop().create_task(self._site.stop())
 
     # --- data plane ----------------------------------------------------------------------------
 
