@@ -88,7 +88,7 @@ def get_plugin(name: str) -> EnvironmentPlugin:
         plugin = getattr(importlib.import_module(module), attr or "plugin")
     except (ImportError, AttributeError) as exc:
         raise EnvironmentError(f"environment {name!r} ({known[name]}) cannot be loaded: {exc}") from exc
-    return plugin  # type: ignore[no-any-return]
+    return plugin
 
 
 def resolve_config(settings: dict[str, Any]) -> BaseModel:

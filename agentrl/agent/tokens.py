@@ -39,7 +39,7 @@ class ChatRenderer:
         self._fast: Any = None
         # The Rust tokenizer directly: exact, and without the Python wrapper's per-call overhead.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._template_vars = {}
+        self._template_vars: dict[str, Any] = {}
         self._siblings: dict[str, ChatRenderer] = {}
         self.observation_role = self._supported_role(observation_role)
         self._compile_fast_render()
@@ -114,7 +114,7 @@ class ChatRenderer:
         whole conversation, and `apply_chat_template`'s own overhead is ~2x the rendering. Used
         only if it reproduces `apply_chat_template` exactly on a probe conversation."""
         self._fast = None
-        self._template_vars: dict[str, Any] = dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})
+        self._template_vars = dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 

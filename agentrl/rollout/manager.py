@@ -451,7 +451,8 @@ class RolloutManager:
         for (gid, _), v in self._attempt_versions.items():
             running_oldest[gid] = min(v, running_oldest.get(gid, v))
         for uid, group in list(self._unfinished.items()):
-            versions = [v for x in group.episodes if x is not None and (v := x.oldest_version()) is not None]
+            oldest = [x.oldest_version() for x in group.episodes if x is not None]
+            versions = [v for v in oldest if v is not None]
             if id(group) in running_oldest:
                 versions.append(running_oldest[id(group)])
             if not versions or min(versions) >= floor:
@@ -552,5 +553,5 @@ class RolloutManager:
             raise RolloutError("load the state before entering the manager")
         self.source.load_state_dict(state["source"])
         counters = dict(state.get("counters", {}))
-        failures = Counter(counters.pop("failures", {}))
+        failures: Counter[str] = Counter(counters.pop("failures", {}))
         self.counters = Counters(**counters, failures=failures)

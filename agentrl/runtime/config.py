@@ -193,7 +193,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
         if p.suffix == ".json":
             return dict(json.loads(text))
         if p.suffix in (".yaml", ".yml"):
-            import yaml  # type: ignore[import-untyped]
+            import yaml
 
             return dict(yaml.safe_load(text) or {})
     except (ValueError, tomllib.TOMLDecodeError) as exc:
