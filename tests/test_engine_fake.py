@@ -76,13 +76,17 @@ async def test_fault_injection_bursts_then_recovers_and_aborts() -> None:
 async def test_pause_abort_cuts_slow_generations_and_blocks_new_ones() -> None:
     engine = FakeEngine(faults=Faults(latency_per_token_s=0.01), eos_rate=0.0)
     running = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=1000)))
-    await asyncio.sleep(0.1)
+    for _ in range(5000):  # poll until it has produced a token (nothing signals it)
+        if engine.tokens:
+            break
+        await asyncio.sleep(0.001)
     await asyncio.wait_for(engine.pause(mode="abort"), 5)
     gen = running.result()
     assert gen.finish_reason == "abort" and 0 < len(gen.output_ids) < 1000
     late = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=2)))
-    await asyncio.sleep(0.1)
-    assert not late.done()
+    for _ in range(10):  # let it run up to the pause gate (no wall-clock wait)
+        await asyncio.sleep(0)
+    assert not late.done() and not engine._gate.busy
     await engine.resume()
     assert (await asyncio.wait_for(late, 5)).finish_reason == "length"
     with pytest.raises(EngineBadRequest):

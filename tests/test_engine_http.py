@@ -130,11 +130,11 @@ async def test_distributed_update_before_init_group_kills_the_server_as_sglangs_
 
 
 async def test_pause_in_place_holds_generation_until_continue(served, tiny) -> None:
-    _, _, client = served
+    _, engine, client = served
     await client.pause(mode="in_place")
     task = asyncio.create_task(client.generate(_prompt(tiny[1]), SamplingParams(max_new_tokens=3)))
-    await asyncio.sleep(0.4)
-    assert not task.done()
+    await _until(lambda: engine.num_requests == 1)
+    assert not engine.busy and not task.done()  # held before the model, as SGLang's tokenizer manager
     await client.resume()
     gen = await asyncio.wait_for(task, 10)
     assert gen.finish_reason == "length" and len(gen.output_ids) == 3
@@ -144,8 +144,7 @@ async def test_pause_abort_returns_partial_tokens_with_abort_reason(served, tiny
     _, engine, client = served
     prompt = _prompt(tiny[1])
     task = asyncio.create_task(client.generate(prompt, SamplingParams(max_new_tokens=3000, seed=2)))
-    await _until(lambda: any(r.submitted for r in engine._requests.values()))
-    await asyncio.sleep(0.2)
+    await _until(lambda: engine.stats["tokens"] > 0)
     await asyncio.wait_for(client.pause(mode="abort"), 10)
     gen = await asyncio.wait_for(task, 10)
     await client.resume()

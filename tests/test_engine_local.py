@@ -162,8 +162,7 @@ async def test_abort_matches_the_exact_rid_only_and_returns_partial_tokens_with_
     task = asyncio.create_task(
         engine.generate(prompt, SamplingParams(max_new_tokens=2000, seed=1), rid="abc-1")
     )
-    await until(lambda: "abc-1" in engine._requests and engine._requests["abc-1"].submitted)
-    await asyncio.sleep(0.2)
+    await until(lambda: engine.stats["tokens"] > 0)
     assert engine.abort_requests("abc") == 0
     await engine.abort("abc-1")
     gen = await asyncio.wait_for(task, 10)
@@ -176,8 +175,8 @@ async def test_pause_in_place_holds_requests_until_resume(engine, tiny) -> None:
     prompt = _prompt(tiny[1])
     await engine.pause(mode="in_place")
     task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=4, seed=1)))
-    await asyncio.sleep(0.3)
-    assert not task.done()
+    await until(lambda: engine.num_requests == 1)
+    assert not engine.busy and not task.done()  # held at the gate, never handed to the model
     await engine.resume()
     gen = await asyncio.wait_for(task, 10)
     assert gen.finish_reason == "length" and len(gen.output_ids) == 4
@@ -188,8 +187,7 @@ async def test_weights_load_while_a_running_batch_is_paused_in_place(engine, tin
     # behind the batch that waits for that resume.
     model, tok = tiny
     task = asyncio.create_task(engine.generate(_prompt(tok), SamplingParams(max_new_tokens=400, seed=2)))
-    await until(lambda: engine.num_requests == 1)
-    await asyncio.sleep(0.2)
+    await until(lambda: engine.stats["batches"] > 0)
     await engine.pause(mode="in_place")
     state = {k: v.clone() for k, v in model.state_dict().items()}
     version = await asyncio.wait_for(engine.load_state_dict(state), 10)
@@ -234,8 +232,8 @@ async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones(engine, t
     await asyncio.wait_for(engine.pause(mode="abort"), 10)
     assert running.done() and running.result().finish_reason == "abort"
     late = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=2)))
-    await asyncio.sleep(0.2)
-    assert not late.done()
+    await until(lambda: engine.num_requests == 1)
+    assert not engine.busy and not late.done()  # held at the gate
     await engine.resume()
     assert (await asyncio.wait_for(late, 10)).finish_reason == "length"
 
@@ -243,7 +241,7 @@ async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones(engine, t
 async def test_cancelling_the_caller_stops_the_worker(engine, tiny) -> None:
     prompt = _prompt(tiny[1])
     task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=2000)))
-    await asyncio.sleep(0.3)
+    await until(lambda: engine.stats["batches"] > 0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

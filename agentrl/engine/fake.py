@@ -223,6 +223,7 @@ class FakeEngine(_FakeControl):
         self.requests = 0
         self.failures = 0
         self.aborts = 0
+        self.tokens = 0  # generated, over all requests
         self._gate = _PauseGate()
         self.updates = []
 
@@ -258,6 +259,7 @@ class FakeEngine(_FakeControl):
                     else rng.randrange(self.first_token, self.vocab_size)
                 )
                 ids.append(tok)
+                self.tokens += 1
                 logps.append(-5.0 * rng.random())
                 if tok in stops:
                     finish = "stop"

@@ -127,7 +127,7 @@ class LocalEngine(Engine):
         )
         self.max_batch = max(1, max_batch)
         self._queue: list[_Job] = []
-        self.stats = {"batches": 0, "batched_requests": 0}
+        self.stats = {"batches": 0, "batched_requests": 0, "tokens": 0}
         self._queue_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._idle = asyncio.Event()
@@ -277,6 +277,7 @@ class LocalEngine(Engine):
             return
         token, logp = self._sample(logits, sp, row.generator)
         row.out_ids.append(token)
+        self.stats["tokens"] += 1
         row.logps.append(logp)
         if token in row.stop_ids:
             self._finish(row, "stop", token)
