@@ -203,10 +203,10 @@ async def train_loop(
             max_lag = max(
                 max_lag,
                 *(
-                    engine.weight_version - s.metadata["start_version"]
+                    engine.weight_version - (e.start_version or 0)
                     for g in groups
-                    for s in g.samples
-                    if s is not None
+                    for e in g.episodes
+                    if e is not None
                 ),
             )
             await asyncio.sleep(train_s)  # the trainer step
