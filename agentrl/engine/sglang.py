@@ -115,7 +115,10 @@ def parse_weight_version(value: Any) -> int:
 
 
 class SGLangEngine(Engine):
-    """Client for SGLang workers (`base_urls`) or a router (`router_url`). See the module docstring."""
+    """An `Engine` over SGLang servers: give worker URLs (`base_urls`; the client hashes sessions
+    onto them) or a router (`router_url`, with `worker_urls` for the control plane, else asked of
+    the router). One server is a fleet of one. Call `await refresh_weight_version()` before handing
+    it to a rollout manager. See the module docstring for the fleet semantics."""
 
     def __init__(
         self,
