@@ -4,10 +4,8 @@
     python recipes/local_tbench2.py train     # fully async GRPO + TIS, podman sandboxes
     python recipes/local_tbench2.py eval      # pass@k of any model or engine on the demo tasks
 
-A thin recipe: it only sets the demo's defaults and builds components; the loop is the library
-runtime (`agentrl.runtime`). Every setting is in one typed config: `--set trainer.lr=3e-5`,
-`--config run.toml`, and `--dry-run` prints every resolved value. Why the defaults are what they
-are (temperature, lr, aggregation, minibatches, dynamic filter): docs/demo_log.md.
+A thin recipe: the demo's defaults and a warm start; the loop is the library runtime. Settings:
+`--set trainer.lr=3e-5`, `--config run.toml`, `--dry-run` (docs/demo_log.md: why these defaults).
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ class LocalConfig(RunConfig):
         return self
 
 
+# The demo's settings (docs/demo_log.md says why each is what it is); everything else is a default.
 DEFAULTS: dict[str, Any] = {
     "out": "runs/local_tbench2",
     "steps": 32,
@@ -59,24 +58,12 @@ DEFAULTS: dict[str, Any] = {
         "agent": {"max_turns": 3, "max_new_tokens": 64, "max_total_tokens": 1024, "command_timeout_s": 20.0},
     },
     "sampling": {"temperature": 0.7},
-    "rollout": {
-        "batch_size": 16,
-        "n_samples_per_prompt": 8,
-        "max_in_flight": 8,
-        "max_staleness": 1,
-        "dynamic_filter": True,
-        "episode_timeout_s": 300.0,
-    },
-    "trainer": {
-        "lr": 3e-5,
-        "num_minibatches": 4,
-        "weight_decay": 0.0,
-        "max_tokens_per_micro_batch": 8192,
-        "logprob_chunk_size": None,
-        "loss": {"aggregation": "token_mean"},
-    },
+    "rollout": {"batch_size": 16, "n_samples_per_prompt": 8, "max_in_flight": 8, "max_staleness": 1},
+    "trainer": {"lr": 3e-5, "num_minibatches": 4, "weight_decay": 0.0, "max_tokens_per_micro_batch": 8192},
     "eval": {"samples_per_row": 16},
 }
+DEFAULTS["rollout"] |= {"dynamic_filter": True, "episode_timeout_s": 300.0}
+DEFAULTS["trainer"] |= {"logprob_chunk_size": None, "loss": {"aggregation": "token_mean"}}
 
 
 def configure(config: Path | None, overrides: list[str] | None, dry_run: bool) -> LocalConfig | None:
@@ -126,14 +113,11 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
 
     async def go() -> Path:
         try:
-            return await harvest_solutions(
-                env,
-                tokenizer,
-                out / "harvest",
-                max_new_tokens=p.harvest_max_new_tokens,
-                max_total_tokens=p.harvest_max_total_tokens,
-                report=console.print,
-            )
+            limits = {
+                "max_new_tokens": p.harvest_max_new_tokens,
+                "max_total_tokens": p.harvest_max_total_tokens,
+            }
+            return await harvest_solutions(env, tokenizer, out / "harvest", **limits, report=console.print)
         finally:
             await env.aclose()
 
@@ -155,7 +139,6 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
     from agentrl.runtime import close_parts
     from agentrl.runtime import train as run_training
     from agentrl.runtime.build import build_parts
-    from agentrl.runtime.plot import plot_run
 
     cfg = configure(config, set_, dry_run)
     if cfg is None:
@@ -175,8 +158,6 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
     result = asyncio.run(go())
     parts.trainer.model.save_pretrained(cfg.out_dir / "final")  # type: ignore[attr-defined]
     parts.tokenizer.save_pretrained(cfg.out_dir / "final")
-    title = "local_tbench2: tiny GLM-family model, GRPO + TIS, podman sandboxes"
-    plot_run(cfg.out_dir / "metrics.jsonl", result.evals, cfg.out_dir / "reward.png", title=title)
     if len(result.evals) >= 2:
         a, b = result.evals[0]["pass@1"], result.evals[-1]["pass@1"]
         console.print(
@@ -201,47 +182,21 @@ def eval_cmd(
     """pass@k over the eval tasks for any engine: a local model, SGLang, or an OpenAI-compatible API
     (`--set env.eval_tasks=DIR --set eval.samples_per_row=4 --set eval.ks=[1,4]`)."""
     from agentrl.engine.build import EngineSpec, build_engine
-    from agentrl.environments import EnvContext, get_plugin
     from agentrl.errors import AgentRLError
-    from agentrl.evaluation import EvalError
-    from agentrl.runtime.loop import RunParts, close_parts, run_eval
+    from agentrl.runtime.loop import evaluate_engine
 
     cfg = configure(config, set_, dry_run=False)
     assert cfg is not None
     model = model_dir or Path(str(cfg.engine.model))
     if engine == "local" and not model.is_dir():
         raise typer.BadParameter(f"{model} is missing: run `prepare` first or pass a model directory")
-    spec = EngineSpec(
-        kind=engine,
-        model=model,
-        urls=list(url or []),
-        tokenizer=tokenizer,
-        api_model=api_model,
-        api_key_env=api_key_env,
-    )
+    spec = EngineSpec(engine, model, list(url or []), tokenizer, api_model, api_key_env)
     try:
         eng, tok = build_engine(spec)
+        label = model.name if engine == "local" else engine
+        summary = asyncio.run(evaluate_engine(cfg, eng, tok, label=label, reporter=console.print))
     except AgentRLError as exc:
         console.print(str(exc), style="red", markup=False, soft_wrap=True)
-        raise typer.Exit(2) from None
-    plugin = get_plugin(cfg.env["name"])
-    ctx = EnvContext(tokenizer=tok, seed=cfg.seed, out_dir=cfg.out_dir, temperature=cfg.sampling.temperature)
-    parts = RunParts(
-        env=plugin.build(plugin.Config.model_validate(cfg.env), ctx), engine=eng, trainer=None, transport=None
-    )  # type: ignore[arg-type]
-
-    async def go() -> dict[str, Any]:
-        try:
-            return await run_eval(
-                cfg, parts, label=model.name if engine == "local" else engine, step=0, reporter=console.print
-            )
-        finally:
-            await close_parts(parts)
-
-    try:
-        summary = asyncio.run(go())
-    except EvalError as exc:
-        console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
     console.print_json(json.dumps(summary))
     if output:
@@ -249,11 +204,7 @@ def eval_cmd(
         output.write_text(json.dumps(summary, indent=1))
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 if __name__ == "__main__":
     # SIGTERM unwinds like Ctrl-C, so every sandbox is closed and atexit clean-up runs.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     app()

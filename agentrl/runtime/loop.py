@@ -178,7 +178,19 @@ async def train(
     if cfg.eval.after:
         evals.append(await run_eval(cfg, parts, label="after", step=step, reporter=reporter))
     evals_path.write_text(json.dumps(evals, indent=1))
+    _plot(cfg, evals)
     return RunResult(step, evals, history, out, time.monotonic() - t0)
+
+
+def _plot(cfg: RunConfig, evals: list[dict[str, Any]]) -> None:
+    """`<out>/reward.png` when matplotlib is installed (the `local` extra has it)."""
+    try:
+        from agentrl.runtime.plot import plot_run
+
+        title = f"{cfg.env['name']}: GRPO + TIS ({cfg.out_dir.name})"
+        plot_run(cfg.out_dir / "metrics.jsonl", evals, cfg.out_dir / "reward.png", title=title)
+    except ImportError as exc:
+        log.info("no reward plot: %s", exc)
 
 
 async def close_parts(parts: RunParts) -> None:
@@ -189,3 +201,33 @@ async def close_parts(parts: RunParts) -> None:
         res = close()
         if asyncio.iscoroutine(res):
             await res
+
+
+async def evaluate_engine(
+    cfg: RunConfig,
+    engine: Engine,
+    tokenizer: Any,
+    *,
+    label: str,
+    reporter: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """pass@k of any engine (local, SGLang, an OpenAI-compatible API) on the configured
+    environment's eval rows; the environment and the engine are closed afterwards."""
+    from agentrl.environments import EnvContext, get_plugin
+
+    plugin = get_plugin(cfg.env["name"])
+    context = EnvContext(
+        tokenizer=tokenizer,
+        seed=cfg.seed,
+        out_dir=cfg.out_dir,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
+    )
+    env = plugin.build(plugin.Config.model_validate(cfg.env), context)
+    try:
+        parts = RunParts(env=env, engine=engine, trainer=None, transport=None)  # type: ignore[arg-type]
+        return await run_eval(cfg, parts, label=label, step=0, reporter=reporter)
+    finally:
+        await env.aclose()
+        await engine.aclose()
