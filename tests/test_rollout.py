@@ -150,14 +150,14 @@ async def test_a_finished_sample_frees_its_slot_at_once() -> None:
             await asyncio.wait_for(release.wait(), 10)
         else:
             starts_while_blocked.append(sample_index)
+            if len(starts_while_blocked) >= 20:
+                twenty.set()
         return await inner(row, group_id=group_id, sample_index=sample_index, **kw)
 
+    twenty = asyncio.Event()
     runner.run = slow_first  # type: ignore[method-assign]
     async with mgr:
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if len(starts_while_blocked) >= 20:
-                break
+        await asyncio.wait_for(twenty.wait(), 10)
         release.set()
         groups = await mgr.get_batch(timeout=10)
     # One of 4 slots is held the whole time; a manager that refilled by whole groups would stall
@@ -278,11 +278,18 @@ async def test_hung_episode_hits_the_wall_clock_cap_is_retried_and_closes_its_sa
 async def test_leaving_the_manager_cancels_running_episodes_and_closes_every_sandbox() -> None:
     slow = SimWorkload(engine_per_token_s=0.01, sandbox_create_s=0.001, median_turns=50, max_turns=100)
     mgr, _engine, provider, _runner = build(workload=slow, max_in_flight=24, max_staleness=None)
+    all_live = asyncio.Event()
+    create = provider.create
+
+    async def watched(run_id: str) -> Any:
+        sandbox = await create(run_id)
+        if provider.live_sandboxes() == 24:
+            all_live.set()
+        return sandbox
+
+    provider.create = watched  # type: ignore[method-assign]
     async with mgr:
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if provider.live_sandboxes() == 24:
-                break
+        await asyncio.wait_for(all_live.wait(), 10)
         assert mgr.running == 24 and provider.live_sandboxes() == 24
     assert provider.live_sandboxes() == 0 and mgr.running == 0 and provider.created == provider.closed
 
