@@ -31,7 +31,6 @@ from typing import Any, TypeVar
 from agentrl.engine.base import EngineAborted, EngineError
 from agentrl.errors import InfraError
 from agentrl.sample import Episode, Sample, Status
-from agentrl.sandbox.base import SandboxCreateError, SandboxTransportError
 
 T = TypeVar("T")
 
@@ -208,7 +207,7 @@ class SimSandbox:
             await asyncio.Event().wait()  # never set: a stuck transport; the episode cap ends it
         await asyncio.sleep(seconds)
         if transport_error:
-            raise SandboxTransportError(f"connection to {self.sandbox_id} reset during exec")
+            raise InfraError(f"connection to {self.sandbox_id} reset during exec", cause="sandbox_transport")
 
     async def close(self) -> None:
         self.provider._live.discard(self.sandbox_id)
@@ -231,7 +230,7 @@ class SimSandboxProvider:
         await asyncio.sleep(self.workload.sandbox_create_s)
         if self.faults.create_failure and self.rng.random() < self.faults.create_failure:
             self.create_failures += 1
-            raise SandboxCreateError(f"sandbox for {run_id} failed to start (injected)")
+            raise InfraError(f"sandbox for {run_id} failed to start (injected)", cause="sandbox_create")
         self.created += 1
         sandbox = SimSandbox(self, f"sim-{self.created}")
         self._live.add(sandbox.sandbox_id)
