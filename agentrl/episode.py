@@ -109,7 +109,11 @@ def _episode_from_run(
         prompt_id=prompt_id,
         sample_index=sample_index,
         timings=dict(timings),
-        metadata={"malformed_turns": run.malformed_turns, "turns": len(run.turns)},
+        metadata={
+            "malformed_turns": run.malformed_turns,
+            "turns": len(run.turns),
+            "version_mismatches": run.version_mismatches,
+        },
     )
 
 

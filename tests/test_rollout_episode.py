@@ -82,7 +82,8 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
     verifier_runs = [0]
 
     def grade(sb) -> float | None:  # type: ignore[no-untyped-def]
-        # Every 25th verifier run crashes (writes no reward): infra, never a 0.
+        # Every 25th verifier run writes no reward: the agent's work could have caused it, so it is
+        # a policy failure with reward 0 and its cause (docs/failures.md), not a re-rolled infra error.
         verifier_runs[0] += 1
         if verifier_runs[0] % 25 == 1:
             return None
@@ -140,7 +141,9 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
             await mgr.update_weights(sync)
     assert len(trained) == 96
     assert dict(mgr.counters.failures) == raised
-    assert set(raised) == {"sandbox_create", "sandbox_transport", "engine_unavailable", "verifier_error"}
+    assert set(raised) == {"sandbox_create", "sandbox_transport", "engine_unavailable"}
+    # A verifier that wrote no reward after the agent worked is a policy outcome (docs/failures.md).
+    assert any(s.failure_cause == "verifier_error" and s.reward == 0.0 for s, _ in trained)
     assert engine.rejected > 0
     assert all(s is not None and s.status is not Status.FAILED_INFRA for s, _ in trained)
     assert {s.reward for s, _ in trained} == {0.0, 1.0}

@@ -94,6 +94,7 @@ class AgentRun:
     infra_error: InfraError | None = None
     policy_error: SandboxPolicyError | None = None  # reward 0, counted under its `cause`
     timings: dict[str, float] = field(default_factory=dict)
+    version_mismatches: int = 0  # generations answered under an unexpected weight version
 
     @property
     def n_generated(self) -> int:
@@ -163,6 +164,9 @@ class _TokenSession:
         self.traj = traj
         self.session_id = session_id
         self.engine_timeout_s = engine_timeout_s
+        # Pieces generated under a weight version the engine did not expect (e.g. a router replayed
+        # the request on a server that missed an update): recorded, so the run can count them.
+        self.version_mismatches = 0
 
     def context_len(self) -> int:
         return self.traj.context_len()
@@ -193,6 +197,7 @@ class _TokenSession:
             ids += gen.output_ids
             logps += gen.logprobs
             versions.append(gen.weight_version)
+            self.version_mismatches += int(gen.version_mismatch)
             finish = gen.finish_reason
         return self.traj.add_generation(ids, logps, versions), finish, versions
 
@@ -405,6 +410,7 @@ async def run_agent(
         infra_error=infra,
         policy_error=policy,
         timings={"engine_s": engine_s, "sandbox_s": sandbox_s, "agent_s": time.monotonic() - start},
+        version_mismatches=getattr(session, "version_mismatches", 0),
     )
 
 

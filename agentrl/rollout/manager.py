@@ -34,9 +34,9 @@ for a failed sample, and no infrastructure failure becomes a reward.
 
 Weight updates: `update_weights(sync_fn, mode)` is the one pause/resume wrapper of a weight sync. It
 closes admission, pauses the engines, flushes their caches after an "abort" pause (never after
-"in_place": requests are still queued then, and a real SGLang 0.5.16 scheduler dies on a flush that
-fails during a weight update), runs `sync_fn`, checks that the version moved by exactly one, and
-always resumes the engines and admission. Modes:
+"in_place" or "retract": requests are still queued then, and a real SGLang 0.5.16 scheduler dies on
+a flush that fails during a weight update), runs `sync_fn`, checks that the version moved by exactly
+one, and always resumes the engines and admission. Modes:
 - "abort": in-flight generations return early (finish reason abort) and the agent loop re-sends
   that turn on the new weights; every turn records the version it was generated with.
 - "in_place": in-flight generations are held and continue after the load with the NEW weights on
@@ -149,6 +149,9 @@ class Counters:
     stale_groups: int = 0
     stale_cancelled: int = 0  # groups cancelled in flight as certain to exceed max_staleness
     internal_errors: int = 0  # untyped exceptions out of a runner, caught per episode
+    # Generations answered under another weight version than expected (a replay on a server that
+    # missed an update): their turns record the version they really had, and are counted here.
+    version_mismatches: int = 0
     infra_scored: int = 0  # must stay 0: an infra failure that reached a group with a reward
     # Every scored training episode of a finished group, whether the dynamic filter kept it or not:
     # the policy's pass rate as the rollouts see it (the kept groups alone are biased towards 0.5).
@@ -351,6 +354,7 @@ class RolloutManager:
             return "internal_error"
         if episode.status is Status.FAILED_INFRA:
             return episode.failure_cause or "infra"
+        self.counters.version_mismatches += int(episode.metadata.get("version_mismatches", 0))
         episode.prompt_id = group.uid
         episode.sample_index = idx
         episode.start_version = version
@@ -520,9 +524,10 @@ class RolloutManager:
             try:
                 async with asyncio.timeout(cfg.control_timeout_s):
                     await self.control.pause(mode)
-                    if mode != "in_place":
-                        # Requests are gone (abort) or back in the queue with their KV freed
-                        # (retract): the cache can and must be dropped before new weights land.
+                    if mode == "abort":
+                        # No request is left, so the cache can and must be dropped before new
+                        # weights land. Never after in_place or retract: the requests still sit in
+                        # the scheduler's queues and SGLang 0.5.16 refuses (is_fully_idle) a flush.
                         await self.control.flush_cache()
                 before = self.control.weight_version
                 async with asyncio.timeout(cfg.sync_timeout_s):

@@ -38,6 +38,7 @@ class StepMetrics:
     stale_groups: int  # evicted from the buffer
     stale_cancelled: int  # cancelled in flight
     internal_errors: int  # untyped exceptions out of runners, caught per episode
+    version_mismatches: int  # generations answered under an unexpected weight version
     staleness_hist: dict[int, int]  # versions behind at consumption -> samples
     in_flight: int
     buffered_groups: int
@@ -127,6 +128,7 @@ class MetricsTracker:
             stale_groups=_delta(counters, self._last, "stale_groups"),
             stale_cancelled=_delta(counters, self._last, "stale_cancelled"),
             internal_errors=_delta(counters, self._last, "internal_errors"),
+            version_mismatches=_delta(counters, self._last, "version_mismatches"),
             staleness_hist=dict(hist),
             in_flight=mgr.running,
             buffered_groups=mgr.buffer.n_groups,
@@ -167,6 +169,7 @@ def render(m: StepMetrics) -> Table:
         ("pass rate (trained / all finished)", f"{m.pass_rate:.1%} / {m.rollout_pass_rate:.1%}"),
         ("truncated / policy-failed", f"{m.truncation_ratio:.1%} / {m.policy_failure_ratio:.1%}"),
         ("infra failures", ", ".join(f"{c}={n}" for c, n in sorted(m.failures_by_cause.items())) or "0"),
+        ("internal errors / version mismatches", f"{m.internal_errors} / {m.version_mismatches}"),
         (
             "exhausted / filtered / stale (buffer, in flight)",
             f"{m.samples_exhausted} / {m.groups_filtered} / {m.stale_groups}, {m.stale_cancelled}",

@@ -123,6 +123,9 @@ async def train(
     start_step = 0
     rollout_state: dict[str, Any] | None = None
     evals: list[dict[str, Any]] = []
+    refresh = getattr(parts.engine, "refresh_weight_version", None)
+    if refresh is not None:  # a fleet of servers: start from the version they really serve
+        await refresh()
     if cfg.checkpoint.resume and (ckpt_root / "latest").exists():
         state = parts.trainer.load(ckpt_root)
         start_step = int(state.buffer_state.get("step", state.step))
