@@ -29,9 +29,9 @@ KLKind = Literal["k1", "k2", "k3"]
 @dataclass(frozen=True)
 class LossConfig:
     """Every loss knob. Defaults follow the GLM-5.2 RL recipe (clip 0.2 / 0.28, TIS 0.5 / 2.0)."""
+
     # Unknown keys in a run configuration are errors, not silently dropped settings.
     __pydantic_config__ = ConfigDict(extra="forbid")
-
 
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
@@ -248,6 +248,7 @@ def grpo_loss(
         per_token = per_token * w
         metrics.update(tis_stats)
     metrics.update(mismatch_kl(old_logp, rollout_logp, mask))
+
     def reduce(x: torch.Tensor) -> torch.Tensor:
         if token_weights is not None:
             return (x * token_weights.to(x.dtype) * mask).sum()

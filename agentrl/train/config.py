@@ -20,9 +20,9 @@ class TrainConfig:
     measured against the same recomputed old log-probs (so PPO clipping has something to clip).
     `dtype` "auto" trains fp32 on CPU and bf16 autocast over fp32 weights on GPU.
     """
+
     # Unknown keys in a run configuration are errors, not silently dropped settings.
     __pydantic_config__ = ConfigDict(extra="forbid")
-
 
     lr: float = 1e-6
     weight_decay: float = 0.1
