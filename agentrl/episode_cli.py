@@ -95,11 +95,7 @@ def run_cmd(
     except AgentRLError as exc:
         console.print(f"[red]{_safe(str(exc))}[/red]")
         raise typer.Exit(2) from None
-    renderer = (
-        ChatRenderer.for_format(tok, action_format)
-        if tok
-        else None
-    )
+    renderer = ChatRenderer.for_format(tok, action_format) if tok else None
     config = EpisodeConfig(
         action_format=action_format,
         agent=AgentConfig(
