@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,48 +162,20 @@ async def fleet_behind_router(model_dir: Path) -> AsyncIterator[tuple[list[Worke
             await w.stop()
 
 
-def _buckets(model: Any, bucket_bytes: int = 256 * 1024) -> Iterator[list[tuple[str, Any]]]:
-    """`trainer.export_weights` in miniature: state_dict pairs in buckets of bounded size."""
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, t in model.state_dict().items():
-        t = t.detach()
-        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
-
-
-def _sft_step(policy: Any, optimizer: Any, segments: list[Any]) -> None:
-    """A real optimizer step on the generated tokens (the weights must change; the loss does not
-    matter here)."""
-    optimizer.zero_grad()
-    losses = []
-    for s in segments:
-        tokens = torch.tensor([s.tokens])
-        logp = torch.log_softmax(policy(tokens).logits[0, :-1].float(), -1)
-        picked = logp.gather(1, tokens[0, 1:, None])[:, 0][s.prompt_length - 1 :]
-        mask = torch.tensor(s.loss_mask, dtype=picked.dtype)
-        losses.append(-(picked * mask).sum() / mask.sum().clamp(min=1))
-    torch.stack(losses).mean().backward()
-    optimizer.step()
-
-
 async def _manager_step(
-    mgr: Any, policy: Any, optimizer: Any, sync: Callable[[int], Awaitable[None]], mode: str, fleet: Any
+    mgr: Any, trainer: Any, sync: Callable[[int], Awaitable[None]], mode: str, fleet: Any
 ) -> list[Any]:
-    """The manager-facing part, in one place: take a batch, train on it, sync through the manager's
-    pause/resume wrapper. Returns the batch's episodes."""
+    """The runtime's step, in one place: take a batch, advantages once per episode, a GRPO step
+    of the torch trainer, then the weights out through the manager's pause/resume wrapper."""
+    from agentrl.train.batch import training_samples
+
     groups = await mgr.get_batch(timeout=120)
-    episodes = [ep for g in groups for ep in g.episodes if ep is not None]
-    segments = [s for ep in episodes if ep.trainable for s in ep.segments]
-    await asyncio.to_thread(_sft_step, policy, optimizer, segments)
+    samples = training_samples([g.episodes for g in groups])
+    if samples:
+        await asyncio.to_thread(trainer.train_step, samples)
     version = fleet.weight_version + 1
     await mgr.update_weights(lambda: sync(version), mode=mode)
-    return episodes
+    return [ep for g in groups for ep in g.episodes if ep is not None]
 
 
 @pytest.mark.skipif(_smg() is None, reason="smg (the SGLang router, `pip install smg`) is not installed")
@@ -218,12 +190,17 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
     from agentrl.models.tiny import tiny_model_dir
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
     from agentrl.sandbox.fake import FakeSandboxProvider
+    from agentrl.train.config import TrainConfig
+    from agentrl.train.torch_backend import TorchTrainer
     from agentrl.train.weight_sync import DiskTransport, TensorTransport
 
     model_dir = Path(tiny_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    # Weight decay moves every weight even in a step whose groups carry no signal.
+    trainer = TorchTrainer(
+        policy, TrainConfig(lr=1e-3, weight_decay=0.1, logprob_chunk_size=None), device="cpu"
+    )
     async with fleet_behind_router(model_dir) as (workers, router_url):
         a, b = workers
         fleet = SGLangEngine(router_url=router_url, worker_urls=[a.url, b.url], retries=3)
@@ -231,13 +208,14 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
         tensor = TensorTransport([fleet])
 
         async def by_disk(version: int) -> None:
-            await disk.push(_buckets(policy), version=version)
+            await disk.push(trainer.export_weights(bucket_bytes=256 * 1024), version=version)
 
         async def by_tensor(version: int) -> None:
-            await tensor.push(_buckets(policy), version=version)
+            await tensor.push(trainer.export_weights(bucket_bytes=256 * 1024), version=version)
 
         provider = FakeSandboxProvider(seed=0)
-        provider.grader = lambda sb: 1.0 if any("echo hello >" in c for c in sb.commands) else 0.0
+        # A random-init model never solves the task; alternate rewards so groups carry signal.
+        provider.grader = lambda sb: float(int(sb.sandbox_id.rsplit("-", 1)[-1]) % 2)
         runner = EpisodeRunner(
             provider=provider,
             engine=fleet,
@@ -268,21 +246,21 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
             assert await fleet.refresh_weight_version() == 0
             async with RolloutManager(runner, fleet, rows, config, seed=0) as mgr:
                 # Step 1: in_place pause (no flush: requests are still held), weights by disk.
-                await _manager_step(mgr, policy, optimizer, by_disk, "in_place", fleet)
+                await _manager_step(mgr, trainer, by_disk, "in_place", fleet)
                 assert await fleet.weight_versions() == {a.url: 1, b.url: 1}
                 # Step 2: abort pause (the manager flushes every worker), weights by tensor.
-                await _manager_step(mgr, policy, optimizer, by_tensor, "abort", fleet)
+                await _manager_step(mgr, trainer, by_tensor, "abort", fleet)
                 assert await fleet.weight_versions() == {a.url: 2, b.url: 2}
-                head = policy.lm_head.weight.detach().clone()
+                head = trainer.model.lm_head.weight.detach().clone()
 
                 # Step 3: worker a dies while it generates; the router replays its requests on b
                 # and the fleet's control plane goes on with b alone.
                 await _wait_for(lambda: _positive(a.running()), "a request running on worker a", 60)
                 await a.kill()
-                await _manager_step(mgr, policy, optimizer, by_tensor, "in_place", fleet)
+                await _manager_step(mgr, trainer, by_tensor, "in_place", fleet)
                 assert list(fleet.dead_workers) == [a.url]
                 assert await fleet.weight_versions() == {b.url: 3}
-                assert not torch.equal(head, policy.lm_head.weight.detach())  # new weights went out
+                assert not torch.equal(head, trainer.model.lm_head.weight.detach())  # new weights went out
 
                 # Worker a comes back with its launch weights (version 0); the router sends its
                 # keys to it again. Then b dies in the middle of a turn: the router replays that
@@ -314,7 +292,7 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
                 assert fleet.version_mismatches == before + 1
 
                 # The run goes on with a alone: the next sync puts a on the fleet's version.
-                await _manager_step(mgr, policy, optimizer, by_disk, "abort", fleet)
+                await _manager_step(mgr, trainer, by_disk, "abort", fleet)
                 assert await fleet.weight_versions() == {a.url: 4}
                 assert b.url in fleet.dead_workers and a.url not in fleet.dead_workers
         finally:
