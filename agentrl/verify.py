@@ -1,18 +1,18 @@
 """The verifier, shared by the oracle sweep and the episode runner (Harbor 0.25's algorithm, hardened
 against an agent that tries to forge its reward; `docs/failures.md`).
 
-1. Stop every process the agent started (`Sandbox.stop_processes`): nothing it left running can
-   rewrite the reward, the tests or their inputs while they run.
+1. Stop every process the agent started (`Sandbox.stop_processes`; servers listening on a socket
+   survive, as a task may ask for a service): nothing it left running can rewrite the reward, the
+   tests or their inputs while they run.
 2. Look for tampering from outside the sandbox (`Sandbox.tampered_paths`: changed system files or
-   an interpreter, `sitecustomize`, `.pth` or pytest configuration planted where the tests would
-   pick it up). Tampering is the outcome `tampered`, reward 0: a policy failure.
+   an interpreter, a module shadowing the test harness (`pytest.py`), `sitecustomize`, `.pth` or
+   pytest configuration planted where the tests would pick it up). Tampering is the outcome `tampered`, reward 0: a policy failure.
 3. Remove `/tests` and `/logs/verifier` whatever they are now (the agent may have planted a
    conftest.py, made test.sh a directory or /logs a file) and recreate them; upload `tests/` to
    `/tests` only now: tests are never inside the sandbox during the agent phase.
 4. Run `/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1` in the task's working directory with
-   `[verifier.env]` and the verifier timeout, Python made unable to import from the working
-   directory or the user site, or to read planted byte code (`VERIFIER_PYTHON_ENV`; the task's
-   own env wins). Its exit code is ignored, as in Harbor.
+   `[verifier.env]` and the verifier timeout, Python made unable to read planted byte code
+   (`VERIFIER_PYTHON_ENV`; the task's own env wins). Its exit code is ignored, as in Harbor.
 5. Copy `/logs/verifier` out of the sandbox (through the backend, never the sandbox's own `cat`)
    and read `reward.json` (takes precedence; every value numeric and finite) or `reward.txt`.
 
@@ -41,10 +41,12 @@ PASS_THRESHOLD = 1.0
 REWARD_RANGE = (0.0, 1.0)
 REWARD_FILE_LIMIT = 64 * 1024  # bytes; a larger reward file is a verifier error, never read whole
 VERIFIER_PYTHON_ENV = {
-    "PYTHONSAFEPATH": "1",  # no working directory (or script directory) on sys.path: no shadowing
+    # Planted byte code is never read (the cache lives elsewhere, emptied first) and none is
+    # written. Module shadowing from the working directory (a `pytest.py` next to the work) is
+    # detected as tampering instead of blocked with PYTHONSAFEPATH, which would also break the
+    # many tests that import the project from the working directory.
     "PYTHONDONTWRITEBYTECODE": "1",
-    "PYTHONNOUSERSITE": "1",
-    "PYTHONPYCACHEPREFIX": "/tmp/.agentrl-verifier-pycache",  # emptied first: planted .pyc never read
+    "PYTHONPYCACHEPREFIX": "/tmp/.agentrl-verifier-pycache",
 }
 PREPARE = (
     "rm -rf /tests /logs/verifier /tmp/.agentrl-verifier-pycache"

@@ -34,6 +34,7 @@ SUSPICIOUS_ADDITIONS = re.compile(
     r"^/etc/ld\.so\.preload$"
     r"|^/usr/(?:local/)?lib/python3[^/]*/"  # new modules, .pth files, sitecustomize on sys.path
     r"|/(?:sitecustomize|usercustomize)\.py$"
+    r"|/(?:pytest|_pytest|pluggy|py|iniconfig)(?:\.py|/__init__\.py)$"  # shadows the test harness
     r"|^/(?:conftest\.py|pytest\.ini|pyproject\.toml|tox\.ini|setup\.cfg|setup\.py)$"  # pytest's rootdir
     r"|^/(?:usr/(?:local/)?)?s?bin/(?:python[0-9.]*|pytest|py\.test|pip[0-9.]*|uvx?|bash|sh|dash|env|"
     r"cat|timeout|perl|node)$"  # a shadowing interpreter earlier on PATH

@@ -34,6 +34,7 @@ import re
 import shlex
 import socket
 import tarfile
+import tempfile
 import threading
 import time
 import uuid
@@ -60,6 +61,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from agentrl.errors import AgentRLError
 from agentrl.sandbox.base import (
     DEFAULT_OUTPUT_LIMIT,
+    SYSTEM_PREFIXES,
     ExecResult,
     ImageBuildError,
     Sandbox,
@@ -69,6 +71,7 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     SandboxTransportError,
     bound_output,
+    tampered,
 )
 from agentrl.sandbox.credentials import DaytonaCredentials
 
@@ -221,6 +224,7 @@ class DaytonaSandbox(Sandbox):
         self._session_lock = asyncio.Lock()
         self._last_activity = time.monotonic()
         self._keepalive: asyncio.Task[None] | None = None
+        self.created_at = time.time()
 
     def __repr__(self) -> str:
         return f"DaytonaSandbox({self.sandbox_id!r}, task={self.task_id!r})"
@@ -388,6 +392,28 @@ class DaytonaSandbox(Sandbox):
 
     async def stop_processes(self) -> None:
         await self.exec(STOP_PROCESSES, timeout=120)
+
+    async def tampered_paths(self) -> list[str] | None:
+        """Daytona has no `diff` against the image: files whose status changed since the sandbox
+        was created (`find -newerct`: a ctime cannot be set back) under the system prefixes, and
+        suspicious additions anywhere. It runs the sandbox's own `find`, so it is best effort: an
+        agent that replaced `find` itself can hide from it (podman's check does not share this)."""
+        since = int(self.created_at) - 120  # slack for a sandbox clock behind the host's
+        prune = " -o ".join(f"-path {p}" for p in ("/proc", "/sys", "/dev", "/run", "/tmp", "/logs"))
+        name = f".agentrl-tamper-{uuid.uuid4().hex}"
+        # The list travels as a file through the file API: the exec reply passes the sandbox's `cat`.
+        await self.exec(
+            f"find / -xdev \\( {prune} \\) -prune -o ! -type d -newerct @{since} -print > /tmp/{name} 2>/dev/null",
+            timeout=300,
+        )
+        with tempfile.TemporaryDirectory(prefix="agentrl-tamper-") as tmp:
+            if not await self.fetch_files("/tmp", [name], Path(tmp)):
+                return ["/tmp (the list of changed files could not be written)"]
+            listing = (Path(tmp) / name).read_text(errors="replace")
+        await self.exec(f"rm -f /tmp/{name}", timeout=60)
+        paths = [p for p in listing.splitlines() if p.startswith("/")]
+        changed = [p for p in paths if p.startswith(SYSTEM_PREFIXES) and not p.startswith("/usr/local/")]
+        return tampered(changed, [], paths)
 
     async def fetch_files(self, directory: str, names: list[str], dst: Path) -> list[str]:
         """All files in one request to the toolbox's file API: no `test` or `tar` run by the

@@ -650,10 +650,11 @@ class PodmanSandbox(Sandbox):
 
     # -- verification support ---------------------------------------------------------------------
     async def stop_processes(self) -> None:
-        """Kill every process in the container but its init, the persistent shell included (a new
-        one starts on the next exec). From the host where it can (stopped, then killed, by PID
+        """Kill every process in the container but its init and the servers listening on a socket
+        (a task may ask for a service its tests talk to), the persistent shell included (a new one
+        starts on the next exec). From the host where it can (stopped, then killed, by PID
         namespace: no tool inside the container takes part, and a fork bomb that filled the pids
-        limit cannot block it), else through a fresh `exec`."""
+        limit cannot block it), else through a fresh `exec` (which kills the listeners too)."""
         if self._shell is not None:
             self._shell.kill()
             self._shell = None
@@ -761,19 +762,63 @@ class PodmanSandbox(Sandbox):
         return res.exit_code == 0
 
 
-def _kill_namespace(init_pid: int) -> bool:
+def _listening_inodes(pid: int) -> set[str]:
+    """Socket inodes in LISTEN state in the network namespace of `pid` (TCP, TCP6, unix)."""
+    found: set[str] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as fh:
+                next(fh, None)
+                for line in fh:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A":
+                        found.add(cols[9])
+        except OSError:
+            continue
+    try:
+        with open(f"/proc/{pid}/net/unix") as fh:
+            next(fh, None)
+            for line in fh:
+                cols = line.split()
+                if len(cols) > 6 and int(cols[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+                    found.add(cols[6])
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _is_listener(pid: int, listening: set[str]) -> bool:
+    try:
+        fds = os.scandir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    with fds:
+        for fd in fds:
+            try:
+                link = os.readlink(fd.path)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in listening:
+                return True
+    return False
+
+
+def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
     """SIGSTOP, then SIGKILL, every host process in the PID namespace of `init_pid` but the init
-    itself, sweeping until none is left. False when this host cannot see that namespace (another
-    user's, a remote engine): the caller kills from inside instead."""
+    itself (and, with `keep_listeners`, the servers listening on a socket: tasks ask for services
+    the tests talk to), sweeping until none is left. False when this host cannot see that
+    namespace (another user's, a remote engine): the caller kills from inside instead."""
     try:
         ns = os.readlink(f"/proc/{init_pid}/ns/pid")
     except OSError:
         return False
+    kept: set[int] = set()
+    listening = _listening_inodes(init_pid) if keep_listeners else set()
 
     def members() -> list[int]:
         found = []
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and int(entry.name) != init_pid:
+            if entry.name.isdigit() and int(entry.name) not in kept and int(entry.name) != init_pid:
                 try:
                     if os.readlink(f"/proc/{entry.name}/ns/pid") == ns:
                         found.append(int(entry.name))
@@ -781,6 +826,8 @@ def _kill_namespace(init_pid: int) -> bool:
                     continue  # gone, a zombie, or not ours to inspect
         return found
 
+    if listening:
+        kept.update(p for p in members() if _is_listener(p, listening))
     for _ in range(100):
         alive = members()
         if not alive:
