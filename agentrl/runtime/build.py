@@ -23,7 +23,13 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any) -> Any:
     if cfg.engine.kind == "local":
         from agentrl.engine.local import LocalEngine
 
-        return LocalEngine(copy.deepcopy(policy).eval(), tokenizer, device=cfg.engine.device)
+        return LocalEngine(
+            copy.deepcopy(policy).eval(),
+            tokenizer,
+            device=cfg.engine.device,
+            max_batch=cfg.engine.local_max_batch,
+            logprob_mode=cfg.engine.local_logprob_mode,
+        )
     from agentrl.engine.sglang import SGLangEngine
 
     if bool(cfg.engine.urls) == bool(cfg.engine.router_url):
@@ -31,13 +37,18 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any) -> Any:
             "engine.kind=sglang needs engine.urls (worker URLs) or engine.router_url (with the "
             "workers behind it), one of the two"
         )
-    if cfg.engine.router_url:
-        return SGLangEngine(
-            router_url=cfg.engine.router_url,
-            worker_urls=cfg.engine.urls or None,
-            request_timeout_s=cfg.engine.request_timeout_s,
-        )
-    return SGLangEngine(cfg.engine.urls, request_timeout_s=cfg.engine.request_timeout_s)
+    e = cfg.engine
+    options: dict[str, Any] = {
+        "request_timeout_s": e.request_timeout_s,
+        "control_timeout_s": e.control_timeout_s,
+        "connect_timeout_s": e.connect_timeout_s,
+        "retries": e.retries,
+        "on_version_mismatch": e.on_version_mismatch,
+        "flush_wait_s": e.flush_wait_s,
+    }
+    if e.router_url:
+        return SGLangEngine(router_url=e.router_url, worker_urls=e.urls or None, **options)
+    return SGLangEngine(e.urls, **options)
 
 
 def build_transport(cfg: RunConfig, engine: Any) -> Any:
@@ -49,18 +60,20 @@ def build_transport(cfg: RunConfig, engine: Any) -> Any:
             raise AgentRLError(
                 "sync.transport=in_process needs engine.kind=local; use disk, tensor or distributed"
             )
-        return ws.InProcessTransport([engine])
+        return ws.InProcessTransport([engine], timeout=s.timeout_s)
     if s.transport == "disk":
+        directory = s.directory or str(cfg.out_dir / "weights")
         return ws.DiskTransport(
-            [engine], s.directory or str(cfg.out_dir / "weights"), model_files_from=cfg.engine.model
+            [engine], directory, keep=s.keep, model_files_from=cfg.engine.model, timeout=s.timeout_s
         )
     if s.transport == "tensor":
-        return ws.TensorTransport([engine], tp_size=s.tp_size)
+        return ws.TensorTransport([engine], tp_size=s.tp_size, timeout=s.timeout_s)
     return ws.DistributedTransport(
         [engine],
         master_address=s.master_address,
         master_port=s.master_port,
         backend="nccl" if torch.cuda.is_available() else "gloo",
+        timeout=s.timeout_s,
     )
 
 

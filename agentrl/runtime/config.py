@@ -48,8 +48,26 @@ class EngineSettings(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: `model`).")
     urls: list[str] = Field(default_factory=list, description="SGLang worker URLs (kind=sglang).")
     router_url: str | None = Field(None, description="SGLang router URL (kind=sglang; data plane).")
-    request_timeout_s: float = 1800.0
     device: str = Field("cpu", description="Device of the local engine and torch trainer.")
+    local_max_batch: int = Field(16, ge=1, description="kind=local: requests batched per forward pass.")
+    local_logprob_mode: Literal["processed", "original"] = Field(
+        "processed",
+        description="kind=local: log-probs after temperature (SGLang's default) or of the raw logits.",
+    )
+    request_timeout_s: float = Field(1800.0, description="kind=sglang: one /generate call.")
+    control_timeout_s: float = Field(120.0, description="kind=sglang: one control call (pause, update...).")
+    connect_timeout_s: float = 10.0
+    retries: int = Field(
+        5, ge=1, description="kind=sglang: re-sends of a request that was provably not served."
+    )
+    on_version_mismatch: Literal["flag", "raise"] = Field(
+        "flag",
+        description="kind=sglang: a generation answered under an unexpected weight version (a replay on "
+        "a server that missed an update) is counted (flag) or retried as an engine error (raise).",
+    )
+    flush_wait_s: float = Field(
+        60.0, description="kind=sglang: how long a busy server's cache flush is retried."
+    )
 
 
 class SyncSettings(_Section):
@@ -66,6 +84,8 @@ class SyncSettings(_Section):
         None, description="Disk transport: where versions are written (default <out>/weights)."
     )
     bucket_mb: int = Field(512, gt=0)
+    keep: int = Field(2, ge=1, description="Disk transport: newest versions kept on disk.")
+    timeout_s: float = Field(600.0, gt=0, description="Each engine call of a push.")
     tp_size: int | None = Field(
         None,
         ge=1,
@@ -85,6 +105,9 @@ class EvalSettings(_Section):
     ks: list[int] = Field(default_factory=lambda: [1])
     concurrency: int = Field(4, ge=1)
     max_attempts: int = Field(3, ge=1)
+    max_unscored_fraction: float = Field(
+        0.5, ge=0, le=1, description="Fail an eval with more unscored episodes than this (infra down)."
+    )
 
 
 class CheckpointSettings(_Section):

@@ -81,6 +81,7 @@ async def run_eval(
         concurrency=cfg.eval.concurrency,
         max_attempts=cfg.eval.max_attempts,
         pass_threshold=cfg.rollout.pass_threshold,
+        max_unscored_fraction=cfg.eval.max_unscored_fraction,
         label=label,
     )
     result = {**summary.to_dict(), "step": step, "weight_version": parts.engine.weight_version}
