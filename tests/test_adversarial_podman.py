@@ -253,3 +253,21 @@ async def test_oversized_instruction_is_refused_before_any_sandbox(
     with pytest.raises(TaskFormatError, match="cap"):
         await episode(provider, HONEST, run_id, task=task)
     assert provider.live_sandboxes() == 0
+
+
+async def test_a_listening_service_survives_verification_other_processes_do_not(
+    provider: PodmanProvider, run_id: str
+) -> None:
+    """Tasks may ask for a service the tests talk to; everything else the agent left is killed."""
+    async with await provider.create(load_task(GUARDED), run_id=run_id) as sb:
+        await sb.exec(
+            "python3 -m http.server 8011 --bind 127.0.0.1 >/dev/null 2>&1 & "
+            "(while :; do sleep 0.05; done) >/dev/null 2>&1 & "
+            "setsid bash -c 'while :; do sleep 0.05; done' >/dev/null 2>&1 </dev/null & sleep 1"
+        )
+        await sb.stop_processes()
+        ps = await sb.exec("ps -eo pid,args")
+        assert "http.server 8011" in ps.stdout
+        assert "while" not in ps.stdout and "sleep 0.05" not in ps.stdout
+        probe = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8011/').status)\""
+        assert (await sb.exec(probe, timeout=30)).stdout == "200\n"
