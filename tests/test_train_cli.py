@@ -43,3 +43,19 @@ def test_replay_dry_run_prints_the_resolved_config_and_rejects_unknown_settings(
     assert bad.exit_code != 0 and "loss.bogus: Unexpected keyword argument" in bad.output
     worse = runner.invoke(app, ["train", "replay", "x", "--dry-run", "--set", "lr=-1"])
     assert worse.exit_code != 0 and "lr must be > 0" in worse.output
+
+
+def test_train_run_resolves_any_config_and_names_what_is_wrong(tmp_path):
+    (tmp_path / "run.toml").write_text('[engine]\nmodel = "/m"\n[env]\nbackend = "fake"\n')
+    runner = CliRunner()
+    ok = runner.invoke(
+        app, ["train", "run", "--config", str(tmp_path / "run.toml"), "--dry-run", "--set", "steps=3"]
+    )
+    assert ok.exit_code == 0, ok.output
+    cfg = json.loads(ok.stdout)
+    assert cfg["steps"] == 3 and cfg["engine"]["model"] == "/m" and cfg["env"]["name"] == "tbench2"
+    assert cfg["env"]["backend"] == "fake" and cfg["env"]["agent"]["max_turns"] == 20
+    bad = runner.invoke(app, ["train", "run", "--set", "env.name=nope"])
+    assert bad.exit_code == 2 and "unknown environment 'nope'" in bad.output
+    missing = runner.invoke(app, ["train", "run", "--set", "env.backend=fake"])
+    assert missing.exit_code == 2 and "engine.model is not set" in missing.output

@@ -21,6 +21,8 @@ from agentrl.errors import AgentRLError
 from agentrl.rollout.manager import RolloutConfig
 from agentrl.train.config import TrainConfig
 
+DEFAULT_ENV = "tbench2"
+
 
 class ConfigError(AgentRLError):
     """A run configuration cannot be read, parsed or validated."""
@@ -123,7 +125,7 @@ class RunConfig(_Section):
     steps: int = Field(32, ge=1, description="Rollout steps (one weight version each).")
     batch_timeout_s: float = Field(900.0, gt=0, description="Longest wait for one batch of groups.")
     torch_threads: int = Field(2, ge=1)
-    env: dict[str, Any] = Field(default_factory=lambda: {"name": "tbench2"})
+    env: dict[str, Any] = Field(default_factory=lambda: {"name": DEFAULT_ENV})
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(batch_size=16))
@@ -139,6 +141,7 @@ class RunConfig(_Section):
         from agentrl.environments import resolve_config
 
         data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+        data.setdefault("name", DEFAULT_ENV)
         try:
             return resolve_config(data).model_dump()
         except (ValidationError, AgentRLError) as exc:
