@@ -242,7 +242,7 @@ async def test_reward_out_of_range_is_a_verifier_error_with_the_value(
     )
 
 
-async def test_oversized_instruction_is_refused_before_any_sandbox(
+async def test_oversized_instruction_is_refused_with_a_task_error(
     provider: PodmanProvider, run_id: str, tmp_path: Path
 ) -> None:
     task_dir = tmp_path / "huge"
