@@ -29,7 +29,7 @@ BUILTIN = {
 }
 
 
-class EnvironmentError(AgentRLError):
+class EnvironmentPluginError(AgentRLError):
     """An environment plugin cannot be found, configured or built."""
 
 
@@ -79,7 +79,7 @@ def available() -> dict[str, str]:
 def get_plugin(name: str) -> EnvironmentPlugin:
     known = available()
     if name not in known:
-        raise EnvironmentError(
+        raise EnvironmentPluginError(
             f"unknown environment {name!r}: choose one of {', '.join(sorted(known))}, or install a "
             "package that registers it in the 'agentrl.environments' entry-point group"
         )
@@ -87,7 +87,7 @@ def get_plugin(name: str) -> EnvironmentPlugin:
     try:
         plugin = getattr(importlib.import_module(module), attr or "plugin")
     except (ImportError, AttributeError) as exc:
-        raise EnvironmentError(f"environment {name!r} ({known[name]}) cannot be loaded: {exc}") from exc
+        raise EnvironmentPluginError(f"environment {name!r} ({known[name]}) cannot be loaded: {exc}") from exc
     return plugin
 
 
@@ -96,5 +96,5 @@ def resolve_config(settings: dict[str, Any]) -> BaseModel:
     data = dict(settings)
     name = data.get("name")
     if not name:
-        raise EnvironmentError("the env settings need a name (e.g. env.name=tbench2)")
+        raise EnvironmentPluginError("the env settings need a name (e.g. env.name=tbench2)")
     return get_plugin(str(name)).Config.model_validate(data)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
-from agentrl.environments import EnvContext, EnvironmentError, Split
+from agentrl.environments import EnvContext, EnvironmentPluginError, Split
 from agentrl.episode import EpisodeConfig, EpisodeRunner
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks import Task, discover_tasks
@@ -73,7 +73,7 @@ def valid_tasks(root: str | Path) -> list[Task]:
         else:
             chosen.append(result.task)
     if not chosen:
-        raise EnvironmentError(f"no valid task under {root}: `agentrl tasks lint {root}` says why")
+        raise EnvironmentPluginError(f"no valid task under {root}: `agentrl tasks lint {root}` says why")
     return chosen
 
 
@@ -83,7 +83,7 @@ def select_tasks(root: str | Path, max_solution_chars: int | None) -> list[Task]
         return tasks
     chosen = [t for t in tasks if (n := solution_chars(t)) is not None and n <= max_solution_chars]
     if not chosen:
-        raise EnvironmentError(
+        raise EnvironmentPluginError(
             f"no task in {root} has a reference solution of <= {max_solution_chars} characters: "
             "raise env.max_solution_chars or set it to null"
         )
