@@ -8,16 +8,24 @@
   which leaves nothing in the image) so `pip install` works behind TLS-intercepting proxies.
   Mounting the bundle over /etc/ssl/certs/ca-certificates.crt instead breaks every build that
   runs update-ca-certificates.
-- Isolation: `--network=none` unless the task allows internet (or the user overrides), cpus and
-  memory from task.toml, a pids limit, no host mounts; tests/ and solution/ are never inside
-  during the agent phase. Labels (run id, task id, created-at) let `agentrl sandbox reap` find what
-  a dead process left behind; containers are removed on close, on cancellation and at exit.
-- Fast exec: commands go through one persistent `bash` per container over a pipe (~1 ms a command
+- Isolation: `--network=none` unless the task allows internet (or the user overrides), no host
+  mounts but a read-only static init, no host environment (podman's proxy passthrough is off);
+  tests/ and solution/ are never inside during the agent phase. Limits: the task's cpus, memory
+  and storage, else 1 CPU, 2 GiB and 10 GiB; 1024 pids; storage by the storage driver where it
+  can, else measured from the host (docs/failures.md). PID 1 is catatonit in pause mode: it reaps
+  orphans and cannot be killed from inside. Labels (run id, task id, created-at) let `agentrl
+  sandbox reap` find what a dead process left behind; containers are removed on close, on
+  cancellation and at exit.
+- Fast exec: commands go through one persistent `bash` per container over a pipe (~2 ms a command
   instead of ~150 ms for `podman exec`). Each command runs in its own subshell (cwd, env and shell
   state do not leak between commands, like Harbor's exec), under `timeout`, with stdout and stderr
-  captured to files, bounded head+tail inside the container, and sent back base64-framed. If the
-  shell dies, the sandbox falls back to one `podman exec` per command and says so once; a command
-  the dying shell may have started is reported as a transport error, never run twice.
+  captured to files, bounded head+tail inside the container, and sent back in one length-prefixed
+  frame per command under a fresh random nonce (`_BOOTSTRAP` explains why the agent cannot forge
+  it). A shell that dies between commands is replaced; one that fails during a command is a typed
+  error, never a second run of the command: infrastructure when the container is gone or the
+  host's client died, a `SandboxPolicyError` when the command could have done it. If no shell
+  starts at all, the sandbox falls back to one `podman exec` per command (output streamed and
+  bounded on the host) and says so once.
 """
 
 from __future__ import annotations
