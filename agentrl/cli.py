@@ -16,7 +16,7 @@ _GROUPS = [
     ("agentrl.sandbox.cli", "app", "sandbox"),
     ("agentrl.engine.cli", "app", "engine"),
     ("agentrl.episode_cli", "app", "episode"),
-    ("agentrl.train.cli", "app", "train"),
+    ("agentrl.runtime.cli", "app", "train"),  # the trainer's `replay` plus the runtime's `run`
     ("agentrl.rollout.cli", "app", "rollout"),
 ]
 

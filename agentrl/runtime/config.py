@@ -10,22 +10,17 @@ run uses, nothing hidden in code.
 from __future__ import annotations
 
 import copy
-import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentrl.errors import AgentRLError
+from agentrl.overrides import ConfigError, apply_overrides, load_file
 from agentrl.rollout.manager import RolloutConfig
 from agentrl.train.config import TrainConfig
 
 DEFAULT_ENV = "tbench2"
-
-
-class ConfigError(AgentRLError):
-    """A run configuration cannot be read, parsed or validated."""
 
 
 class _Section(BaseModel):
@@ -180,53 +175,6 @@ class RunConfig(_Section):
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
-    """`a.b.c=value` items applied to a nested dict (in place, and returned)."""
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: write section.field=value (e.g. trainer.lr=3e-5)")
-        parts = key.strip().split(".")
-        target = data
-        for part in parts[:-1]:
-            nxt = target.get(part)
-            if nxt is None:
-                nxt = target[part] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"--set {key}: {part!r} is a value, not a section")
-            target = nxt
-        target[parts[-1]] = _parse_value(raw)
-    return data
-
-
-def load_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    text = p.read_text(encoding="utf-8")
-    try:
-        if p.suffix == ".toml":
-            return tomllib.loads(text)
-        if p.suffix == ".json":
-            return dict(json.loads(text))
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            return dict(yaml.safe_load(text) or {})
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{p}: cannot parse: {exc}") from exc
-    except ImportError:
-        raise ConfigError(f"{p}: YAML needs PyYAML (pip install pyyaml), or use .toml / .json") from None
-    raise ConfigError(f"{p}: unknown config format {p.suffix!r}: use .toml, .json or .yaml")
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

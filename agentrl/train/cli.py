@@ -1,6 +1,5 @@
-"""`agentrl train ...`: `run` (a training run through the library runtime, any environment and
-model) and `replay` (train-only steps over dumped samples, for debugging the trainer without
-engines or sandboxes)."""
+"""`agentrl train replay`: train-only steps over dumped samples, for debugging the trainer without
+engines or sandboxes (`agentrl train run`, the whole loop, lives in `agentrl.runtime.cli`)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def resolve_config(overrides: list[str]) -> TrainConfig:
     `betas=[0.9,0.95]`, `logprob_chunk_size=null`: JSON values, else plain strings)."""
     from pydantic import TypeAdapter, ValidationError
 
-    from agentrl.runtime.config import ConfigError, apply_overrides
+    from agentrl.overrides import ConfigError, apply_overrides
 
     try:
         data = apply_overrides(dataclasses.asdict(TrainConfig()), overrides)
@@ -120,43 +119,3 @@ def replay_cmd(
         typer.echo(json.dumps({k: round(v, 6) for k, v in metrics.items()}))
     path = trainer.save(output, buffer_state={"position": position})
     typer.echo(f"saved {path}", err=True)
-
-
-@app.command("run")
-def run_cmd(
-    config: Path = typer.Option(None, "--config", help="A .toml / .json / .yaml file of run settings."),
-    set_: list[str] = typer.Option(None, "--set", help="Override a setting: --set trainer.lr=1e-5 (dotted)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print every resolved setting and exit."),
-) -> None:
-    """A training run of any environment and model through the library runtime (the same loop the
-    recipes call): `agentrl train run --config run.toml --set engine.model=<dir>`."""
-    import asyncio
-
-    from agentrl.errors import AgentRLError
-    from agentrl.runtime import RunConfig, close_parts, resolve, train
-    from agentrl.runtime.build import build_parts
-
-    try:
-        cfg = resolve(RunConfig, config_file=config, overrides=set_ or [])
-    except AgentRLError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
-    if dry_run:
-        typer.echo(json.dumps(cfg.dump(), indent=1))
-        return
-    import torch
-
-    torch.set_num_threads(cfg.torch_threads)
-    try:
-        parts = build_parts(cfg)
-    except AgentRLError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
-
-    async def go() -> None:
-        try:
-            await train(cfg, parts, reporter=typer.echo)
-        finally:
-            await close_parts(parts)
-
-    asyncio.run(go())
