@@ -1,0 +1,76 @@
+"""The embedded demo's task family: synthetic arithmetic in the DAPO row format.
+
+Problems are sums and products of small integers ("What is 47 + 38?"), each a row exactly like a
+DAPO-Math-17k row (the same prompt template, `reward_model.ground_truth`), so the demo trains and
+evaluates through the same environment as the real dataset. `solution_text` is the reference reply
+a light SFT warm start imitates: a one-line working and the DAPO `Answer:` line with a `\\boxed{}`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from envs.dapo_math.rows import dapo_row
+
+DATA_SOURCE = "synthetic_arithmetic"
+
+
+def _problem(rng: random.Random, op: str, digits: tuple[int, int]) -> tuple[str, int, int, int]:
+    a = rng.randrange(10 ** (digits[0] - 1) if digits[0] > 1 else 0, 10 ** digits[0])
+    b = rng.randrange(10 ** (digits[1] - 1) if digits[1] > 1 else 0, 10 ** digits[1])
+    return op, a, b, a + b if op == "+" else a * b
+
+
+def arithmetic_rows(
+    n: int,
+    *,
+    seed: int,
+    kinds: tuple[tuple[str, int, int], ...] = (("+", 2, 2), ("*", 1, 2)),
+    exclude: set[str] | frozenset[str] = frozenset(),
+) -> list[dict[str, Any]]:
+    """`n` distinct problems, drawn in turn from `kinds` ((op, digits of a, digits of b)), none of
+    whose statements is in `exclude` (so an eval set can be disjoint from a training set)."""
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    seen = set(exclude)
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 100 * n:
+            raise ValueError(f"cannot draw {n} distinct problems from {kinds}: the family is too small")
+        op, a, b, result = _problem(rng, *_pick(kinds, len(rows)))
+        statement = f"What is {a} {op} {b}?"
+        if statement in seen:
+            continue
+        seen.add(statement)
+        rows.append(
+            dapo_row(
+                statement,
+                str(result),
+                index=f"arith-{seed}-{len(rows)}",
+                data_source=DATA_SOURCE,
+                operands=[a, b],
+                op=op,
+            )
+        )
+    return rows
+
+
+def _pick(kinds: tuple[tuple[str, int, int], ...], i: int) -> tuple[str, tuple[int, int]]:
+    op, da, db = kinds[i % len(kinds)]
+    return op, (da, db)
+
+
+def statement(row: dict[str, Any]) -> str:
+    info = row["extra_info"]
+    a, b = info["operands"]
+    return f"What is {a} {info['op']} {b}?"
+
+
+def solution_text(row: dict[str, Any]) -> str:
+    """The reference reply: the working on one line, then the DAPO answer line."""
+    info = row["extra_info"]
+    a, b = info["operands"]
+    answer = row["reward_model"]["ground_truth"]
+    return f"{a} {info['op']} {b} = {answer}\nAnswer: \\boxed{{{answer}}}"
