@@ -199,21 +199,23 @@ def _tampered(start: float, cause: str, error: str) -> VerifyResult:
 
 
 async def _read_verifier_logs(sandbox: Sandbox) -> dict[str, str]:
-    """The reward files, copied out through the backend (`Sandbox.fetch_files`), each read up to
-    `REWARD_FILE_LIMIT` bytes; a link is not followed. The log's tail is only shown to people,
-    so the sandbox's own `tail` may give it."""
+    """The verifier's files, copied out through the backend (`Sandbox.fetch_files`, never the
+    sandbox's own tools): reward files up to `REWARD_FILE_LIMIT` bytes, the log's tail; links are
+    not followed."""
     files: dict[str, str] = {}
+    names = ["reward.json", "reward.txt", "test-stdout.txt"]
     with tempfile.TemporaryDirectory(prefix="agentrl-verifier-") as tmp:
-        for name in await sandbox.fetch_files("/logs/verifier", ["reward.json", "reward.txt"], Path(tmp)):
+        for name in await sandbox.fetch_files("/logs/verifier", names, Path(tmp)):
             path = Path(tmp) / name
             if path.is_symlink() or not path.is_file():
                 continue
+            size = path.stat().st_size
             with path.open("rb") as fh:
-                data = fh.read(REWARD_FILE_LIMIT + 1)
-            if len(data) > REWARD_FILE_LIMIT:
-                files[name] = f"<{path.stat().st_size} bytes: too large for a reward file>"
-            else:
-                files[name] = data.decode(errors="replace")
-    log = await sandbox.exec("tail -c 3000 /logs/verifier/test-stdout.txt", timeout=60)
-    files["test-stdout.txt"] = log.stdout
+                if name == "test-stdout.txt":
+                    fh.seek(max(0, size - 3000))
+                    files[name] = fh.read().decode(errors="replace")
+                elif size > REWARD_FILE_LIMIT:
+                    files[name] = f"<{size} bytes or more: too large for a reward file>"
+                else:
+                    files[name] = fh.read().decode(errors="replace")
     return files

@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
@@ -44,11 +45,12 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tarfile
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentrl.sandbox.base import (
     DEFAULT_CPUS,
@@ -683,6 +685,41 @@ class PodmanSandbox(Sandbox):
         if rc != 0 and not await self._running():
             raise SandboxTransportError(f"container {self.sandbox_id} is gone: {err.strip()[-300:]}")
 
+    async def fetch_files(self, directory: str, names: list[str], dst: Path) -> list[str]:
+        """One `cp` of the directory as a tar stream to the host (no tool inside the container
+        takes part), keeping only `names`, each at most its last `FETCH_LIMIT` bytes, regular
+        files only: host memory and disk stay bounded whatever the sandbox wrote there."""
+        proc = await asyncio.create_subprocess_exec(
+            self.cli,
+            "cp",
+            f"{self.sandbox_id}:{directory.rstrip('/')}/.",
+            "-",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cli_cwd(),
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        dst.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        reader = _StreamFile(proc.stdout, loop)
+        try:
+            found, err = await asyncio.wait_for(
+                asyncio.gather(asyncio.to_thread(_untar_tails, reader, names, dst), proc.stderr.read()), 300
+            )
+            await asyncio.wait_for(proc.wait(), 60)
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+            raise
+        if proc.returncode != 0:
+            text = err.decode(errors="replace")
+            if "could not be found on container" in text or "no such file" in text.lower():
+                return []
+            raise SandboxTransportError(f"copying {directory} out of {self.sandbox_id} failed: {text[-300:]}")
+        return found
+
     async def tampered_paths(self) -> list[str] | None:
         """The container's changes against its image, as the storage driver sees them on the
         host (`podman diff`): no tool inside the container takes part."""
@@ -852,6 +889,47 @@ def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
     return not members()
+
+
+FETCH_LIMIT = 1 << 20
+
+
+class _StreamFile(io.RawIOBase):
+    """A blocking file over an asyncio stream, for `tarfile` running in a worker thread."""
+
+    def __init__(self, stream: asyncio.StreamReader, loop: asyncio.AbstractEventLoop) -> None:
+        self.stream, self.loop = stream, loop
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = asyncio.run_coroutine_threadsafe(self.stream.read(len(buffer)), self.loop).result()
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _untar_tails(fileobj: io.RawIOBase, names: list[str], dst: Path) -> list[str]:
+    """Write the last `FETCH_LIMIT` bytes of each regular file `names` of a tar stream to `dst`;
+    read the stream to its end (so `cp` exits)."""
+    found = []
+    wanted = {f"./{n}" for n in names} | set(names)
+    with tarfile.open(fileobj=io.BufferedReader(fileobj), mode="r|") as tar:
+        for member in tar:
+            if member.name not in wanted or not member.isreg():
+                continue
+            src = tar.extractfile(member)
+            assert src is not None
+            tail = bytearray()
+            while chunk := src.read(1 << 16):
+                tail += chunk
+                del tail[: max(0, len(tail) - FETCH_LIMIT)]
+            name = member.name.removeprefix("./")
+            (dst / name).write_bytes(bytes(tail))
+            found.append(name)
+    while fileobj.read(1 << 16):
+        pass
+    return found
 
 
 def _tree_bytes(root: str, stop_above: int) -> int:
@@ -1053,23 +1131,32 @@ class PodmanProvider(SandboxProvider):
                 raise SandboxCreateError(
                     f"starting a container for {task.task_id} failed", log_tail=err[-2000:]
                 )
-            upper = None
-            if storage and not self._storage_opt:
-                rc, out, err = await run_cli(
-                    self.cli, "inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", name, timeout=60
+            # One inspect for both: the writable layer (storage measured from the host) and the
+            # init's host pid (the verifier kills the agent's processes by its PID namespace).
+            rc, out, err = await run_cli(
+                self.cli,
+                "inspect",
+                "--format",
+                "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}",
+                name,
+                timeout=60,
+            )
+            pid, _, upper_out = out.strip().partition("\t")
+            upper = upper_out if rc == 0 and os.path.isdir(upper_out) else None
+            if storage and not self._storage_opt and upper is None:
+                raise SandboxCreateError(
+                    f"{task.task_id} asks for storage_mb={storage}, which this host can enforce neither "
+                    "with the storage driver (overlay on xfs with pquota) nor by measuring the "
+                    "container's writable layer from the host; pass default_storage_mb=None and set no "
+                    "storage_mb to run without a storage limit",
+                    log_tail=err[-500:],
                 )
-                upper = out.strip() if rc == 0 and os.path.isdir(out.strip()) else None
-                if upper is None:
-                    raise SandboxCreateError(
-                        f"{task.task_id} asks for storage_mb={storage}, which this host can enforce neither "
-                        "with the storage driver (overlay on xfs with pquota) nor by measuring the "
-                        "container's writable layer from the host; pass default_storage_mb=None and set no "
-                        "storage_mb to run without a storage limit",
-                        log_tail=err[-500:],
-                    )
+            if not (storage and not self._storage_opt):
+                upper = None
             sandbox = PodmanSandbox(
                 self, name, env.workdir, storage_mb=storage if upper else None, upper_dir=upper
             )
+            sandbox._init_pid = int(pid) if pid.isdigit() else None
             res = await sandbox.exec(
                 "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
             )
