@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from envs.dapo_math.answer import extract_answer, last_boxed  # noqa: E402
-from envs.dapo_math.verify import MathVerifier, judge  # noqa: E402
+from envs.dapo_math.answer import extract_answer, last_boxed
+from envs.dapo_math.verify import MathVerifier, judge
 
 # (response, extracted answer)
 EXTRACTION = [
