@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.agentrl-installed
 
-.PHONY: setup venv host bases demo test test-fast lint format bench clean
+.PHONY: setup venv host bases demo demo-math test test-fast lint format bench clean
 
 setup: venv host bases
 
@@ -27,6 +27,11 @@ bases: venv host
 demo: setup
 	$(BIN)/python recipes/local_tbench2.py prepare
 	$(BIN)/python recipes/local_tbench2.py train
+
+# The math demo needs no sandbox or podman: only the virtual environment (math-verify is in `dev`).
+demo-math: venv
+	$(BIN)/python recipes/local_dapo_math.py prepare
+	$(BIN)/python recipes/local_dapo_math.py train
 
 test: setup
 	$(BIN)/pytest -q

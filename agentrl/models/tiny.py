@@ -308,3 +308,96 @@ def load_tiny(
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+# The math demo's tokenizer: digits are single tokens (so place value is visible to the model) and
+# the DAPO prompt template is in the corpus (so it costs few tokens).
+_MATH_CORPUS = r"""
+Solve the following math problem step by step. The last line of your response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.
+Remember to put your answer on its own line after "Answer:".
+What is 47 + 38? What is 6 * 73? 47 + 38 = 85
+Answer: \boxed{85}
+Answer: $\frac{1}{2}$ \sqrt{2} \pi x^2 + 1 = 0 (1, 2] [0, 1) \{1, 2\} 90^\circ 50\% \text{ cm}
+Find the number of positive integers n such that n^2 < 100. Let a, b, c be real numbers. Compute the sum.
+"""
+
+
+def build_math_tokenizer() -> Any:
+    """The tiny tokenizer for the math demo: the same vocabulary size, special tokens and chat
+    template as `build_tokenizer`, each digit its own token, trained on the built-in corpus plus
+    math text and the DAPO prompt template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_BUILTIN_CORPUS, _MATH_CORPUS * 20], trainer=trainer)
+    if tok.get_vocab_size() < VOCAB_SIZE:
+        tok.add_tokens([f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - tok.get_vocab_size())])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t != EOS_TOKEN],
+        model_max_length=CONTEXT_LENGTH,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_math_model_dir(
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """`tiny_model_dir` with the math tokenizer (`build_math_tokenizer`): the same architecture and
+    cache, under its own key."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    config = _resolved_config(config_overrides)
+    target = _cache_root(cache_dir) / ("math-" + _digest(config, seed, [_BUILTIN_CORPUS, _MATH_CORPUS]))
+    if (target / "agentrl_tiny.json").is_file():
+        return target
+    try:
+        tokenizer = build_math_tokenizer()
+        eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+        hf_config = GlmMoeDsaConfig(**config, bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = GlmMoeDsaForCausalLM(hf_config)
+        model.generation_config.eos_token_id = eos_id
+        model.generation_config.pad_token_id = eos_id
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            meta = {"seed": seed, "config": config, "tokenizer": "math"}
+            (tmp / "agentrl_tiny.json").write_text(json.dumps(meta, indent=1))
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not (target / "agentrl_tiny.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        raise TinyModelError(
+            f"cannot write the tiny math model to {target}: {e} (set AGENTRL_CACHE to a writable directory)"
+        ) from e
+    return target
