@@ -7,6 +7,11 @@
 4. Oracle sweep wall time over envs/tbench2/tasks at concurrency 2 (skipped if that is empty).
 5. The verification step (`agentrl.verify.verify` on a fresh sandbox of the fixture task), p50.
 
+With `--baseline-podman OLD/podman.py` (e.g. `git show REV:agentrl/sandbox/podman.py > /tmp/old.py`)
+section 1 also runs that version's persistent shell in a second container, commands interleaved
+one for one with the current one, so load on a shared machine hits both alike: the p50 ratio is
+the comparison to trust there.
+
     .venv/bin/python benchmarks/sandbox_bench.py [--commands 300] [--tasks-dir envs/tbench2/tasks]
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
 import time
 import uuid
@@ -51,6 +57,38 @@ async def exec_latency(sb: PodmanSandbox, n: int, fallback: bool) -> list[float]
     return times
 
 
+async def interleaved(args: argparse.Namespace, task, run_id: str) -> None:  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("baseline_podman", args.baseline_podman)
+    assert spec is not None and spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    base_provider = old.PodmanProvider(cli=args.cli)
+    provider = PodmanProvider(cli=args.cli)
+    try:
+        async with (
+            await base_provider.create(task, run_id=run_id) as a,
+            await provider.create(task, run_id=run_id) as b,
+        ):
+            times: dict[str, list[float]] = {"baseline": [], "current": []}
+            for i in range(args.commands + 10):
+                for name, sb in (
+                    (("baseline", a), ("current", b)) if i % 2 else (("current", b), ("baseline", a))
+                ):
+                    start = time.perf_counter()
+                    res = await sb.exec(f"echo {i}", timeout=30)
+                    if i >= 10:  # warm-up
+                        times[name].append(time.perf_counter() - start)
+                    assert res.stdout == f"{i}\n", res
+        b50, c50 = pct(times["baseline"], 0.5), pct(times["current"], 0.5)
+        b95, c95 = pct(times["baseline"], 0.95), pct(times["current"], 0.95)
+        print(f"interleaved, baseline {args.baseline_podman}: p50 {ms(b50)}  p95 {ms(b95)}")
+        print(f"interleaved, current: p50 {ms(c50)}  p95 {ms(c95)}")
+        print(f"current / baseline p50 {c50 / b50:.3f}  p95 {c95 / b95:.3f}  (goal: p50 ratio <= 1.10)")
+    finally:
+        await base_provider.aclose()
+        await provider.aclose()
+
+
 async def main(args: argparse.Namespace, tasks: list) -> None:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     task = load_task(TASK)
@@ -67,6 +105,8 @@ async def main(args: argparse.Namespace, tasks: list) -> None:
         print(f"persistent shell  n={len(shell):4d}  p50 {ms(s50)}  p95 {ms(s95)}")
         print(f"podman exec each  n={len(per_exec):4d}  p50 {ms(e50)}  p95 {ms(e95)}")
         print(f"ratio p50 {e50 / s50:.1f}x  p95 {e95 / s95:.1f}x  (goal: shell p50 <= 5 ms, >= 20x)")
+        if args.baseline_podman:
+            await interleaved(args, task, run_id)
 
         print("== 2. warm-pool acquire (liveness check included)")
         warm = PodmanProvider(cli=args.cli, warm_pool=1)
@@ -135,6 +175,9 @@ if __name__ == "__main__":
     parser.add_argument("--exec-commands", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tasks-dir", default=str(ROOT / "envs" / "tbench2" / "tasks"))
+    parser.add_argument(
+        "--baseline-podman", help="An older agentrl/sandbox/podman.py to compare in section 1."
+    )
     args = parser.parse_args()
     tasks_dir = Path(args.tasks_dir)
     asyncio.run(main(args, discover_tasks(tasks_dir) if tasks_dir.is_dir() else []))

@@ -215,37 +215,36 @@ _BOOTSTRAP = r"""
 __ar_lc=${LC_ALL-__unset__}; export LC_ALL=C; set -m
 __ar_d=/tmp/.agentrl-shell-$$; mkdir -p $__ar_d; mkfifo $__ar_d/f; exec {__ar_fd}<>$__ar_d/f
 __ar_grab() {
-  local fd=$1 m=
+  local f=$1 fd m=
   __ar_h= __ar_t= __ar_s=0
+  { exec {fd}<"$f"; } 2>/dev/null || return 0
   IFS= read -r -N __LIMIT__ __ar_h <&$fd; IFS= read -r -N 1 m <&$fd
+  exec {fd}<&-
   __ar_s=${#__ar_h}
   if [ -n "$m" ]; then
-    __ar_s=$(stat -L -c %s /proc/$$/fd/$fd 2>/dev/null); case $__ar_s in ''|*[!0-9]*) __ar_s=0;; esac
+    __ar_s=$(stat -c %s "$f" 2>/dev/null); case $__ar_s in ''|*[!0-9]*) __ar_s=0;; esac
     __ar_h=${__ar_h:0:__HALF__}
-    IFS= read -r -N __HALF__ __ar_t < <(tail -c __HALF__ /proc/$$/fd/$fd 2>/dev/null)
+    IFS= read -r -N __HALF__ __ar_t < <(tail -c __HALF__ "$f" 2>/dev/null)
   fi
-  exec {fd}<&-
 }
 __ar_run() {
-  local t=$1 n= p w= rc to=0 oh ot os of ef
+  local t=$1 n= p w= rc to=0 oh ot os
   [ -d $__ar_d ] || mkdir -p $__ar_d 2>/dev/null
-  : > $__ar_d/t; : > $__ar_d/o; : > $__ar_d/e
-  { exec {of}<$__ar_d/o {ef}<$__ar_d/e; } 2>/dev/null
+  : > $__ar_d/t
   ( if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
-    exec {of}<&- {ef}<&-; unset -f __ar_grab __ar_run; unset -v __ar_d __ar_fd __ar_lc
     if [ -n "$2" ]; then cd -- "$2" || exit 1; fi
     eval "$4"; eval "$3" ) </dev/null >$__ar_d/o 2>$__ar_d/e &
   p=$!; echo $p > $__ar_d/p
   IFS= read -r n
   if [ -n "$t" ]; then
-    ( read -t "$t" -u $__ar_fd; echo 1 > $__ar_d/t; kill -KILL -- -$p 2>/dev/null || kill -KILL $p ) >/dev/null 2>&1 &
+    ( read -t "$t" -u $__ar_fd; echo 1 > $__ar_d/t; kill -KILL -- -$p || kill -KILL $p ) >&- 2>&- &
     w=$!
   fi
   wait $p; rc=$?
   if [ -n "$w" ]; then kill $w 2>/dev/null; wait $w 2>/dev/null; fi
   [ -s $__ar_d/t ] && to=1
-  __ar_grab $of; oh=$__ar_h ot=$__ar_t os=$__ar_s
-  __ar_grab $ef
+  __ar_grab $__ar_d/o; oh=$__ar_h ot=$__ar_t os=$__ar_s
+  __ar_grab $__ar_d/e
   printf '__AGENTRL_%s %d %d %d %d %d %d %d %d\n%s%s%s%s__AGENTRL_END_%s\n' "$n" "$rc" "$to" \
     "$os" "${#oh}" "${#ot}" "$__ar_s" "${#__ar_h}" "${#__ar_t}" "$oh" "$ot" "$__ar_h" "$__ar_t" "$n"
 }
