@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,18 @@ class PrepareSettings(_Section):
     """The demo's data and warm start: synthetic arithmetic rows, a random-init tiny model with
     single-digit tokens, and a deliberately short SFT on reference replies."""
 
-    train_rows: int = Field(2000, ge=1, description="Synthetic training problems.")
-    eval_rows: int = Field(64, ge=1, description="Held-out synthetic problems (disjoint from training).")
-    sft_rows: int = Field(2000, ge=1, description="Training problems whose reference reply SFT sees.")
+    kinds: list[tuple[str, int, int]] = Field(
+        default_factory=lambda: [("+", 1, 1), ("*", 1, 1)],
+        description="Problem kinds: (operator, digits of a, digits of b).",
+    )
+    train_rows: int = Field(200, ge=1, description="Synthetic training problems.")
+    eval_rows: int = Field(64, ge=1, description="Synthetic eval problems.")
+    held_out: bool = Field(
+        False,
+        description="Eval problems disjoint from the training ones (needs a family larger than "
+        "train_rows + eval_rows); otherwise the eval set is drawn from the training problems.",
+    )
+    sft_rows: int = Field(200, ge=1, description="Training problems whose reference reply SFT sees.")
     sft_steps: int = 300
     sft_lr: float = 1e-3
     sft_batch_size: int = 32
@@ -140,13 +150,17 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
         return
     out, p = cfg.out_dir, cfg.prepare
     out.mkdir(parents=True, exist_ok=True)
-    train_rows = arithmetic_rows(p.train_rows, seed=cfg.seed)
-    eval_rows = arithmetic_rows(
-        p.eval_rows, seed=cfg.seed + 10_000, exclude={statement(r) for r in train_rows}
-    )
+    kinds = tuple(tuple(k) for k in p.kinds)
+    train_rows = arithmetic_rows(p.train_rows, seed=cfg.seed, kinds=kinds)  # type: ignore[arg-type]
+    if p.held_out:
+        seen = {statement(r) for r in train_rows}
+        eval_rows = arithmetic_rows(p.eval_rows, seed=cfg.seed + 10_000, kinds=kinds, exclude=seen)  # type: ignore[arg-type]
+    else:
+        eval_rows = random.Random(cfg.seed + 10_000).sample(train_rows, min(p.eval_rows, len(train_rows)))
     write_jsonl(cfg.env["train_file"], train_rows)
     write_jsonl(cfg.env["eval_file"], eval_rows)
-    console.print(f"{len(train_rows)} training and {len(eval_rows)} held-out eval problems in {out}")
+    where = "held-out" if p.held_out else "of them as"
+    console.print(f"{len(train_rows)} training problems, {len(eval_rows)} {where} eval problems, in {out}")
     base = tiny_math_model_dir(seed=cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     ctx = EnvContext(tokenizer=tokenizer, seed=cfg.seed, out_dir=out, temperature=cfg.sampling.temperature)
