@@ -332,8 +332,13 @@ class _Shell:
         return fields
 
     def kill(self) -> None:
+        """Kill the client and close its pipes now: a dead shell's unread output (up to the
+        stream limit) would otherwise keep its transport open past the event loop's end."""
         if self.alive:
             self.proc.kill()
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
 
 
 def _bounded(head: bytes, tail: bytes, size: int) -> str:
@@ -448,7 +453,7 @@ class PodmanSandbox(Sandbox):
         try:
             await self._shell.start(self.output_limit)
         except BaseException:
-            self._shell.kill()
+            self._retire(self._shell)
             self._shell = None
             raise
 
@@ -527,7 +532,7 @@ class PodmanSandbox(Sandbox):
         except asyncio.CancelledError:
             # The shell is mid-command: its framing can no longer be trusted. Killing the client
             # does not stop the command inside, so its process group is killed in the background.
-            shell.kill()
+            self._retire(shell)
             self._kill_inside(shell.state_dir)
             self._shell = None
             raise
@@ -548,7 +553,7 @@ class PodmanSandbox(Sandbox):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(shell.proc.wait(), 5)
         client_rc = shell.proc.returncode
-        shell.kill()
+        self._retire(shell)
         self._kill_inside(shell.state_dir)
         if self._shell is shell:
             self._shell = None
@@ -571,6 +576,9 @@ class PodmanSandbox(Sandbox):
             cause=cause,
         )
 
+    def _retire(self, shell: _Shell) -> None:
+        shell.kill()
+
     def _note_fallback(self, exc: BaseException) -> None:
         if not self._fallback_noted:
             log.warning(
@@ -591,7 +599,7 @@ class PodmanSandbox(Sandbox):
         env: dict[str, str] | None,
     ) -> ExecResult:
         if self._shell is not None:
-            self._shell.kill()
+            self._retire(self._shell)
             self._shell = None
         self._note_fallback(exc)
         return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=None)
@@ -665,7 +673,7 @@ class PodmanSandbox(Sandbox):
         namespace: no tool inside the container takes part, and a fork bomb that filled the pids
         limit cannot block it), else through a fresh `exec` (which kills the listeners too)."""
         if self._shell is not None:
-            self._shell.kill()
+            self._retire(self._shell)
             self._shell = None
         await self._measure_storage()
         self._check_storage()
@@ -791,10 +799,14 @@ class PodmanSandbox(Sandbox):
         self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
-        if self._shell is not None:
-            self._shell.kill()
+        shell, self._shell = self._shell, None
+        if shell is not None:
+            shell.kill()
         # Shielded: a cancelled owner must still not leave the container behind.
         await asyncio.shield(self.provider._remove(self.sandbox_id))
+        if shell is not None:  # reaped here, so no pipe outlives the event loop
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(shell.proc.wait(), 10)
 
     async def alive(self) -> bool:
         if self._closed:
@@ -996,7 +1008,7 @@ class PodmanProvider(SandboxProvider):
         self._live: set[str] = set()
         self._pool: dict[str, list[PodmanSandbox]] = {}
         self._pool_tasks: set[asyncio.Task[None]] = set()
-        self._background: set[asyncio.Task[tuple[int, str, str]]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
 
     # -- images ---------------------------------------------------------------------------------
     async def image_for(self, task: Task) -> str:
