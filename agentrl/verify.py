@@ -183,7 +183,9 @@ async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) 
             error=f"tests/test.sh did not finish within {timeout:.0f}s",
             cause="verifier_timeout",
         )
-    rewards, error = parse_reward(files.get("reward.json"), files.get("reward.txt"))
+    rewards, error = parse_reward(
+        files.get("reward.json"), files.get("reward.txt"), task.config.verifier.reward_range
+    )
     if rewards is None:
         cause = "reward_out_of_range" if error and "outside" in error else "verifier_error"
         return VerifyResult(

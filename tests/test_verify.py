@@ -209,3 +209,18 @@ async def test_an_oversized_reward_file_is_never_read_whole(task) -> None:
     async with await provider.create(task, run_id="v") as sb:
         res = await verify(sb, task)
     assert res.outcome == "verifier-error" and "too large" in (res.error or "")
+
+
+async def test_a_task_may_declare_its_reward_range(task, tmp_path: Path) -> None:
+    path = tmp_path / "ten"
+    shutil.copytree(FIXTURES / "write-hello", path)
+    toml = (path / "task.toml").read_text().replace("[verifier]\n", "[verifier]\nreward_range = [0, 10]\n")
+    (path / "task.toml").write_text(toml)
+    wide = load_task(path)
+    assert wide.config.verifier.reward_range == (0.0, 10.0)
+    async with await FakeSandboxProvider(grader=lambda sb: 7.0).create(wide, run_id="v") as sb:
+        res = await verify(sb, wide)
+    assert res.reward == 7.0 and res.outcome == "pass"  # pass is still reward >= 1
+    (path / "task.toml").write_text(toml.replace("[0, 10]", "[10, 0]"))
+    with pytest.raises(TaskFormatError, match="reward_range"):
+        _ = load_task(path).config

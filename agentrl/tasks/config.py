@@ -35,6 +35,9 @@ class VerifierConfig:
     timeout_sec: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
     user: str | int | None = None
+    # agentrl's extension: the rewards this verifier may write; anything else is a verifier error
+    # (`reward_range = [0, 10]` in [verifier]; Harbor has no such key and accepts any number).
+    reward_range: tuple[float, float] = (0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,20 @@ def resolve_env_templates(env: dict[str, str], where: str = "") -> dict[str, str
     return out
 
 
+def _reward_range(reader: _Reader) -> tuple[float, float]:
+    value = reader.get("reward_range")
+    if value is None:
+        return (0.0, 1.0)
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in value)
+        or value[0] > value[1]
+    ):
+        raise reader.err("reward_range", f"expected [low, high], two finite numbers, got {value!r}")
+    return (float(value[0]), float(value[1]))
+
+
 def _size_field(reader: _Reader, mb_key: str, alias: str, deprecations: list[str]) -> int | None:
     """`memory_mb` (int, or a size string) and the deprecated `memory` alias, reconciled."""
     raw = reader.get(mb_key)
@@ -307,6 +324,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         timeout_sec=ver.number("timeout_sec", positive=True) or 600.0,
         env=ver.str_map("env"),
         user=ver.user("user"),
+        reward_range=_reward_range(ver),
     )
     ver.finish(_KNOWN_PASSIVE["verifier"])
 
