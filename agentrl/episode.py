@@ -23,7 +23,7 @@ from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.errors import InfraError
 from agentrl.sample import Episode, Sample, Status
-from agentrl.sandbox.base import SandboxCreateError, SandboxProvider
+from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
 from agentrl.tasks import Task, load_task
 from agentrl.verify import VerifyResult, verify
 
@@ -147,6 +147,8 @@ async def run_episode(
 ) -> EpisodeResult:
     """Run one episode. Raises `InfraError` (after recording) for infrastructure failures."""
     prompt_id = prompt_id or task.task_id
+    # A broken task (e.g. an instruction over the size cap) is refused before any sandbox starts.
+    instruction = task.instruction
     session_id = f"{run_id}:{prompt_id}:{sample_index}:{uuid.uuid4().hex[:8]}"
     fmt = get_format(config.action_format)
     recorder = None
@@ -193,7 +195,7 @@ async def run_episode(
                 sandbox=sandbox,
                 renderer=renderer,
                 action_format=fmt,
-                instruction=task.instruction,
+                instruction=instruction,
                 config=agent_cfg,
                 sampling=config.sampling,
                 session_id=session_id,
@@ -357,12 +359,16 @@ async def replay_episode(
             mismatches = []
             volatile = []
             for k, (cmd, rec) in enumerate(zip(action["commands"], turn["outputs"], strict=False)):
-                out = await run_command(sandbox, Command(cmd["keystrokes"], cmd["duration"]), timeout)
+                what = f"command {k} ({cmd['keystrokes'].strip()[:40]!r})"
+                try:
+                    out = await run_command(sandbox, Command(cmd["keystrokes"], cmd["duration"]), timeout)
+                except SandboxPolicyError as exc:
+                    mismatches.append(f"{what} broke the sandbox ({exc.cause})")
+                    continue
                 now = (out.stdout, out.stderr, out.exit_code)
                 then = (rec["stdout"], rec["stderr"], rec["exit_code"])
                 if now == then:
                     continue
-                what = f"command {k} ({cmd['keystrokes'].strip()[:40]!r})"
                 if _stable(now) == _stable(then):
                     volatile.append(f"{what}: only timings / hashes / dates differ")
                 else:

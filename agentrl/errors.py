@@ -7,7 +7,13 @@ class AgentRLError(Exception):
     """Base of every error agentrl raises on purpose."""
 
 
-class TaskFormatError(AgentRLError):
+class InputError(AgentRLError):
+    """A prompt row that cannot be run at all (a broken task, a malformed row): not the policy's
+    doing and not a passing infrastructure fault, so it is neither scored nor retried; the run goes
+    on without it and counts it (`bad_input`). Fix the data."""
+
+
+class TaskFormatError(InputError):
     """A task directory or its `task.toml` does not follow the Harbor / terminal-bench-2 format."""
 
     def __init__(self, file: str, field: str | None, message: str, hint: str = "") -> None:

@@ -191,3 +191,27 @@ async def test_episode_runner_serves_the_rollout_seam() -> None:
     row = {"metadata": {"task_path": str(TASK), "task_id": "write-hello"}}
     sample = await runner.run(row, group_id="g0", sample_index=3, attempt=0)
     assert sample.prompt_id == "g0" and sample.sample_index == 3 and sample.reward == 1.0
+
+
+async def test_an_oversized_instruction_is_refused_before_any_sandbox_starts(tmp_path: Path) -> None:
+    import shutil
+
+    from agentrl.errors import TaskFormatError
+    from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
+
+    task_dir = tmp_path / "huge"
+    shutil.copytree(TASK, task_dir)
+    (task_dir / "instruction.md").write_text("x" * (MAX_INSTRUCTION_BYTES + 1))
+    prov = FakeSandboxProvider()
+    tok = byte_tokenizer()
+    with pytest.raises(TaskFormatError, match="byte cap"):
+        await run_episode(
+            load_task(task_dir),
+            provider=prov,
+            engine=ScriptedEngine(["TASK_COMPLETE"], tok),
+            renderer=ChatRenderer(tok),
+            config=EpisodeConfig(action_format="fenced-bash"),
+            run_id="huge",
+            record_dir=tmp_path / "records",
+        )
+    assert prov.created == 0 and not (tmp_path / "records").exists()

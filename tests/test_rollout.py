@@ -544,3 +544,51 @@ async def test_a_weight_update_must_advance_the_version_by_exactly_one(advance: 
         assert engine._open.is_set() and mgr._admit_open.is_set()
         await mgr.update_weights(bump(engine))  # a correct update still works afterwards
         await mgr.get_batch(timeout=20)
+
+
+async def test_a_row_that_cannot_be_run_is_not_retried_not_scored_and_the_run_goes_on(caplog) -> None:
+    from agentrl.errors import TaskFormatError
+
+    mgr, engine, _provider, runner = build(data=rows(4), max_staleness=None, max_attempts=5)
+    inner = runner.run
+    calls: Counter[int] = Counter()
+
+    async def broken_task(row: dict, *, sample_index: int, **kw: Any) -> Episode:
+        if row["metadata"]["task_id"] == "t3":
+            calls[sample_index] += 1
+            raise TaskFormatError(
+                "t3/instruction.md", None, "the instruction is 48 MB", "keep it under 256 KiB"
+            )
+        return await inner(row, sample_index=sample_index, **kw)
+
+    runner.run = broken_task  # type: ignore[method-assign]
+    async with mgr:
+        batches = await train(mgr, engine, steps=5)
+    bad = [g for b in batches for g in b if g.row["metadata"]["task_id"] == "t3"]
+    assert bad and all(not g.complete and not g.trainable_episodes for g in bad)
+    assert all(
+        e is not None and e.failure_cause == "bad_input" and e.reward is None for g in bad for e in g.episodes
+    )
+    assert set(calls.values()) == {len(bad)}  # once per episode: never retried
+    assert mgr.counters.failures["bad_input"] == sum(calls.values())
+    assert "fix the data" in caplog.text
+
+
+async def test_policy_failures_are_counted_by_cause_and_reported_per_step(tmp_path) -> None:
+    mgr, engine, _provider, runner = build(max_staleness=None)
+    inner = runner.run
+
+    async def tampering(row: dict, **kw: Any) -> Episode:
+        episode = await inner(row, **kw)
+        if kw["sample_index"] == 0:
+            episode.status, episode.reward, episode.failure_cause = Status.FAILED_POLICY, 0.0, "tampered"
+        return episode
+
+    runner.run = tampering  # type: ignore[method-assign]
+    tracker = MetricsTracker(mgr, tmp_path / "m.jsonl")
+    async with mgr:
+        await train(mgr, engine, steps=2, tracker=tracker)
+    assert mgr.counters.policy_failures["tampered"] >= 4
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert sum(r["policy_failures_by_cause"].get("tampered", 0) for r in rows) >= 4
+    assert "policy failures (scored 0)" in str(render(tracker.history[-1]).columns[0]._cells)

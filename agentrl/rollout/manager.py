@@ -56,7 +56,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import ConfigDict
 
-from agentrl.errors import AgentRLError, InfraError
+from agentrl.errors import AgentRLError, InfraError, InputError
 from agentrl.rollout.buffer import Buffer, Group
 from agentrl.rollout.source import Prompt, PromptSource
 from agentrl.sample import Episode, Status
@@ -64,6 +64,7 @@ from agentrl.sample import Episode, Status
 log = logging.getLogger("agentrl.rollout")
 
 PauseMode = Literal["in_place", "abort", "retract"]
+BAD_INPUT = "bad_input"  # the cause of a row that cannot be run (`InputError`): never retried
 
 
 class RolloutError(AgentRLError):
@@ -149,6 +150,7 @@ class Counters:
     stale_groups: int = 0
     stale_cancelled: int = 0  # groups cancelled in flight as certain to exceed max_staleness
     internal_errors: int = 0  # untyped exceptions out of a runner, caught per episode
+    policy_failures: Counter[str] = field(default_factory=Counter)  # scored 0, by failure cause
     # Generations answered under another weight version than expected (a replay on a server that
     # missed an update): their turns record the version they really had, and are counted here.
     version_mismatches: int = 0
@@ -161,6 +163,7 @@ class Counters:
     def snapshot(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["failures"] = dict(self.failures)
+        d["policy_failures"] = dict(self.policy_failures)
         return d
 
 
@@ -327,6 +330,9 @@ class RolloutManager:
         except InfraError as exc:
             log.warning("infra failure (%s) in %s/%d attempt %d: %s", exc.cause, group.uid, idx, attempt, exc)
             return exc.cause
+        except InputError as exc:
+            log.error("episode %s/%d: the row cannot be run, fix the data: %s", group.uid, idx, exc)
+            return BAD_INPUT
         except TimeoutError:
             if not cap.expired():
                 # A bare TimeoutError from inside the runner: some await of its own gave up.
@@ -355,6 +361,8 @@ class RolloutManager:
         if episode.status is Status.FAILED_INFRA:
             return episode.failure_cause or "infra"
         self.counters.version_mismatches += int(episode.metadata.get("version_mismatches", 0))
+        if episode.status is Status.FAILED_POLICY and episode.failure_cause:
+            self.counters.policy_failures[episode.failure_cause] += 1
         episode.prompt_id = group.uid
         episode.sample_index = idx
         episode.start_version = version
@@ -394,7 +402,8 @@ class RolloutManager:
                 causes.append(result)
                 self.counters.failures[result] += 1
                 attempt += 1
-                if attempt >= self.config.max_attempts:
+                # A broken row fails the same way every time: no retry.
+                if attempt >= self.config.max_attempts or result == BAD_INPUT:
                     result = self._exhausted(group, idx, causes)
                     break
                 # The slot stays ours while backing off.
@@ -559,4 +568,5 @@ class RolloutManager:
         self.source.load_state_dict(state["source"])
         counters = dict(state.get("counters", {}))
         failures: Counter[str] = Counter(counters.pop("failures", {}))
-        self.counters = Counters(**counters, failures=failures)
+        policy: Counter[str] = Counter(counters.pop("policy_failures", {}))
+        self.counters = Counters(**counters, failures=failures, policy_failures=policy)

@@ -33,6 +33,7 @@ class StepMetrics:
     truncation_ratio: float
     policy_failure_ratio: float
     failures_by_cause: dict[str, int]  # infra failures since the previous step
+    policy_failures_by_cause: dict[str, int]  # scored-0 failures with a cause (tampered, shell_killed...)
     samples_exhausted: int
     groups_filtered: int
     stale_groups: int  # evicted from the buffer
@@ -107,6 +108,12 @@ class MetricsTracker:
         failures = {
             c: n - before_fail.get(c, 0) for c, n in counters["failures"].items() if n - before_fail.get(c, 0)
         }
+        before_policy = self._last.get("policy_failures", {})
+        policy = {
+            c: n - before_policy.get(c, 0)
+            for c, n in counters["policy_failures"].items()
+            if n - before_policy.get(c, 0)
+        }
         tokens = sum(e.response_tokens for e in scored)
         wall = max(now_t - self._last_t, 1e-9)
         m = StepMetrics(
@@ -123,6 +130,7 @@ class MetricsTracker:
             truncation_ratio=sum(s.status is Status.TRUNCATED for s in scored) / max(len(scored), 1),
             policy_failure_ratio=sum(s.status is Status.FAILED_POLICY for s in scored) / max(len(scored), 1),
             failures_by_cause=failures,
+            policy_failures_by_cause=policy,
             samples_exhausted=_delta(counters, self._last, "samples_exhausted"),
             groups_filtered=_delta(counters, self._last, "groups_filtered"),
             stale_groups=_delta(counters, self._last, "stale_groups"),
@@ -169,6 +177,10 @@ def render(m: StepMetrics) -> Table:
         ("pass rate (trained / all finished)", f"{m.pass_rate:.1%} / {m.rollout_pass_rate:.1%}"),
         ("truncated / policy-failed", f"{m.truncation_ratio:.1%} / {m.policy_failure_ratio:.1%}"),
         ("infra failures", ", ".join(f"{c}={n}" for c, n in sorted(m.failures_by_cause.items())) or "0"),
+        (
+            "policy failures (scored 0)",
+            ", ".join(f"{c}={n}" for c, n in sorted(m.policy_failures_by_cause.items())) or "0",
+        ),
         ("internal errors / version mismatches", f"{m.internal_errors} / {m.version_mismatches}"),
         (
             "exhausted / filtered / stale (buffer, in flight)",
