@@ -21,9 +21,10 @@ from typing import Any
 
 from rich.table import Table
 
-from agentrl.errors import AgentRLError, InfraError
+from agentrl.errors import AgentRLError, InfraError, InputError
 from agentrl.rollout.manager import EpisodeRunner
 from agentrl.rows import row_prompt_id
+from agentrl.sample import Status
 
 log = logging.getLogger("agentrl.evaluation")
 
@@ -174,11 +175,16 @@ async def evaluate(
                     )
                 except InfraError as exc:
                     cause = exc.cause
+                except InputError as exc:  # the row itself is broken: no retry, unscored
+                    log.error("eval row %s cannot be run, fix the data: %s", rid, exc)
+                    cause = "bad_input"
+                    failures[cause] += 1
+                    break
                 except Exception:
                     log.exception("eval episode %s/%d raised an untyped error", rid, i)
                     cause = "internal_error"
                 else:
-                    if episode.reward is not None and episode.status.value != "failed-infra":
+                    if episode.reward is not None and episode.status is not Status.FAILED_INFRA:
                         results[rid].rewards.append(float(episode.reward))
                         return
                     cause = episode.failure_cause or "infra"

@@ -206,3 +206,20 @@ async def test_an_ambiguous_failure_counts_against_the_run_not_as_unscored() -> 
     assert summary.unscored == 0 and summary.episodes == 2 and summary.pass_at(1) == 0.0
     assert summary.infra_failures == {"internal_error": 4}
     assert summary.tasks[0].counted_as_failed == 2
+
+
+async def test_a_row_that_cannot_be_run_is_unscored_once_never_retried_nor_zero() -> None:
+    from agentrl.errors import TaskFormatError
+
+    class Broken:
+        calls = 0
+
+        async def run(self, row: dict, **kw: Any) -> Any:
+            Broken.calls += 1
+            raise TaskFormatError("t/instruction.md", None, "too large")
+
+    summary = await evaluate(
+        Broken(), [task_row(load_task(TASK))], samples_per_row=2, max_attempts=3, max_unscored_fraction=1.0
+    )  # type: ignore[arg-type]
+    assert Broken.calls == 2 and summary.unscored == 2 and summary.episodes == 0
+    assert summary.infra_failures == {"bad_input": 2}
