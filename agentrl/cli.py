@@ -12,7 +12,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL o
 # (module, attribute, name) of each sub-command group; imported lazily-at-start so that a missing
 # optional extra only disables its own group.
 _GROUPS = [
-    ("agentrl.tasks.cli", "app", "tasks"),
+    ("agentrl.tasks_cli", "app", "tasks"),
     ("agentrl.sandbox.cli", "app", "sandbox"),
     ("agentrl.engine.cli", "app", "engine"),
     ("agentrl.episode_cli", "app", "episode"),

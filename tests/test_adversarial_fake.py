@@ -18,9 +18,9 @@ from agentrl.sample import Status
 from agentrl.sandbox.base import ExecResult, SandboxPolicyError, printable, tampered
 from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
 from agentrl.tasks import load_task
-from agentrl.tasks.cli import app as tasks_app
 from agentrl.tasks.lint import lint_task
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
+from agentrl.tasks_cli import app as tasks_app
 from tests.chat_tokenizer import byte_tokenizer
 from tests.test_adversarial_podman import GUARDED, episode_config, fenced
 

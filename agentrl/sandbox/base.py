@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -109,22 +109,6 @@ def bound_output(text: str, limit: int = DEFAULT_OUTPUT_LIMIT) -> str:
     half = limit // 2
     cut = len(text) - 2 * half
     return f"{text[:half]}\n[... {cut} characters omitted ...]\n{text[-half:]}"
-
-
-@dataclass
-class SandboxSpec:
-    """What a provider needs to start a sandbox, resolved from a task plus run options."""
-
-    task_id: str
-    run_id: str
-    image: str | None = None
-    cpus: float | None = None
-    memory_mb: int | None = None
-    storage_mb: int | None = None
-    network: bool = False
-    workdir: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
 
 
 class Sandbox(abc.ABC):
