@@ -336,9 +336,14 @@ class _Shell:
         stream limit) would otherwise keep its transport open past the event loop's end."""
         if self.alive:
             self.proc.kill()
+        # Close the pipes only: closing the subprocess transport itself polls (waitpid) the child
+        # and steals its exit status from asyncio's child watcher ("Unknown child process").
         transport = getattr(self.proc, "_transport", None)
         if transport is not None:
-            transport.close()
+            for fd in (0, 1, 2):
+                pipe = transport.get_pipe_transport(fd)
+                if pipe is not None:
+                    pipe.close()
 
 
 def _bounded(head: bytes, tail: bytes, size: int) -> str:
