@@ -38,16 +38,17 @@ class PrepareSettings(_Section):
         default_factory=lambda: [("+", 1, 1), ("*", 1, 1)],
         description="Problem kinds: (operator, digits of a, digits of b).",
     )
-    train_rows: int = Field(200, ge=1, description="Synthetic training problems.")
-    eval_rows: int = Field(64, ge=1, description="Synthetic eval problems.")
+    sft_problems: int = Field(200, ge=1, description="Synthetic problems whose reference reply SFT sees.")
+    rl_problems: int = Field(64, ge=1, description="Of those, the problems RL trains on.")
     held_out: bool = Field(
         False,
-        description="Eval problems disjoint from the training ones (needs a family larger than "
-        "train_rows + eval_rows); otherwise the eval set is drawn from the training problems.",
+        description="false: the eval set is the RL problems (pass@1 on what RL trains on, as in the "
+        "terminal demo); true: eval_problems new problems, disjoint from every SFT problem (needs "
+        "a family larger than sft_problems + eval_problems).",
     )
-    sft_rows: int = Field(200, ge=1, description="Training problems whose reference reply SFT sees.")
-    sft_steps: int = 300
-    sft_lr: float = 1e-3
+    eval_problems: int = Field(64, ge=1, description="Held-out eval problems (held_out=true).")
+    sft_steps: int = 200
+    sft_lr: float = 2e-3
     sft_batch_size: int = 32
 
 
@@ -70,7 +71,7 @@ _UNSET = "<out>"  # the data files default to the run directory, wherever `out` 
 # The demo's settings (docs/math_demo.md says why each is what it is); everything else is a default.
 DEFAULTS: dict[str, Any] = {
     "out": "runs/local_dapo_math",
-    "steps": 40,
+    "steps": 60,
     "env": {
         "name": "dapo_math",
         "train_file": _UNSET,
@@ -80,7 +81,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "sampling": {"temperature": 1.0},
     "rollout": {"batch_size": 32, "n_samples_per_prompt": 8, "max_in_flight": 32, "max_staleness": 1},
-    "trainer": {"lr": 1e-4, "num_minibatches": 2, "weight_decay": 0.0, "max_tokens_per_micro_batch": 8192},
+    "trainer": {"lr": 2e-4, "num_minibatches": 2, "weight_decay": 0.0, "max_tokens_per_micro_batch": 8192},
     "engine": {"local_max_batch": 32},
     "eval": {"samples_per_row": 8, "concurrency": 32},
 }
@@ -151,21 +152,23 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
     out, p = cfg.out_dir, cfg.prepare
     out.mkdir(parents=True, exist_ok=True)
     kinds = tuple(tuple(k) for k in p.kinds)
-    train_rows = arithmetic_rows(p.train_rows, seed=cfg.seed, kinds=kinds)  # type: ignore[arg-type]
+    sft_rows = arithmetic_rows(p.sft_problems, seed=cfg.seed, kinds=kinds)  # type: ignore[arg-type]
+    rl_rows = random.Random(cfg.seed + 10_000).sample(sft_rows, min(p.rl_problems, len(sft_rows)))
+    eval_rows = rl_rows
     if p.held_out:
-        seen = {statement(r) for r in train_rows}
-        eval_rows = arithmetic_rows(p.eval_rows, seed=cfg.seed + 10_000, kinds=kinds, exclude=seen)  # type: ignore[arg-type]
-    else:
-        eval_rows = random.Random(cfg.seed + 10_000).sample(train_rows, min(p.eval_rows, len(train_rows)))
-    write_jsonl(cfg.env["train_file"], train_rows)
+        seen = {statement(r) for r in sft_rows}
+        eval_rows = arithmetic_rows(p.eval_problems, seed=cfg.seed + 20_000, kinds=kinds, exclude=seen)  # type: ignore[arg-type]
+    write_jsonl(cfg.env["train_file"], rl_rows)
     write_jsonl(cfg.env["eval_file"], eval_rows)
-    where = "held-out" if p.held_out else "of them as"
-    console.print(f"{len(train_rows)} training problems, {len(eval_rows)} {where} eval problems, in {out}")
+    where = "held-out" if p.held_out else "(the RL problems)"
+    console.print(
+        f"{len(sft_rows)} SFT problems, {len(rl_rows)} of them for RL, {len(eval_rows)} {where} eval problems"
+    )
     base = tiny_math_model_dir(seed=cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     ctx = EnvContext(tokenizer=tokenizer, seed=cfg.seed, out_dir=out, temperature=cfg.sampling.temperature)
     env = MathEnvironment(MathConfig.model_validate(cfg.env), ctx)
-    samples = sft_samples(train_rows[: p.sft_rows], tokenizer, env.prompt_ids)
+    samples = sft_samples(sft_rows, tokenizer, env.prompt_ids)
     console.print(f"SFT on {len(samples)} reference replies for {p.sft_steps} steps")
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     torch.manual_seed(cfg.seed)
