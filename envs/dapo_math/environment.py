@@ -158,7 +158,10 @@ class MathRunner:
                 self.engine.chat(row["prompt"], sampling),  # type: ignore[attr-defined]
                 self.config.engine_timeout_s,
             )
-            ids, logps, versions = [], [], []
+            ids: list[int] = []
+            logps: list[float] = []
+            versions: list[int] = []
+            prompt_ids: list[int] = []
         else:
             prompt_ids = self.env.prompt_ids(row)
             ids, logps, versions, finish = await self._generate(prompt_ids, sampling, session_id)
