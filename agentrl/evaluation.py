@@ -157,6 +157,8 @@ async def evaluate(
         raise ValueError(f"every k must be in 1..samples_per_row={samples_per_row} (got {bad})")
     sem = asyncio.Semaphore(concurrency)
     ids = [row_prompt_id(r, i) for i, r in enumerate(rows)]
+    if len(set(ids)) < len(ids):  # rows sharing an id are still separate problems
+        ids = [f"{rid}#{i}" for i, rid in enumerate(ids)]
     results = {rid: TaskEval(rid) for rid in ids}
     failures: Counter[str] = Counter()
 

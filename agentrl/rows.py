@@ -9,9 +9,12 @@ from typing import Any
 
 
 def row_prompt_id(row: dict[str, Any], index: int) -> str:
-    """A readable id: the row's task id or id when it has one, else its index."""
+    """A readable id: the row's task id, id, or published index (dapo-math-17k's
+    `extra_info.index`) when it has one, else its position."""
     meta = row.get("metadata") or {}
-    return str(meta.get("task_id") or row.get("id") or index)
+    extra = row.get("extra_info") or {}
+    found = meta.get("task_id") or row.get("id") or extra.get("index")
+    return str(found if found not in (None, "") else index)
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
