@@ -24,7 +24,8 @@ import typer
 from pydantic import Field, model_validator
 from rich.console import Console
 
-from agentrl.runtime.config import ConfigError, RunConfig, _Section, resolve
+from agentrl.runtime import cli as runtime_cli
+from agentrl.runtime.config import RunConfig, _Section
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 console = Console()
@@ -90,47 +91,10 @@ DEFAULTS["trainer"] |= {"logprob_chunk_size": None, "loss": {"aggregation": "tok
 
 
 def configure(config: Path | None, overrides: list[str] | None, dry_run: bool) -> MathDemoConfig | None:
-    try:
-        cfg = resolve(MathDemoConfig, defaults=DEFAULTS, config_file=config, overrides=overrides)
-    except ConfigError as exc:
-        console.print(str(exc), style="red", markup=False, soft_wrap=True)
-        raise typer.Exit(2) from None
-    if dry_run:
-        console.print_json(json.dumps(cfg.dump()))
-        return None
-    import torch
-
-    torch.set_num_threads(cfg.torch_threads)
-    return cfg  # type: ignore[no-any-return]
+    return runtime_cli.configure(MathDemoConfig, DEFAULTS, config, overrides, dry_run)  # type: ignore[no-any-return]
 
 
-SET = typer.Option(None, "--set", help="Override a setting: --set trainer.lr=1e-4 (dotted, JSON values).")
-CONFIG = typer.Option(None, "--config", help="A .toml / .json / .yaml file of settings.")
-DRY = typer.Option(False, help="Print every resolved setting and exit.")
-
-
-def sft_samples(rows: list[dict[str, Any]], tokenizer: Any, prompt_ids: Any) -> list[Any]:
-    """Reference replies as training samples on the exact token layout RL sees: the prompt rendered
-    by the environment, then the reply's ids and the eos token."""
-    from agentrl.sample import Sample
-    from envs.dapo_math.synthetic import solution_text
-
-    samples = []
-    for i, row in enumerate(rows):
-        prompt = prompt_ids(row)
-        reply = list(tokenizer(solution_text(row), add_special_tokens=False)["input_ids"])
-        reply.append(tokenizer.eos_token_id)
-        samples.append(
-            Sample(
-                prompt_id=str(i),
-                tokens=prompt + reply,
-                prompt_length=len(prompt),
-                loss_mask=[1] * len(reply),
-                rollout_logprobs=[0.0] * len(reply),
-                reward=1.0,
-            )
-        )
-    return samples
+SET, CONFIG, DRY = runtime_cli.SET, runtime_cli.CONFIG, runtime_cli.DRY
 
 
 @app.command()
@@ -144,7 +108,7 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
     from agentrl.rows import write_jsonl
     from agentrl.sft import SFTConfig, run_sft
     from envs.dapo_math import MathConfig, MathEnvironment
-    from envs.dapo_math.synthetic import arithmetic_rows, statement
+    from envs.dapo_math.synthetic import arithmetic_rows, sft_samples, statement
 
     cfg = configure(config, set_, dry_run)
     if cfg is None:

@@ -20,7 +20,8 @@ import typer
 from pydantic import Field, model_validator
 from rich.console import Console
 
-from agentrl.runtime.config import ConfigError, RunConfig, _Section, resolve
+from agentrl.runtime import cli as runtime_cli
+from agentrl.runtime.config import RunConfig, _Section
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 console = Console()
@@ -67,23 +68,10 @@ DEFAULTS["trainer"] |= {"logprob_chunk_size": None, "loss": {"aggregation": "tok
 
 
 def configure(config: Path | None, overrides: list[str] | None, dry_run: bool) -> LocalConfig | None:
-    try:
-        cfg = resolve(LocalConfig, defaults=DEFAULTS, config_file=config, overrides=overrides)
-    except ConfigError as exc:
-        console.print(str(exc), style="red", markup=False, soft_wrap=True)
-        raise typer.Exit(2) from None
-    if dry_run:
-        console.print_json(json.dumps(cfg.dump()))
-        return None
-    import torch
-
-    torch.set_num_threads(cfg.torch_threads)
-    return cfg  # type: ignore[no-any-return]
+    return runtime_cli.configure(LocalConfig, DEFAULTS, config, overrides, dry_run)  # type: ignore[no-any-return]
 
 
-SET = typer.Option(None, "--set", help="Override a setting: --set trainer.lr=3e-5 (dotted, JSON values).")
-CONFIG = typer.Option(None, "--config", help="A .toml / .json / .yaml file of settings.")
-DRY = typer.Option(False, help="Print every resolved setting and exit.")
+SET, CONFIG, DRY = runtime_cli.SET, runtime_cli.CONFIG, runtime_cli.DRY
 
 
 @app.command()

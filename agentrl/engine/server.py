@@ -45,7 +45,7 @@ connection refused); `agentrl engine serve` then exits with status 1. The cases:
   `serialized_named_tensors[tp_rank]` (IndexError on the ranks without one);
 - `update_weights_from_distributed` before `init_weights_update_group`: the model runner's
   `assert group_name in self._model_update_group`, outside its try block;
-- a tensor `load_format` SGLang does not know (`NotImplementedError` in the weight updater).
+- a tensor `load_format` SGLang does not know (the weight updater raises for it, uncaught).
 
 Not served: streaming (`"stream": true` is refused with 400), multimodal inputs, penalties,
 constrained decoding, LoRA; each is refused with a 400 that names the field.
@@ -700,7 +700,7 @@ class EngineServer:
             return _validation_error("serialized_named_tensors must be a non-empty list of base64 strings")
         fmt = body.get("load_format")
         if fmt not in (None, "direct", "flattened_bucket"):
-            raise _Fatal(f"NotImplementedError: Unknown load_format={fmt} (SGLang weight_updater.py)")
+            raise _Fatal(f"Unknown load_format={fmt}: the scheduler dies (SGLang weight_updater.py)")
         if fmt == "flattened_bucket":
             return web.json_response(
                 {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -49,3 +50,37 @@ def run_cmd(
             await close_parts(parts)
 
     asyncio.run(go())
+
+
+SET = typer.Option(None, "--set", help="Override a setting: --set trainer.lr=3e-5 (dotted, JSON values).")
+CONFIG = typer.Option(None, "--config", help="A .toml / .json / .yaml file of settings.")
+DRY = typer.Option(False, help="Print every resolved setting and exit.")
+
+
+def configure(
+    model: type[Any],
+    defaults: dict[str, Any],
+    config: Path | None,
+    overrides: list[str] | None,
+    dry_run: bool,
+) -> Any:
+    """A recipe's config resolved (defaults <- file <- --set); printed and None on --dry-run; a
+    ConfigError exits 2 with its message. Sets torch's thread count for the run."""
+    from rich.console import Console
+
+    from agentrl.overrides import ConfigError
+    from agentrl.runtime.config import resolve
+
+    console = Console()
+    try:
+        cfg = resolve(model, defaults=defaults, config_file=config, overrides=overrides)
+    except ConfigError as exc:
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if dry_run:
+        console.print_json(json.dumps(cfg.dump()))
+        return None
+    import torch
+
+    torch.set_num_threads(cfg.torch_threads)
+    return cfg

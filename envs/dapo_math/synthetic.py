@@ -74,3 +74,26 @@ def solution_text(row: dict[str, Any]) -> str:
     a, b = info["operands"]
     answer = row["reward_model"]["ground_truth"]
     return f"{a} {info['op']} {b} = {answer}\nAnswer: \\boxed{{{answer}}}"
+
+
+def sft_samples(rows: list[dict[str, Any]], tokenizer: Any, prompt_ids: Any) -> list[Any]:
+    """Reference replies as training samples on the exact token layout RL sees: the prompt rendered
+    by the environment, then the reply's ids and the eos token."""
+    from agentrl.sample import Sample
+
+    samples = []
+    for i, row in enumerate(rows):
+        prompt = prompt_ids(row)
+        reply = list(tokenizer(solution_text(row), add_special_tokens=False)["input_ids"])
+        reply.append(tokenizer.eos_token_id)
+        samples.append(
+            Sample(
+                prompt_id=str(i),
+                tokens=prompt + reply,
+                prompt_length=len(prompt),
+                loss_mask=[1] * len(reply),
+                rollout_logprobs=[0.0] * len(reply),
+                reward=1.0,
+            )
+        )
+    return samples
