@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +46,7 @@ from daytona import (
 )
 from daytona.common.errors import DaytonaProcessExecutionTimeoutError, DaytonaTimeoutError
 from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
-from daytona_toolbox_api_client_async import Command
+from daytona_toolbox_api_client_async import Command, FileInfo
 
 from agentrl.sandbox.podman import run_cli
 
@@ -391,6 +393,7 @@ class FakeAsyncProcess:
 class FakeAsyncFileSystem:
     def __init__(self, sandbox: FakeAsyncSandbox) -> None:
         self.sandbox = sandbox
+        self.root: Path | None = None
 
     async def upload_files(self, files: list[FileUpload], timeout: int = 30 * 60) -> None:
         runtime, container = self.sandbox.runtime()
@@ -408,24 +411,95 @@ class FakeAsyncFileSystem:
                 if rc != 0:
                     raise DaytonaError(f"400: cannot write {f.destination}: {err.strip()}", status_code=400)
 
+    async def _root(self) -> Path:
+        """The container's root as the host sees it (`/proc/PID/root`): what the toolbox daemon,
+        a process inside the sandbox, reads with Go's `os.Open` / `os.ReadDir`, with no sandbox
+        binary involved (the agent may have replaced them all)."""
+        if self.root is None:
+            runtime, container = self.sandbox.runtime()
+            rc, out, err = await run_cli(
+                runtime.cli, "inspect", "-f", "{{.State.Pid}}", container, timeout=60
+            )
+            if rc != 0 or not out.strip().isdigit() or out.strip() == "0":
+                raise DaytonaError(f"sandbox is not running: {err.strip()}")
+            self.root = Path(f"/proc/{out.strip()}/root")
+        return self.root
+
     async def download_files(
         self, files: list[FileDownloadRequest], timeout: int = 30 * 60
     ) -> list[FileDownloadResponse]:
-        runtime, container = self.sandbox.runtime()
+        self.sandbox.runtime()
+        root = await self._root()
         responses = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, f in enumerate(files):
-                local = Path(tmp) / f"download-{i}"
-                rc, _, err = await run_cli(
-                    runtime.cli, "cp", f"{container}:{f.source}", str(local), timeout=120
+        for f in files:
+            # The daemon's `os.Stat` + `os.Open` (fs/download_files.go): symlinks followed (inside the
+            # sandbox), directories refused, /proc files read whole.
+            path = _resolve_in_root(root, f.source)
+            try:
+                if path is None or not path.is_file():
+                    raise FileNotFoundError(f.source)
+                data = path.read_bytes()
+            except OSError:
+                responses.append(
+                    FileDownloadResponse(source=f.source, error=f"file not found or invalid: {f.source}")
                 )
-                if rc != 0 or not local.is_file():
-                    responses.append(FileDownloadResponse(source=f.source, error=f"not found: {err.strip()}"))
-                    continue
-                data = local.read_bytes()
-                if f.destination:
-                    Path(f.destination).write_bytes(data)
-                    responses.append(FileDownloadResponse(source=f.source, result=f.destination))
-                else:
-                    responses.append(FileDownloadResponse(source=f.source, result=data))
+                continue
+            if f.destination:
+                Path(f.destination).write_bytes(data)
+                responses.append(FileDownloadResponse(source=f.source, result=f.destination))
+            else:
+                responses.append(FileDownloadResponse(source=f.source, result=data))
         return responses
+
+    async def list_files(
+        self, path: str, depth: int | None = None, request_timeout: float | None = None
+    ) -> list[FileInfo]:
+        self.sandbox.runtime()
+        resolved = _resolve_in_root(await self._root(), path)
+        if resolved is None or not resolved.is_dir():
+            raise DaytonaNotFoundError(f"Failed to list files: {path} not found", status_code=404)
+        infos = []
+        for entry in os.scandir(resolved):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # gone between the listing and the stat (a /proc entry)
+            infos.append(
+                FileInfo(
+                    name=entry.name,
+                    path=f"{path.rstrip('/')}/{entry.name}",
+                    is_dir=entry.is_dir(follow_symlinks=False),
+                    size=st.st_size,
+                    mode=stat.filemode(st.st_mode),
+                    permissions=oct(st.st_mode & 0o7777),
+                    mod_time=datetime.fromtimestamp(st.st_mtime, UTC).isoformat(),
+                    owner=str(st.st_uid),
+                    group=str(st.st_gid),
+                )
+            )
+        return infos
+
+
+def _resolve_in_root(root: Path, path: str, hops: int = 40) -> Path | None:
+    """`path` resolved inside `root` as a process chrooted there would see it: absolute symlinks
+    restart at `root`, `..` never climbs above it. None for a symlink loop."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    resolved: list[str] = []
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = root.joinpath(*resolved, part)
+        if candidate.is_symlink():
+            hops -= 1
+            if hops < 0:
+                return None
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+            continue
+        resolved.append(part)
+    return root.joinpath(*resolved)

@@ -58,6 +58,22 @@ ATTACKS = [
         ["mkdir -p /tests && printf 'import os\\nos._exit(0)\\n' > /tests/conftest.py"],
         FAIL,
     ),
+    # The verifier's kill and its tamper scan run the sandbox's own tools: replacing them to spare a
+    # reward writer is caught by the core files' digests, read through the file API.
+    (
+        "kill and scan subverted (readlink, find replaced) to spare a reward writer",
+        [
+            "(while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; sleep 0.02; done)"
+            " >/dev/null 2>&1 &",
+            "printf '#!/bin/sh\\necho same\\n' > /usr/bin/readlink; printf '#!/bin/sh\\nexit 0\\n' > /usr/bin/find",
+        ],
+        ("tampered", "system_files"),
+    ),
+    (
+        "a shell shadowing /usr/bin/sh earlier on PATH",
+        ["printf '#!/bin/bash\\nexit 0\\n' > /usr/local/bin/sh && chmod +x /usr/local/bin/sh"],
+        ("tampered", "system_files"),
+    ),
     ("/tests/test.sh made a directory", ["mkdir -p /tests/test.sh"], FAIL),
     ("/logs made a file", ["rm -rf /logs && echo x > /logs"], FAIL),
     ("/tmp cleaned", ["rm -rf /tmp/* /tmp/.[!.]*", "echo still works"], FAIL),
@@ -115,3 +131,30 @@ async def test_attack_through_daytona_scores_zero_and_the_run_goes_on(
     finally:
         await provider.aclose()
     assert provider.live_sandboxes() == 0
+
+
+async def test_a_process_that_survives_the_kill_is_seen_from_outside(
+    server: FakeDaytonaServer, monkeypatch
+) -> None:
+    """The survivor check lists /proc through the file API: had the kill been subverted in a way
+    the core digests miss, a process of the agent's still running is `tampered`."""
+    from agentrl.sandbox import daytona
+    from agentrl.sandbox.base import SandboxPolicyError
+
+    provider = DaytonaProvider(client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0)
+    try:
+        sb = await provider.create(load_task(GUARDED), run_id="survivor")
+        try:
+            await sb.exec("setsid sleep 300 >/dev/null 2>&1 < /dev/null &", timeout=10)
+            await sb.stop_processes()  # the real kill: nothing survives
+            await sb.exec("setsid tail -f /dev/null >/dev/null 2>&1 < /dev/null &", timeout=10)
+            monkeypatch.setattr(daytona, "STOP_PROCESSES", "true")  # a kill that did nothing
+            with pytest.raises(
+                SandboxPolicyError, match=r"survived the verifier's kill: \d+ \(tail"
+            ) as info:
+                await sb.stop_processes()
+            assert info.value.cause == "system_files"
+        finally:
+            await sb.close()
+    finally:
+        await provider.aclose()

@@ -79,6 +79,7 @@ def provider_on(server: FakeDaytonaServer, **options) -> DaytonaProvider:
     options.setdefault("keepalive_s", 0)
     options.setdefault("backoff_initial_s", 0.001)
     options.setdefault("backoff_max_s", 0.01)
+    options.setdefault("trusted_checks", server.runtime is not None)  # a record-only toolbox cannot answer
     return DaytonaProvider(client_factory=server.client, **options)
 
 
@@ -98,7 +99,7 @@ SURFACE = [
             "delete_session",
         ],
     ),
-    (FakeAsyncFileSystem, AsyncFileSystem, ["upload_files", "download_files"]),
+    (FakeAsyncFileSystem, AsyncFileSystem, ["upload_files", "download_files", "list_files"]),
 ]
 
 
@@ -571,7 +572,9 @@ async def test_real_sdk_creates_lists_and_deletes_against_a_loopback_api(loopbac
         tmp_path, "wire", 'docker_image = "python:3.12-slim"\ncpus = 2\n[environment.env]\nMODE = "x"', None
     )
     caplog.set_level(logging.DEBUG)
-    provider = DaytonaProvider(keepalive_s=0.05, backoff_initial_s=0.001, backoff_max_s=0.01)
+    provider = DaytonaProvider(
+        keepalive_s=0.05, backoff_initial_s=0.001, backoff_max_s=0.01, trusted_checks=False
+    )
     loopback.create_replies = [(429, {"message": "Too many requests", "statusCode": 429})]
     sb = await provider.create(task, run_id="wire-run")
     await asyncio.sleep(0.2)  # the keepalive reaches the API while "the model thinks"
@@ -611,7 +614,7 @@ async def test_real_sdk_creates_lists_and_deletes_against_a_loopback_api(loopbac
 async def test_real_sdk_quota_reply_becomes_a_quota_error_without_the_key(loopback, tmp_path, caplog) -> None:
     task = make_task(tmp_path, "quota", 'docker_image = "python:3.12-slim"', None)
     caplog.set_level(logging.DEBUG)
-    provider = DaytonaProvider(keepalive_s=0, backoff_initial_s=0.001)
+    provider = DaytonaProvider(keepalive_s=0, backoff_initial_s=0.001, trusted_checks=False)
     reply = {
         "message": "Total CPU limit exceeded. Maximum allowed: 4",
         "statusCode": 403,

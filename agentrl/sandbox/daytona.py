@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import io
 import logging
 import math
@@ -104,6 +105,26 @@ for sig in STOP STOP STOP KILL KILL; do
 done
 true
 """
+# The verifier's own steps (the kill above, the `find` of `tampered_paths`, the exec wrapper) run the
+# sandbox's shells and tools, which the agent may have replaced. So their content is recorded when
+# the sandbox starts, before the agent's first command, and compared before verifying; both reads go
+# through the toolbox daemon's file API (Go `os.Open` + `io.Copy` in `fs/download_files.go`,
+# `os.ReadDir` in `fs/list_files.go` of daytonaio/daytona), never through a sandbox binary.
+CORE_TOOLS = (
+    "sh", "bash", "dash", "zsh", "env", "timeout", "find", "sed", "readlink", "cat", "rm", "mkdir",
+    "chmod", "tar", "wc", "head", "tail", "kill", "runuser", "su",
+)  # fmt: skip
+PATH_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+# Each tool's resolved file and the shared libraries it loads (`ldd`), printed one path a line.
+CORE_PROBE = (
+    f'for t in {" ".join(CORE_TOOLS)}; do p=$(command -v "$t" 2>/dev/null) || continue; '
+    'case "$p" in /*) ;; *) continue;; esac; readlink -f "$p"; '
+    "ldd \"$p\" 2>/dev/null | sed -n 's|.*=> \\(/[^ ]*\\) (.*|\\1|p; s|^[[:space:]]*\\(/[^ ]*\\) (.*|\\1|p'; "
+    "done; true"
+)
+# Paths whose appearance alone hijacks the verifier: every PATH spelling of a core tool (a new
+# `/usr/local/bin/sh` shadows `/usr/bin/sh`) and the dynamic loader's preload list.
+SHADOW_PATHS = tuple(f"{d}/{t}" for d in PATH_DIRS for t in CORE_TOOLS) + ("/etc/ld.so.preload",)
 PREPARE_LOGS = "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*"
 NO_TIMEOUT_S = 7 * 24 * 3600  # `timeout` still runs, for its process group, when the caller sets none
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -225,6 +246,8 @@ class DaytonaSandbox(Sandbox):
         self._last_activity = time.monotonic()
         self._keepalive: asyncio.Task[None] | None = None
         self.created_at = time.time()
+        self._core: dict[str, str | None] | None = None  # see record_baseline
+        self._infra: dict[str, tuple[str, str]] | None = None
 
     def __repr__(self) -> str:
         return f"DaytonaSandbox({self.sandbox_id!r}, task={self.task_id!r})"
@@ -390,14 +413,116 @@ class DaytonaSandbox(Sandbox):
         script = f'p=$(cat {d}/p 2>/dev/null) && {{ kill -9 "-$p" 2>/dev/null || kill -9 "$p"; }}; rm -rf {d}'
         self.provider._spawn(self.sdk.process.exec(f"sh -c {shlex.quote(script)}", timeout=30), 45)
 
+    # -- the verifier's trusted view (file API only) ------------------------------------------------
+    async def record_baseline(self, core: dict[str, str | None] | None = None) -> dict[str, str | None]:
+        """Before the agent's first command: the processes the sandbox runs by itself (toolbox
+        daemon, init, their helpers) and the content of the verifier's core files (`CORE_TOOLS`
+        with their libraries and loader, `SHADOW_PATHS`). `core` reuses a record made on another
+        sandbox of the same image; the record is returned for that purpose."""
+        if core is None:
+            probe = await self.exec(CORE_PROBE, timeout=120)
+            found = {p for p in probe.stdout.splitlines() if p.startswith("/")}
+            core = await self._digests(sorted(found | set(SHADOW_PATHS)))
+        self._core = core
+        self._infra = await self._processes()
+        return core
+
+    async def _digests(self, paths: list[str]) -> dict[str, str | None]:
+        """sha256 of each path's content as the daemon reads it (symlinks followed), None if absent."""
+        requests = [FileDownloadRequest(source=p) for p in paths]
+        try:
+            responses = await asyncio.wait_for(
+                self.sdk.fs.download_files(requests, timeout=self.provider.transfer_timeout_s),
+                self.provider.transfer_timeout_s + 30,
+            )
+        except (DaytonaError, TimeoutError) as exc:
+            raise SandboxTransportError(
+                f"daytona sandbox {self.sandbox_id}: reading the verifier's core files failed: {exc}"
+            ) from exc
+        digests: dict[str, str | None] = {}
+        for path, resp in zip(paths, responses, strict=True):
+            if resp.error or resp.result is None:
+                digests[path] = None
+                continue
+            data = resp.result if isinstance(resp.result, bytes) else Path(resp.result).read_bytes()
+            digests[path] = hashlib.sha256(data).hexdigest()
+        return digests
+
+    async def _processes(self) -> dict[str, tuple[str, str]]:
+        """Live processes as {pid: (state, comm)} from `/proc` through the file API."""
+        try:
+            entries = await asyncio.wait_for(self.sdk.fs.list_files("/proc", request_timeout=60), 90)
+            pids = [e.name for e in entries if e.name.isdigit()]
+            responses = await asyncio.wait_for(
+                self.sdk.fs.download_files(
+                    [FileDownloadRequest(source=f"/proc/{p}/stat") for p in pids], timeout=60
+                ),
+                90,
+            )
+        except (DaytonaError, TimeoutError) as exc:
+            raise SandboxTransportError(
+                f"daytona sandbox {self.sandbox_id}: listing /proc failed: {exc}"
+            ) from exc
+        found: dict[str, tuple[str, str]] = {}
+        for pid, resp in zip(pids, responses, strict=True):
+            if resp.error or resp.result is None:
+                continue  # exited between the listing and the read
+            data = resp.result if isinstance(resp.result, bytes) else Path(resp.result).read_bytes()
+            stat = data.decode(errors="replace")
+            # `pid (comm) state ...`; comm may hold spaces and parentheses: split at the last ')'.
+            head, _, rest = stat.rpartition(")")
+            comm = head.partition("(")[2]
+            state = rest.split()[0] if rest.split() else "?"
+            found[pid] = (state, comm)
+        return found
+
+    async def _core_changes(self) -> list[str]:
+        if self._core is None:
+            return []
+        now = await self._digests(sorted(self._core))
+        return sorted(p for p, digest in now.items() if digest != self._core[p])
+
     async def stop_processes(self) -> None:
+        """Kill what the agent started, then check from outside that it worked: the kill runs the
+        sandbox's own shell, so core files changed since the start, or a process of the agent's
+        still alive afterwards, mean the agent subverted it (`tampered`, a policy outcome)."""
+        changed = await self._core_changes()
+        if changed:
+            raise SandboxPolicyError(
+                f"daytona sandbox {self.sandbox_id}: files the verifier runs were replaced: "
+                + ", ".join(changed[:10]),
+                cause="system_files",
+            )
         await self.exec(STOP_PROCESSES, timeout=120)
+        self._session_id = None  # its shell was killed with the rest
+        if self._infra is None:
+            return
+        infra_names = {comm for _, comm in self._infra.values()}
+        survivors: dict[str, tuple[str, str]] = {}
+        for _ in range(3):
+            live = await self._processes()
+            survivors = {
+                pid: (state, comm)
+                for pid, (state, comm) in live.items()
+                if pid not in self._infra and state not in ("Z", "X") and comm not in infra_names
+            }
+            if not survivors:
+                return
+            await asyncio.sleep(0.5)
+        shown = ", ".join(f"{pid} ({comm}, {state})" for pid, (state, comm) in sorted(survivors.items())[:10])
+        raise SandboxPolicyError(
+            f"daytona sandbox {self.sandbox_id}: processes survived the verifier's kill: {shown}",
+            cause="system_files",
+        )
 
     async def tampered_paths(self) -> list[str] | None:
-        """Daytona has no `diff` against the image: files whose status changed since the sandbox
-        was created (`find -newerct`: a ctime cannot be set back) under the system prefixes, and
-        suspicious additions anywhere. It runs the sandbox's own `find`, so it is best effort: an
-        agent that replaced `find` itself can hide from it (podman's check does not share this)."""
+        """Daytona has no `diff` against the image. First the core files (`record_baseline`),
+        compared through the file API; with those intact, the sandbox's own `find` can be trusted
+        for the rest: files whose status changed since the sandbox was created (`find -newerct`: a
+        ctime cannot be set back) under the system prefixes, and suspicious additions anywhere."""
+        changed_core = await self._core_changes()
+        if changed_core:
+            return changed_core
         since = int(self.created_at) - 120  # slack for a sandbox clock behind the host's
         prune = " -o ".join(f"-path {p}" for p in ("/proc", "/sys", "/dev", "/run", "/tmp", "/logs"))
         name = f".agentrl-tamper-{uuid.uuid4().hex}"
@@ -564,6 +689,11 @@ class DaytonaProvider(SandboxProvider):
 
     `client_factory` returns an `AsyncDaytona`-compatible client (tests pass a fake); by default an
     `AsyncDaytona` is built from `credentials` (default: `DaytonaCredentials.from_env()`).
+
+    `trusted_checks` records each sandbox's starting state through the file API
+    (`DaytonaSandbox.record_baseline`) so the verifier can check its kill and its tamper scan from
+    outside; off (only for toolboxes that cannot answer, such as record-only test doubles), both
+    trust the sandbox's own shell and `find`, which an agent can replace.
     """
 
     def __init__(
@@ -593,6 +723,7 @@ class DaytonaProvider(SandboxProvider):
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         os_user: str | None = "root",
         target: str | None = None,
+        trusted_checks: bool = True,
     ) -> None:
         if client_factory is None:
             creds = credentials or DaytonaCredentials.from_env()
@@ -622,6 +753,9 @@ class DaytonaProvider(SandboxProvider):
         self.session_poll_max_s = session_poll_max_s
         self.transfer_timeout_s = transfer_timeout_s
         self.output_limit = output_limit
+        # Per task: the verifier's core files as its image ships them (`DaytonaSandbox.record_baseline`).
+        self._core_records: dict[str, dict[str, str | None]] = {}
+        self.trusted_checks = trusted_checks
         self.os_user = os_user
         self.target = target
         self._create_slots = asyncio.Semaphore(max_concurrent_creates)
@@ -723,6 +857,18 @@ class DaytonaProvider(SandboxProvider):
         log.debug("daytona sandbox %s started for %s (attempt %d)", sandbox.sandbox_id, task.task_id, attempt)
         self._live[sandbox.sandbox_id] = sandbox
         _LIVE[sandbox.sandbox_id] = self.client_factory
+        try:
+            if self.trusted_checks:
+                self._core_records[task.task_id] = await sandbox.record_baseline(
+                    self._core_records.get(task.task_id)
+                )
+        except BaseException as exc:
+            await sandbox.close()
+            if isinstance(exc, SandboxError):
+                raise SandboxCreateError(
+                    f"daytona sandbox for {task.task_id}: recording its starting state failed: {exc}"
+                ) from exc
+            raise
         sandbox.start_keepalive(self.keepalive_s)
         return sandbox
 
