@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -28,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from daytona import (
     CreateSandboxFromImageParams,
@@ -47,6 +49,7 @@ from daytona import (
 from daytona.common.errors import DaytonaProcessExecutionTimeoutError, DaytonaTimeoutError
 from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
 from daytona_toolbox_api_client_async import Command, FileInfo
+from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
 
 from agentrl.sandbox.podman import run_cli
 
@@ -275,10 +278,70 @@ class _SessionCommand:
         self.exit_code = self.proc.returncode
 
 
+class _RawReply:
+    """What the generated toolbox client's `*_without_preload_content` calls return: an aiohttp
+    response, read as a stream (`content.read(n)`), then released or closed."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.content = asyncio.StreamReader()
+        self.content.feed_data(body)
+        self.content.feed_eof()
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+    def close(self) -> None:
+        self.released = True
+
+
+class FakeToolboxProcessApi:
+    """The toolbox's generated `ProcessApi` as agentrl calls it for bounded replies (the SDK's
+    `process._api_client`), method for method with the installed client's signatures."""
+
+    def __init__(self, process: FakeAsyncProcess) -> None:
+        self.process = process
+
+    async def execute_command_without_preload_content(
+        self,
+        request: ToolboxExecuteRequest,
+        _request_timeout: float | tuple[float, float] | None = None,
+        _request_auth: dict[str, Any] | None = None,
+        _content_type: str | None = None,
+        _headers: dict[str, Any] | None = None,
+        _host_index: int = 0,
+    ) -> _RawReply:
+        try:
+            resp = await self.process.exec(request.command, cwd=request.cwd, timeout=request.timeout)
+        except DaytonaProcessExecutionTimeoutError:
+            return _RawReply(408, json.dumps({"error": "command execution timeout"}).encode())
+        return _RawReply(200, json.dumps({"exitCode": resp.exit_code, "result": resp.result}).encode())
+
+    async def get_session_command_logs_without_preload_content(
+        self,
+        session_id: str,
+        command_id: str,
+        follow: bool | None = None,
+        _request_timeout: float | tuple[float, float] | None = None,
+        _request_auth: dict[str, Any] | None = None,
+        _content_type: str | None = None,
+        _headers: dict[str, Any] | None = None,
+        _host_index: int = 0,
+    ) -> _RawReply:
+        try:
+            cmd = self.process._command(session_id, command_id)
+        except DaytonaNotFoundError as exc:
+            return _RawReply(404, json.dumps({"error": str(exc)}).encode())
+        body = {"output": cmd.stdout + cmd.stderr, "stdout": cmd.stdout, "stderr": cmd.stderr}
+        return _RawReply(200, json.dumps(body).encode())
+
+
 class FakeAsyncProcess:
     def __init__(self, sandbox: FakeAsyncSandbox) -> None:
         self.sandbox = sandbox
         self.sessions: dict[str, dict[str, _SessionCommand]] = {}
+        self._api_client = FakeToolboxProcessApi(self)
 
     async def exec(
         self,

@@ -74,6 +74,14 @@ ATTACKS = [
         ["printf '#!/bin/bash\\nexit 0\\n' > /usr/local/bin/sh && chmod +x /usr/local/bin/sh"],
         ("tampered", "system_files"),
     ),
+    # Its wrapper's stdout is the toolbox's reply: writing megabytes there is cut off on the host.
+    (
+        "megabytes written into the wrapper's reply",
+        [
+            "w=$(cut -d' ' -f4 /proc/$PPID/stat); head -c 3000000 /dev/zero | tr '\\0' a > /proc/$w/fd/1",
+        ],
+        ("tampered", "shell_protocol"),
+    ),
     ("/tests/test.sh made a directory", ["mkdir -p /tests/test.sh"], FAIL),
     ("/logs made a file", ["rm -rf /logs && echo x > /logs"], FAIL),
     ("/tmp cleaned", ["rm -rf /tmp/* /tmp/.[!.]*", "echo still works"], FAIL),

@@ -30,7 +30,13 @@ from daytona.common.errors import DaytonaConnectionError
 from daytona_api_client_async.models import ListSandboxesResponse, SandboxListItem
 from daytona_api_client_async.models import Sandbox as SandboxDto
 
-from agentrl.sandbox.base import ImageBuildError, SandboxCreateError, SandboxError
+from agentrl.sandbox.base import (
+    ImageBuildError,
+    SandboxCreateError,
+    SandboxError,
+    SandboxPolicyError,
+    SandboxTransportError,
+)
 from agentrl.sandbox.credentials import (
     DaytonaCredentials,
     DaytonaCredentialsError,
@@ -479,6 +485,7 @@ class LoopbackDaytona:
         self.sandboxes: dict[str, dict] = {}
         self.requests: list[tuple[str, str, str, str]] = []  # method, path, authorization, body
         self.create_replies: list[tuple[int, dict]] = []
+        self.execute_replies: list[tuple[int, bytes]] = []  # raw toolbox replies sent before running
         self.base = ""
 
     def dto(self, sid: str) -> dict:
@@ -511,6 +518,9 @@ class LoopbackDaytona:
         parts = request.path.strip("/").split("/")
         if request.method == "POST" and request.path.endswith("/process/execute"):
             # The toolbox's exec, run by the host's `sh` (the test only sends harmless commands).
+            if self.execute_replies:
+                status, raw = self.execute_replies.pop(0)
+                return web.Response(status=status, body=raw, content_type="application/json")
             req = json.loads(body)
             proc = await asyncio.create_subprocess_exec(
                 "sh", "-c", req["command"], stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -630,3 +640,52 @@ async def test_real_sdk_quota_reply_becomes_a_quota_error_without_the_key(loopba
     await provider.aclose()
     assert DUMMY_KEY not in str(info.value) and DUMMY_KEY not in repr(info.value.__cause__)
     assert DUMMY_KEY not in caplog.text
+
+
+async def test_real_sdk_exec_replies_are_read_bounded(loopback, tmp_path) -> None:
+    """The toolbox's replies are streamed with a cap (`reply_limit`): a command that writes into
+    its wrapper's reply is a policy outcome, never gigabytes in the trainer's memory; an HTTP error
+    is a transport error; a 408 is the toolbox's timeout."""
+    task = make_task(tmp_path, "bounded", 'docker_image = "python:3.12-slim"', None)
+    provider = DaytonaProvider(
+        keepalive_s=0, backoff_initial_s=0.001, output_limit=1024, trusted_checks=False
+    )
+    sb = await provider.create(task, run_id="bounded")
+    try:
+        limit = sb.reply_limit()
+        assert limit == 12 * 1024 + 64 * 1024
+        loopback.execute_replies = [(200, json.dumps({"exitCode": 0, "result": "x" * (limit + 1)}).encode())]
+        with pytest.raises(SandboxPolicyError, match="over") as info:
+            await sb.exec("true", timeout=5)
+        assert info.value.cause == "shell_protocol"
+        loopback.execute_replies = [(500, b'{"message": "toolbox down"}')]
+        with pytest.raises(SandboxTransportError, match=r"HTTP 500: .*toolbox down"):
+            await sb.exec("true", timeout=5)
+        loopback.execute_replies = [(408, b'{"message": "timed out"}')]
+        with pytest.raises(SandboxTransportError, match="no reply to a command within its timeout"):
+            await sb.exec("true", timeout=5)
+        res = await sb.exec("echo fine", timeout=5)  # and the sandbox goes on
+        assert (res.stdout, res.exit_code) == ("fine\n", 0)
+    finally:
+        await sb.close()
+        await provider.aclose()
+
+
+def test_fake_toolbox_api_has_the_generated_clients_parameters() -> None:
+    from daytona_toolbox_api_client_async import ProcessApi
+
+    from tests.fake_daytona import FakeToolboxProcessApi
+
+    for name in (
+        "execute_command_without_preload_content",
+        "get_session_command_logs_without_preload_content",
+    ):
+        real = [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(getattr(ProcessApi, name)).parameters.values()
+        ]
+        fake = [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(getattr(FakeToolboxProcessApi, name)).parameters.values()
+        ]
+        assert fake == real, name

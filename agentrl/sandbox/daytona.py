@@ -44,6 +44,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 from daytona import (
     AsyncDaytona,
     CreateSandboxFromImageParams,
@@ -57,6 +58,9 @@ from daytona import (
     SessionExecuteRequest,
 )
 from daytona.common.errors import DaytonaConnectionError, DaytonaTimeoutError
+from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
+from daytona_toolbox_api_client_async import ExecuteResponse as ToolboxExecuteResponse
+from daytona_toolbox_api_client_async import SessionCommandLogsResponse as ToolboxSessionLogs
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from agentrl.errors import AgentRLError
@@ -355,6 +359,11 @@ class DaytonaSandbox(Sandbox):
             raise SandboxTransportError(
                 f"daytona sandbox {self.sandbox_id}: exec failed: {exc.message}"
             ) from exc
+        except (
+            aiohttp.ClientError,
+            ConnectionError,
+        ) as exc:  # the toolbox calls made without the SDK's wrapper
+            raise SandboxTransportError(f"daytona sandbox {self.sandbox_id}: exec failed: {exc!r}") from exc
         finally:
             self._last_activity = time.monotonic()
         out, err, rc = self._parse(raw, nonce)
@@ -364,10 +373,52 @@ class DaytonaSandbox(Sandbox):
 
     async def _exec_request(self, wrapped: str, timeout: float) -> str:
         grace = self.provider.exec_grace_s
-        resp = await asyncio.wait_for(
-            self.sdk.process.exec(wrapped, timeout=math.ceil(timeout + grace)), timeout + 2 * grace
-        )
-        return resp.result or ""
+        server_timeout = math.ceil(timeout + grace)
+        api = self.sdk.process._api_client  # the toolbox's generated `ProcessApi`, as `process.exec` uses it
+        request = ToolboxExecuteRequest(command=wrapped, timeout=server_timeout)
+
+        async def call() -> str:
+            resp = await api.execute_command_without_preload_content(
+                request=request, _request_timeout=float(server_timeout + 5)
+            )
+            body = await self._bounded_body(resp, "a command")
+            if resp.status == 408:
+                raise TimeoutError(body[:300].decode(errors="replace"))
+            if resp.status != 200:
+                raise SandboxTransportError(
+                    f"daytona sandbox {self.sandbox_id}: exec failed: HTTP {resp.status}: "
+                    f"{body[:500].decode(errors='replace')}"
+                )
+            return ToolboxExecuteResponse.from_json(body.decode(errors="replace")).result or ""
+
+        return await asyncio.wait_for(call(), timeout + 2 * grace)
+
+    def reply_limit(self) -> int:
+        """The largest reply a command's wrapper can send: two streams bounded inside the sandbox
+        to `output_limit` bytes each, JSON-escaped (up to 6 bytes a byte), and the frame. Anything
+        longer was written into the reply by the command itself."""
+        return 12 * self.output_limit + 64 * 1024
+
+    async def _bounded_body(self, resp: Any, what: str) -> bytes:
+        """Read an HTTP reply of the toolbox without ever holding more than `reply_limit` bytes:
+        the SDK's own calls read whole bodies, and a command can write gigabytes into its reply."""
+        limit = self.reply_limit()
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while chunk := await resp.content.read(1 << 16):
+                size += len(chunk)
+                if size > limit:
+                    resp.close()  # drop the connection rather than drain it
+                    raise SandboxPolicyError(
+                        f"daytona sandbox {self.sandbox_id}: the reply to {what} is over {limit} bytes "
+                        "(the command wrote into its wrapper's output)",
+                        cause="shell_protocol",
+                    )
+                chunks.append(chunk)
+        finally:
+            resp.release()
+        return b"".join(chunks)
 
     async def _session(self) -> str:
         async with self._session_lock:
@@ -399,10 +450,22 @@ class DaytonaSandbox(Sandbox):
                 raise TimeoutError(f"session command {resp.cmd_id} still running past its timeout")
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, self.provider.session_poll_max_s)
-        logs = await asyncio.wait_for(
-            self.sdk.process.get_session_command_logs(sid, resp.cmd_id, request_timeout=120), 150
-        )
-        return logs.stdout if logs.stdout is not None else (logs.output or "")
+        api = self.sdk.process._api_client
+
+        async def logs() -> str:
+            reply = await api.get_session_command_logs_without_preload_content(
+                session_id=sid, command_id=resp.cmd_id, _request_timeout=120.0
+            )
+            body = await self._bounded_body(reply, "a session command's logs")
+            if reply.status != 200:
+                raise SandboxTransportError(
+                    f"daytona sandbox {self.sandbox_id}: reading a command's logs failed: HTTP {reply.status}: "
+                    f"{body[:500].decode(errors='replace')}"
+                )
+            parsed = ToolboxSessionLogs.from_json(body.decode(errors="replace"))
+            return parsed.stdout if parsed.stdout is not None else (parsed.output or "")
+
+        return await asyncio.wait_for(logs(), 150)
 
     def _kill_in_background(self, nonce: str) -> None:
         """The client gave up on a command; the command itself still runs inside. Kill its process
