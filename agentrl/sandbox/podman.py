@@ -36,7 +36,6 @@ import contextlib
 import functools
 import hashlib
 import io
-import json
 import logging
 import os
 import re
@@ -44,11 +43,13 @@ import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tarfile
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +59,10 @@ from agentrl.sandbox.base import (
     DEFAULT_OUTPUT_LIMIT,
     DEFAULT_PIDS_LIMIT,
     DEFAULT_STORAGE_MB,
+    HARMLESS,
     KILL_ALL,
+    SUSPICIOUS_ADDITIONS,
+    SYSTEM_PREFIXES,
     ExecResult,
     ImageBuildError,
     Sandbox,
@@ -67,7 +71,6 @@ from agentrl.sandbox.base import (
     SandboxPolicyError,
     SandboxProvider,
     SandboxTransportError,
-    tampered,
 )
 
 if TYPE_CHECKING:
@@ -412,6 +415,41 @@ async def run_cli_bounded(
     return proc.returncode or 0, out.text(), err.text()
 
 
+class _DiffScan:
+    """`tampered()` over a `podman diff` listing (`C|A|D path` lines) fed one line at a time,
+    holding only the candidate entries (at most `cap`, beyond which the rest are only counted)."""
+
+    def __init__(self, cap: int = 10_000) -> None:
+        self.cap = cap
+        self.candidates: dict[str, bool] = {}  # path -> is a directory (a parent of another entry)
+        self.extra = 0
+
+    def feed(self, line: str) -> None:
+        kind, _, path = line.partition(" ")
+        if not path.startswith("/"):
+            return
+        parent = path.rsplit("/", 1)[0]
+        while parent:
+            if parent in self.candidates:
+                self.candidates[parent] = True
+            parent = parent.rsplit("/", 1)[0]
+        system = path.startswith(SYSTEM_PREFIXES)
+        suspicious = (kind in ("C", "D") and system) or (kind == "A" and SUSPICIOUS_ADDITIONS.search(path))
+        if suspicious and not HARMLESS.search(path) and path not in self.candidates:
+            if len(self.candidates) < self.cap:
+                self.candidates[path] = False
+            else:
+                self.extra += 1
+
+    def result(self, is_dir: Callable[[str], bool] = lambda path: False) -> list[str]:
+        """The candidates that are files: `podman diff` does not order a directory before its
+        entries, so a candidate seen only before its children is asked of `is_dir`."""
+        found = sorted(p for p, seen_as_dir in self.candidates.items() if not seen_as_dir and not is_dir(p))
+        if self.extra:
+            found.append(f"... and up to {self.extra} more")
+        return found
+
+
 class PodmanSandbox(Sandbox):
     def __init__(
         self,
@@ -734,20 +772,48 @@ class PodmanSandbox(Sandbox):
 
     async def tampered_paths(self) -> list[str] | None:
         """The container's changes against its image, as the storage driver sees them on the
-        host (`podman diff`): no tool inside the container takes part."""
-        rc, out, err = await run_cli(self.cli, "diff", "--format", "json", self.sandbox_id, timeout=120)
-        if rc != 0:
-            raise SandboxTransportError(f"`{self.cli} diff {self.sandbox_id}` failed: {err.strip()[-300:]}")
+        host (`podman diff`): no tool inside the container takes part. The listing is streamed a
+        line at a time and only suspicious entries are kept, so an agent that created millions of
+        files costs time, never host memory."""
+        proc = await asyncio.create_subprocess_exec(
+            self.cli,
+            "diff",
+            self.sandbox_id,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cli_cwd(),
+        )
+        scan = _DiffScan()
+
+        async def read() -> bytes:
+            assert proc.stdout is not None and proc.stderr is not None
+            while line := await proc.stdout.readline():
+                scan.feed(line.decode(errors="replace").rstrip("\n"))
+            return await proc.stderr.read(64 * 1024)
+
         try:
-            data = json.loads(out or "{}")
-        except json.JSONDecodeError as exc:
-            raise SandboxTransportError(f"`{self.cli} diff` printed no JSON: {out[:200]!r}") from exc
-        if isinstance(data, list):  # docker: [{"Path": ..., "Kind": 0 changed | 1 added | 2 deleted}]
-            by_kind: dict[int, list[str]] = {0: [], 1: [], 2: []}
-            for item in data:
-                by_kind.setdefault(item.get("Kind"), []).append(item.get("Path", ""))
-            return tampered(by_kind[0], by_kind[2], by_kind[1])
-        return tampered(data.get("changed") or [], data.get("deleted") or [], data.get("added") or [])
+            err, _ = await asyncio.wait_for(asyncio.gather(read(), proc.wait()), 300)
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+            raise
+        if proc.returncode != 0:
+            raise SandboxTransportError(
+                f"`{self.cli} diff {self.sandbox_id}` failed: {err.decode(errors='replace').strip()[-300:]}"
+            )
+        return scan.result(self._is_dir_in_layer)
+
+    def _is_dir_in_layer(self, path: str) -> bool:
+        """Whether `path` is a directory in the container's writable layer (copied up when its
+        entries changed), looked at from the host without following links."""
+        if self._upper_dir is None:
+            return False
+        try:
+            return stat.S_ISDIR(os.lstat(self._upper_dir + path).st_mode)
+        except (OSError, ValueError):
+            return False
 
     # -- storage -------------------------------------------------------------------------------------
     async def _measure_storage(self) -> None:
