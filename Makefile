@@ -4,9 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.agentrl-installed
 
-.PHONY: setup venv host bases demo demo-math test test-fast lint format bench clean
+.PHONY: setup venv host bases browser demo demo-math test test-fast lint format bench clean
 
-setup: venv host bases
+setup: venv host bases browser
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ host:
 
 bases: venv host
 	$(BIN)/agentrl sandbox build-bases
+
+# Debian's chromium: the dashboard's page tests drive it headless (skipped when it is missing).
+browser:
+	command -v chromium >/dev/null 2>&1 || { SUDO=; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 demo: setup
 	$(BIN)/python recipes/local_tbench2.py prepare

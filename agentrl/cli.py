@@ -54,6 +54,27 @@ def sft_cmd(
     AutoTokenizer.from_pretrained(model).save_pretrained(output)
 
 
+@app.command("dashboard")
+def dashboard_cmd(
+    run_dirs: list[str] = typer.Argument(..., help="Run directories (a run's --out); several are overlaid."),
+    port: int = typer.Option(8765, help="Port to serve on."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback: only this machine sees it)."),
+    tokenizer: str = typer.Option(
+        None, help="Tokenizer directory for the token view (default: the run config's engine.model)."
+    ),
+) -> None:
+    """A local web page with a run's curves and its episodes, updating while the run goes."""
+    from pathlib import Path
+
+    from agentrl.dashboard.server import DashboardError, serve
+
+    try:
+        serve([Path(d) for d in run_dirs], host=host, port=port, tokenizer=tokenizer)
+    except DashboardError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 

@@ -128,6 +128,11 @@ class RunConfig(_Section):
     sync: SyncSettings = Field(default_factory=SyncSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    sinks: list[Literal["wandb", "tensorboard"]] = Field(
+        default_factory=list,
+        description="Also send metrics to W&B / TensorBoard (each installed separately, never required; "
+        "agentrl.dashboard.sinks). metrics.jsonl is always written.",
+    )
 
     @field_validator("env", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from agentrl.dashboard.sinks import open_sinks
 from agentrl.engine.base import Engine
 from agentrl.environments import Environment
 from agentrl.evaluation import EvalSummary, evaluate
@@ -139,6 +140,8 @@ async def train(
         metrics_path.unlink(missing_ok=True)
     if start_step >= cfg.steps:
         return RunResult(start_step, evals, [], out, time.monotonic() - t0)
+    sinks = open_sinks(cfg.sinks, out, cfg.dump())
+    parts.closers.append(sinks.close)  # close_parts closes them, also when the run fails
 
     if cfg.eval.before and start_step == 0:
         evals.append(await run_eval(cfg, parts, label="before", step=0, reporter=reporter))
@@ -162,6 +165,7 @@ async def train(
             m = tracker.step(
                 step, groups, consumed_at_version=consumed_at, extra={"trainer": stats, "version": version}
             )
+            sinks.log(evals, step=step, metrics=m)
             _report(
                 reporter,
                 f"step {step}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f} (all {m.rollout_pass_rate:.2f})"
@@ -182,6 +186,7 @@ async def train(
     if cfg.eval.after:
         evals.append(await run_eval(cfg, parts, label="after", step=step, reporter=reporter))
     evals_path.write_text(json.dumps(evals, indent=1))
+    sinks.log(evals)
     _plot(cfg, evals)
     return RunResult(step, evals, history, out, time.monotonic() - t0)
 
