@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agentrl.agent.acting import TerminalActor
 from agentrl.agent.actions import Command, get_format
 from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run_agent, run_command
 from agentrl.agent.tokens import ChatRenderer
@@ -161,6 +162,7 @@ async def run_episode(
                 "task_id": task.task_id,
                 "task_path": str(task.path.resolve()),
                 "action_format": fmt.name,
+                "terminal": config.agent.mode_for(fmt),
                 "run_id": run_id,
                 "session_id": session_id,
                 "prompt_id": prompt_id,
@@ -203,6 +205,8 @@ async def run_episode(
             )
             timings.update(run.timings)
             if recorder is not None:
+                if run.initial_state is not None:
+                    recorder.write("terminal", {"initial_state": run.initial_state})
                 for turn in run.turns:
                     recorder.write("turn", asdict(turn))
             if run.infra_error is not None:
@@ -345,16 +349,25 @@ def read_record(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
 async def replay_episode(
     record: Path, *, provider: SandboxProvider, run_id: str, task_path: Path | None = None
 ) -> ReplayReport:
-    """Re-run a record's actions in a fresh sandbox, re-verify, compare outputs and reward."""
+    """Re-run a record's actions in a fresh sandbox, re-verify, compare outputs and reward.
+    A terminal-path record is replayed keystroke by keystroke with its durations, and the
+    terminal text after each batch is compared with the recorded one."""
     header, turns, result = read_record(record)
     task = load_task(task_path or header["task_path"])
     timeout = float(header["agent"].get("command_timeout_s", 60.0))
     reports: list[TurnReplay] = []
     async with await provider.create(task, run_id=run_id) as sandbox:
+        terminal = None
+        if header.get("terminal") == "tmux":
+            terminal = TerminalActor(await sandbox.open_terminal())
+            await terminal.initial_state()
         for turn in turns:
             action = turn["action"]
             if action.get("error"):
                 reports.append(TurnReplay(turn["index"], True, "malformed turn: nothing to run"))
+                continue
+            if terminal is not None:
+                reports.append(await _replay_keystrokes(terminal, turn))
                 continue
             mismatches = []
             volatile = []
@@ -374,6 +387,8 @@ async def replay_episode(
                 else:
                     mismatches.append(f"{what} output differs")
             reports.append(TurnReplay(turn["index"], not mismatches, "; ".join(mismatches + volatile)))
+        if terminal is not None:
+            await terminal.close()
         vres = await verify(sandbox, task)
     return ReplayReport(
         record=record,
@@ -382,6 +397,20 @@ async def replay_episode(
         replayed_reward=vres.reward,
         turns=reports,
     )
+
+
+async def _replay_keystrokes(terminal: TerminalActor, turn: dict[str, Any]) -> TurnReplay:
+    commands = [Command(c["keystrokes"], c["duration"]) for c in turn["action"]["commands"]]
+    try:
+        batch = await terminal.act(commands, None)
+    except SandboxPolicyError as exc:
+        return TurnReplay(turn["index"], False, f"the keystrokes broke the sandbox ({exc.cause})")
+    then = turn.get("terminal_output") or ""
+    if batch.terminal_output == then:
+        return TurnReplay(turn["index"], True)
+    if _stable((batch.terminal_output, "", None)) == _stable((then, "", None)):
+        return TurnReplay(turn["index"], True, "the screen differs only in timings / hashes / dates")
+    return TurnReplay(turn["index"], False, "the screen differs")
 
 
 class EpisodeRunner:

@@ -24,15 +24,47 @@ def _safe(text: str) -> str:
     return escape(printable(text))
 
 
-def scripted_solution_texts(task: Any, action_format: str) -> list[str]:
-    """The replies of a model that knows the reference solution: run solve.sh's content as one
-    command, then declare the task complete."""
+# A solution script typed into a terminal as one line: base64 keeps tabs (which a shell would take
+# for completion), quotes and heredocs out of the keystrokes.
+_TYPE_SCRIPT = "echo {b64} | base64 -d > /tmp/solve.sh && bash /tmp/solve.sh\n"
+
+
+def scripted_solution_texts(task: Any, action_format: str, *, terminal: bool = False) -> list[str]:
+    """The replies of a model that knows the reference solution.
+
+    Command path: solve.sh's content as one command, then declare the task complete. Terminal
+    path (`terminal`, terminus-json): the task's `solution/keystrokes.json` when it has one (a
+    list of Terminus-2 commands: keystrokes and durations), else solve.sh typed into the terminal
+    and run; then `task_complete` twice (Terminus-2 asks for a confirmation)."""
+    import base64
+    import json
+
     from agentrl.agent.actions import get_format
 
-    if task.solve_script is None:
-        raise AgentRLError(f"{task.task_id} has no solution/solve.sh: the scripted engine needs one")
     fmt = get_format(action_format)
-    lines = task.solve_script.read_text(encoding="utf-8").splitlines()
+    keystrokes = task.path / "solution" / "keystrokes.json"
+    if terminal and keystrokes.is_file():
+        commands = json.loads(keystrokes.read_text(encoding="utf-8"))
+    else:
+        if task.solve_script is None:
+            raise AgentRLError(f"{task.task_id} has no solution/solve.sh: the scripted engine needs one")
+        text = task.solve_script.read_text(encoding="utf-8")
+        if terminal:
+            b64 = base64.b64encode(text.encode()).decode()
+            commands = [{"keystrokes": _TYPE_SCRIPT.format(b64=b64), "duration": 3.0}]
+    if terminal:
+
+        def reply(cmds: list[dict[str, Any]], complete: bool) -> str:
+            body = {
+                "analysis": "Run the solution.",
+                "plan": "Type it.",
+                "commands": cmds,
+                "task_complete": complete,
+            }
+            return json.dumps(body, ensure_ascii=False)
+
+        return [reply(commands, False), reply([], True), reply([], True)]
+    lines = text.splitlines()
     # Drop the shebang, comments and `set -e...` boilerplate at the top: shorter replies, same effect
     # in a fresh shell (each command runs on its own).
     while lines and (not lines[0].strip() or lines[0].lstrip().startswith(("#", "set -"))):
@@ -65,6 +97,7 @@ def run_cmd(
     seed: int = typer.Option(0),
 ) -> None:
     """Run one episode and print its outcome."""
+    from agentrl.agent.actions import get_format
     from agentrl.agent.loop import AgentConfig
     from agentrl.agent.tokens import ChatRenderer
     from agentrl.engine.base import SamplingParams
@@ -88,7 +121,13 @@ def run_cmd(
         tokenizer=tokenizer,
         api_model=api_model,
         api_key_env=api_key_env,
-        scripted_replies=scripted_solution_texts(task, action_format) if engine == "scripted" else (),
+        scripted_replies=(
+            scripted_solution_texts(
+                task, action_format, terminal=AgentConfig().mode_for(get_format(action_format)) == "tmux"
+            )
+            if engine == "scripted"
+            else ()
+        ),
     )
     try:
         eng, tok = build_engine(spec)

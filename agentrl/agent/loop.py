@@ -1,9 +1,12 @@
 """The multi-turn terminal agent: generate, parse, act in the sandbox, observe, repeat.
 
-Commands run through the sandbox's persistent shell (exec mode), not a tmux pane: each command's
-keystrokes are run as a shell command with a per-command timeout, and the observation shows a
-terminal-like transcript (prompt, command, output, exit code when non-zero). Tmux control keys
-(`C-c`, ...) have no running program to act on in this mode and are answered with a note.
+Commands reach the sandbox one of two ways (`agentrl.agent.acting`): the command path (each
+command's keystrokes run as a shell command with a timeout; a transcript comes back) or the
+terminal path (keystrokes into a tmux pane, Harbor's Terminus-2 exactly: `duration` waits, the
+pane's incremental output comes back, programs keep running between turns). `AgentConfig.terminal`
+picks: "auto" gives terminus-json the terminal and the other formats the command path. On the
+terminal path the first prompt is Terminus-2's: one user message, the prompt template filled with
+the instruction and the terminal's state, and a completion must be confirmed by a second reply.
 
 Caps are checked before every generate: max turns, max new tokens per turn, the session token
 budget (context + the turn's new tokens), and the wall clock. End reasons are enumerated in
@@ -20,14 +23,24 @@ from typing import Any
 
 from pydantic import ConfigDict
 
-from agentrl.agent.actions import ActionFormat, Command, ParsedAction, TerminusJSONFormat
+from agentrl.agent.acting import (
+    Actor,
+    CommandActor,
+    CommandOutput,
+    TerminalActor,
+    format_outputs,
+    limit_bytes,
+    run_command,
+)
+from agentrl.agent.actions import ActionFormat, ParsedAction, TerminusJSONFormat, limit_terminal_output
+from agentrl.agent.prompts import initial_prompt
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
-from agentrl.errors import InfraError
+from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxPolicyError, bound_output
 
 OBSERVATION_LIMIT_BYTES = 10_000
-_TMUX_KEYS = {"C-c", "C-d", "C-z", "C-l", "Enter", "Escape", "Tab", "Up", "Down", "Left", "Right", "C-m"}
+TERMINAL_MODES = ("auto", "tmux", "commands")
 
 
 class EndReason(enum.StrEnum):
@@ -60,16 +73,20 @@ class AgentConfig:
     max_consecutive_malformed: int = 3
     check_prefix: bool = True
     engine_timeout_s: float = 600.0
+    # "auto": terminus-json drives a tmux terminal, the other formats the command path.
+    terminal: str = "auto"
+    # The first prompt on the terminal path: a file with `{instruction}` and `{terminal_state}`
+    # (e.g. Harbor's own templates/terminus-json-plain.txt); None: agentrl's (`agent/prompts.py`).
+    prompt_template: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.terminal not in TERMINAL_MODES:
+            raise AgentRLError(f"agent.terminal={self.terminal!r}: choose one of {', '.join(TERMINAL_MODES)}")
 
-@dataclass
-class CommandOutput:
-    keystrokes: str
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    timed_out: bool
-    duration_s: float
+    def mode_for(self, action_format: ActionFormat) -> str:
+        if self.terminal != "auto":
+            return self.terminal
+        return "tmux" if isinstance(action_format, TerminusJSONFormat) else "commands"
 
 
 @dataclass
@@ -83,6 +100,8 @@ class TurnRecord:
     engine_s: float
     sandbox_s: float
     finish_reason: str
+    # Terminal path: the unlimited terminal text after the batch (replay compares it).
+    terminal_output: str | None = None
 
 
 @dataclass
@@ -95,54 +114,12 @@ class AgentRun:
     policy_error: SandboxPolicyError | None = None  # reward 0, counted under its `cause`
     timings: dict[str, float] = field(default_factory=dict)
     version_mismatches: int = 0  # generations answered under an unexpected weight version
+    mode: str = "commands"  # how commands reached the sandbox: "commands" or "tmux"
+    initial_state: str | None = None  # the terminal shown in the first prompt (terminal path)
 
     @property
     def n_generated(self) -> int:
         return sum(sum(s.loss_mask) for s in self.segments)
-
-
-def limit_bytes(text: str, limit: int) -> str:
-    """Terminus-2's observation limit: first and last half of `limit` bytes with a marker."""
-    data = text.encode("utf-8")
-    if len(data) <= limit:
-        return text
-    half = limit // 2
-    head = data[:half].decode("utf-8", errors="ignore")
-    tail = data[-half:].decode("utf-8", errors="ignore")
-    omitted = len(data) - 2 * half
-    return f"{head}\n[... output limited to {limit} bytes; {omitted} interior bytes omitted ...]\n{tail}"
-
-
-def format_outputs(outputs: list[CommandOutput], limit: int) -> str:
-    parts: list[str] = []
-    for out in outputs:
-        cmd = out.keystrokes.rstrip("\n")
-        body = out.stdout + out.stderr
-        line = f"$ {cmd}\n{body}"
-        if body and not body.endswith("\n"):
-            line += "\n"
-        if out.timed_out:
-            line += f"[command timed out after {out.duration_s:.0f}s and was killed]\n"
-        elif out.exit_code not in (0, None):
-            line += f"[exit code {out.exit_code}]\n"
-        parts.append(line)
-    text = "".join(parts) if parts else "(no commands were run)\n"
-    return limit_bytes("New Terminal Output:\n" + text, limit)
-
-
-async def run_command(sandbox: Sandbox, command: Command, timeout_s: float) -> CommandOutput:
-    keys = command.keystrokes
-    if keys.strip() in _TMUX_KEYS:
-        return CommandOutput(
-            keys, "", f"[{keys.strip()} ignored: no interactive program is running]\n", 0, False, 0.0
-        )
-    cmd = keys.rstrip("\n")
-    if not cmd.strip():
-        if command.duration > 0:
-            await asyncio.sleep(min(command.duration, 1.0))
-        return CommandOutput(keys, "", "", 0, False, 0.0)
-    res = await sandbox.exec(cmd, timeout=timeout_s)
-    return CommandOutput(keys, res.stdout, res.stderr, res.exit_code, res.timed_out, res.duration_s)
 
 
 def _action_dict(action: ParsedAction) -> dict[str, Any]:
@@ -150,6 +127,7 @@ def _action_dict(action: ParsedAction) -> dict[str, Any]:
         "commands": [{"keystrokes": c.keystrokes, "duration": c.duration} for c in action.commands],
         "task_complete": action.task_complete,
         "error": action.error,
+        "error_kind": action.error_kind,
         "warnings": action.warnings,
     }
 
@@ -201,6 +179,15 @@ class _TokenSession:
             finish = gen.finish_reason
         return self.traj.add_generation(ids, logps, versions), finish, versions
 
+    def reply_text(self, text: str) -> str:
+        """The reply as a model API would return it: without the stop token the engine decoded
+        (a parser would take it for text after the reply's JSON)."""
+        for eos in self.traj.renderer.eos_ids:
+            tok = self.traj.renderer.decode([eos])
+            if tok and text.endswith(tok):
+                return text[: -len(tok)]
+        return text
+
     def add_observation(self, text: str, observation: str) -> None:
         self.traj.add_observation(text, observation)
 
@@ -233,6 +220,9 @@ class _ChatSession:
         self.chars += len(text)
         return text, finish, []
 
+    def reply_text(self, text: str) -> str:
+        return text
+
     def add_observation(self, text: str, observation: str) -> None:
         self.messages += [
             {"role": "assistant", "content": text},
@@ -263,10 +253,69 @@ async def run_agent(
     With a `renderer`, generation is token-in/token-out; without one, the engine must offer
     `chat(messages, sampling) -> (text, finish_reason)` (API models, evaluation only).
     """
-    messages = [
-        {"role": "system", "content": system_prompt or action_format.system_prompt},
-        {"role": "user", "content": instruction},
-    ]
+    start = time.monotonic()
+    mode = config.mode_for(action_format)
+    try:
+        actor: Actor = (
+            TerminalActor(await sandbox.open_terminal())
+            if mode == "tmux"
+            else CommandActor(sandbox, config.command_timeout_s, config.observation_limit_bytes)
+        )
+        initial_state = await actor.initial_state()
+    except (SandboxError, SandboxPolicyError) as exc:
+        # Before the agent's first command, nothing it did can be the cause.
+        error = (
+            exc if isinstance(exc, SandboxError) else SandboxError(f"the terminal could not be opened: {exc}")
+        )
+        return AgentRun([], [], EndReason.SANDBOX_ERROR, infra_error=error, mode=mode)
+    try:
+        return await _run_turns(
+            engine=engine,
+            actor=actor,
+            renderer=renderer,
+            action_format=action_format,
+            instruction=instruction,
+            config=config,
+            sampling=sampling,
+            session_id=session_id,
+            system_prompt=system_prompt,
+            initial_state=initial_state,
+            start=start,
+        )
+    finally:
+        try:
+            await actor.close()
+        except SandboxError:
+            pass  # the sandbox is closed next; nothing of the run depends on this
+
+
+async def _run_turns(
+    *,
+    engine: Engine,
+    actor: Actor,
+    renderer: ChatRenderer | None,
+    action_format: ActionFormat,
+    instruction: str,
+    config: AgentConfig,
+    sampling: SamplingParams,
+    session_id: str,
+    system_prompt: str | None,
+    initial_state: str | None,
+    start: float,
+) -> AgentRun:
+    if initial_state is None:
+        messages = [
+            {"role": "system", "content": system_prompt or action_format.system_prompt},
+            {"role": "user", "content": instruction},
+        ]
+    else:
+        # Terminus-2: no system message; the template holds the instruction and the terminal.
+        first = initial_prompt(instruction, limit_terminal_output(initial_state), config.prompt_template)
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": first}
+        ]
+    # Terminus-2 asks for a second `task_complete` on the terminal path.
+    confirm = config.confirm_completion or actor.mode == "tmux"
     session: _TokenSession | _ChatSession
     if renderer is not None:
         # Observations in the role the action format defines (tool-call outputs as `tool` messages).
@@ -281,7 +330,6 @@ async def run_agent(
     malformed = consecutive_malformed = 0
     pending_complete = False
     engine_s = sandbox_s = 0.0
-    start = time.monotonic()
     deadline = start + config.wall_clock_s if config.wall_clock_s else None
     end: EndReason | None = None
     infra: InfraError | None = None
@@ -311,26 +359,28 @@ async def run_agent(
         t1 = time.monotonic()
         engine_s += t1 - t0
 
-        action = action_format.parse(text)
+        terminal_output: str | None = None
         outputs: list[CommandOutput] = []
+        reply = session.reply_text(text)
+        if finish == "length" and isinstance(action_format, TerminusJSONFormat):
+            # Terminus-2 runs none of a reply cut at the token limit, even one that parses.
+            action = action_format.parse(reply)
+            action = ParsedAction(error="the reply hit the output token limit", warnings=action.warnings)
+            observation = action_format.length_exceeded_observation(reply)
+        else:
+            action = action_format.parse(reply)
+            observation = ""
         if action.malformed:
             malformed += 1
             consecutive_malformed += 1
-            observation = action_format.error_observation(action)
-            if finish == "length":
-                observation = "Your reply was cut off at the token limit.\n" + observation
+            if not observation:
+                observation = action_format.error_observation(action)
+                if finish == "length":
+                    observation = "Your reply was cut off at the token limit.\n" + observation
         else:
             consecutive_malformed = 0
             try:
-                for command in action.commands:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        end = EndReason.TIMEOUT
-                        break
-                    timeout = (
-                        config.command_timeout_s if left is None else min(config.command_timeout_s, left)
-                    )
-                    outputs.append(await run_command(sandbox, command, timeout))
+                batch = await actor.act(action.commands, deadline)
             except (SandboxError, SandboxPolicyError) as exc:
                 # Infrastructure (the container gone, the host's client dead) vs. what the command
                 # itself could have done to its shell (docs/failures.md): the sandbox decides.
@@ -341,53 +391,32 @@ async def run_agent(
                     end, infra = EndReason.SANDBOX_ERROR, exc
                 turns.append(
                     TurnRecord(
-                        index,
-                        text,
-                        _action_dict(action),
-                        outputs,
-                        "",
-                        versions,
-                        t1 - t0,
-                        time.monotonic() - t1,
-                        finish,
+                        index, text, _action_dict(action), outputs, "", versions, t1 - t0,
+                        time.monotonic() - t1, finish,
                     )
-                )
+                )  # fmt: skip
                 break
-            observation = format_outputs(outputs, config.observation_limit_bytes)
-            if action.warnings:
-                observation = (
-                    "Previous response had warnings:\nWARNINGS: "
-                    + "\n".join(f"- {w}" for w in action.warnings)
-                    + "\n\n"
-                    + observation
-                )
+            outputs = batch.outputs
+            if batch.out_of_time:
+                end = EndReason.TIMEOUT
+            if actor.mode == "tmux":
+                terminal_output = batch.terminal_output
+            observation = action_format.observation(
+                action, batch.terminal_output, pending_completion=pending_complete or not confirm
+            )
         turn_sandbox_s = time.monotonic() - t1
         sandbox_s += turn_sandbox_s
         done = False
-        if not action.malformed and action.task_complete:
-            if pending_complete or not config.confirm_completion:
+        if not action.malformed:
+            if action.task_complete and (pending_complete or not confirm):
                 done = True
-            else:
-                pending_complete = True
-                observation += (
-                    "\nAre you sure you want to mark the task as complete? Grading follows and no "
-                    'further corrections are possible. If so, repeat "task_complete": true.'
-                )
-        elif not action.malformed:
-            pending_complete = False
+            pending_complete = action.task_complete and not done
         turns.append(
             TurnRecord(
-                index,
-                text,
-                _action_dict(action),
-                outputs,
-                observation,
-                versions,
-                t1 - t0,
-                turn_sandbox_s,
-                finish,
+                index, text, _action_dict(action), outputs, observation, versions, t1 - t0,
+                turn_sandbox_s, finish, terminal_output,
             )
-        )
+        )  # fmt: skip
         if end is not None:
             break
         if done:
@@ -411,15 +440,21 @@ async def run_agent(
         policy_error=policy,
         timings={"engine_s": engine_s, "sandbox_s": sandbox_s, "agent_s": time.monotonic() - start},
         version_mismatches=getattr(session, "version_mismatches", 0),
+        mode=actor.mode,
+        initial_state=initial_state,
     )
 
 
 __all__ = [
     "AgentConfig",
     "AgentRun",
+    "CommandOutput",
     "EndReason",
     "TerminusJSONFormat",
     "TurnRecord",
     "bound_output",
+    "format_outputs",
+    "limit_bytes",
     "run_agent",
+    "run_command",
 ]

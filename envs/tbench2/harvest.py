@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentrl.agent.actions import get_format
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.fake import ScriptedEngine
 from agentrl.episode import run_episode
@@ -42,7 +43,10 @@ async def harvest_solutions(
         ),
     )
     for task in env.tasks:
-        engine = ScriptedEngine(scripted_solution_texts(task, env.config.action_format), tokenizer)
+        terminal = config.agent.mode_for(get_format(env.config.action_format)) == "tmux"
+        engine = ScriptedEngine(
+            scripted_solution_texts(task, env.config.action_format, terminal=terminal), tokenizer
+        )
         result = await run_episode(
             task,
             provider=env.provider,
