@@ -5,29 +5,69 @@ from __future__ import annotations
 import importlib
 import signal
 
+import click
 import typer
+from typer.core import TyperGroup
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL on terminal tasks.")
+# Sub-command groups, each in its own module, imported only when that group runs: `agentrl --help`
+# lists them from this table without importing torch or any backend, and a group whose optional
+# extra is missing fails alone, saying which extra to install.
+_GROUPS = {
+    "tasks": ("agentrl.tasks_cli", "Validate, lint and inspect Harbor-format tasks.", None),
+    "sandbox": (
+        "agentrl.sandbox.cli",
+        "Sandbox backends: stand-in base images, smoke checks, clean-up.",
+        None,
+    ),
+    "engine": ("agentrl.engine.cli", "Serve a model over an SGLang-compatible HTTP API.", "local"),
+    "episode": ("agentrl.episode_cli", "Run, record and replay single episodes.", None),
+    "train": (
+        "agentrl.runtime.cli",
+        "Train with the library runtime (run), or replay a trainer step.",
+        "local",
+    ),
+    "rollout": ("agentrl.rollout.cli", "Rollout-manager tools (the staleness simulator).", "local"),
+}
 
-# (module, attribute, name) of each sub-command group; imported lazily-at-start so that a missing
-# optional extra only disables its own group.
-_GROUPS = [
-    ("agentrl.tasks_cli", "app", "tasks"),
-    ("agentrl.sandbox.cli", "app", "sandbox"),
-    ("agentrl.engine.cli", "app", "engine"),
-    ("agentrl.episode_cli", "app", "episode"),
-    ("agentrl.runtime.cli", "app", "train"),  # the trainer's `replay` plus the runtime's `run`
-    ("agentrl.rollout.cli", "app", "rollout"),
-]
 
-for _module, _attr, _name in _GROUPS:
-    try:
-        _group = getattr(importlib.import_module(_module), _attr)
-    except ModuleNotFoundError as _exc:
-        if _exc.name and _exc.name.startswith("agentrl"):
-            continue  # that area is not built in this install
-        raise
-    app.add_typer(_group, name=_name)
+class _LazyRoot(TyperGroup):
+    """The root group: lists `_GROUPS` from the table, imports one only to run it."""
+
+    _resolving = False
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*_GROUPS, *super().list_commands(ctx)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in _GROUPS:
+            return super().get_command(ctx, cmd_name)
+        module, help_text, extra = _GROUPS[cmd_name]
+        if not self._resolving:  # listing for --help: the table's line is enough
+            return click.Group(cmd_name, help=help_text)
+        try:
+            group = importlib.import_module(module).app
+        except ModuleNotFoundError as exc:
+            missing = exc.name or "a module"
+            hint = f"pip install -e '.[{extra}]'" if extra else "reinstall agentrl"
+            click.echo(f"`agentrl {cmd_name}` needs {missing!r}, which is not installed: {hint}", err=True)
+            raise typer.Exit(2) from None
+        command = typer.main.get_command(group)
+        command.name = cmd_name
+        return command
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        self._resolving = True
+        try:
+            return super().resolve_command(ctx, args)
+        finally:
+            self._resolving = False
+
+
+app = typer.Typer(
+    cls=_LazyRoot, no_args_is_help=True, add_completion=False, help="Agentic RL on terminal tasks."
+)
 
 
 @app.command("sft")
