@@ -23,6 +23,7 @@ from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.errors import InfraError
+from agentrl.healthcheck import run_healthcheck
 from agentrl.sample import Episode, Sample, Status
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
 from agentrl.tasks import Task, load_task
@@ -186,6 +187,7 @@ async def run_episode(
             ) from None
         timings["create_s"] = time.monotonic() - t_start
         async with sandbox:
+            await run_healthcheck(sandbox, task)
             agent_cfg = config.agent
             limit = task.config.agent.timeout_sec
             if config.max_agent_timeout_s is not None:

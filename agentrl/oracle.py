@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 
 from agentrl.errors import AgentRLError, InfraError
+from agentrl.healthcheck import run_healthcheck
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.config import resolve_env_templates
-from agentrl.tasks.task import Task
+from agentrl.tasks.task import Task, scripts_with_lf
 from agentrl.verify import verify
 
 DEFAULT_SOLVE_TIMEOUT = 600.0
@@ -43,15 +44,20 @@ async def oracle_one(
     start = time.monotonic()
     cause: str | None = None
     detail = ""
+    # Checked before anything is built: a task without a verifier or a solution fails in no time.
+    try:
+        task.validate()
+    except AgentRLError as exc:
+        return OracleResult(task.task_id, expected, None, 0.0, "task_format", str(exc))
+    if solution and task.solve_script is None:
+        return OracleResult(task.task_id, expected, None, 0.0, "no_solution", "solution/solve.sh is missing")
     try:
         async with await provider.create(task, run_id=run_id) as sandbox:
+            await run_healthcheck(sandbox, task)
             if solution:
-                if task.solve_script is None:
-                    return OracleResult(
-                        task.task_id, expected, None, 0.0, "no_solution", "solution/solve.sh is missing"
-                    )
                 env = resolve_env_templates(task.config.solution.env, str(task.path / "task.toml"))
-                await sandbox.upload(task.solution_dir, "/solution")
+                with scripts_with_lf(task.solution_dir) as solution_dir:
+                    await sandbox.upload(solution_dir, "/solution")
                 timeout = task.config.agent.timeout_sec or DEFAULT_SOLVE_TIMEOUT
                 run = await sandbox.exec(
                     "chmod +x /solution/solve.sh && /solution/solve.sh",

@@ -12,7 +12,7 @@ from rich.table import Table
 from agentrl.errors import AgentRLError, TaskFormatError
 from agentrl.sandbox.base import printable
 from agentrl.tasks.dataset import split_rows, write_jsonl
-from agentrl.tasks.lint import lint_tasks
+from agentrl.tasks.lint import lint_tasks, warning_kinds
 from agentrl.tasks.task import discover_tasks
 
 app = typer.Typer(no_args_is_help=True, help="Harbor / terminal-bench-2 task directories.")
@@ -27,18 +27,25 @@ def _safe(text: str) -> str:
 
 def _discover(dirs: list[Path]) -> list:
     try:
-        return discover_tasks(*dirs)
+        tasks = discover_tasks(*dirs)
     except TaskFormatError as exc:
         console.print(f"[red]error:[/red] {_safe(str(exc))}")
         raise typer.Exit(1) from None
+    if not tasks:
+        shown = ", ".join(str(d) for d in dirs)
+        console.print(f"[red]error:[/red] no task found in {_safe(shown)} (a task directory holds task.toml)")
+        raise typer.Exit(1)
+    return tasks
 
 
 @app.command()
 def lint(
     dirs: list[Path] = typer.Argument(..., help="Task directories, or directories of tasks."),
     show_ok: bool = typer.Option(False, help="List tasks without errors or warnings too."),
+    strict: bool = typer.Option(False, help="Exit 1 on warnings too."),
 ) -> None:
-    """Check tasks against the format; exit 1 if any task has an error."""
+    """Check tasks against the format and what would fail later; exit 1 on an error (or, with
+    --strict, a warning)."""
     tasks = _discover(dirs)
     results = lint_tasks(tasks)
     table = Table(title=f"{len(results)} tasks", show_lines=False)
@@ -57,8 +64,11 @@ def lint(
             table.add_row(r.task.task_id, "[green]ok[/green]", "")
     if table.row_count:
         console.print(table)
+    kinds = warning_kinds(results)
+    if len(results) > 1 and any(n > 1 for n in kinds.values()):
+        console.print("warnings by kind: " + _safe("; ".join(f"{k} ({n})" for k, n in kinds.most_common())))
     console.print(f"{len(results)} tasks: {n_err} with errors, {n_warn} with warnings")
-    if n_err:
+    if n_err or (strict and n_warn):
         raise typer.Exit(1)
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import Sandbox, SandboxPolicyError
 from agentrl.tasks import Task, resolve_env_templates
+from agentrl.tasks.task import scripts_with_lf
 
 PASS_THRESHOLD = 1.0
 REWARD_RANGE = (0.0, 1.0)
@@ -125,7 +125,8 @@ def _parse_reward(json_text: str | None, txt_text: str | None) -> tuple[dict[str
 async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) -> VerifyResult:
     """Run the task's verifier in `sandbox` after the agent phase and read its reward.
 
-    Raises `TaskFormatError` for a missing or non-executable tests/test.sh and lets sandbox
+    Raises `TaskFormatError` for a missing tests/test.sh (one stored without its executable bit
+    is made executable inside, as Harbor does; CRLF line ends of scripts are fixed) and lets sandbox
     infrastructure errors propagate; a `SandboxPolicyError` on the way (the agent broke the
     sandbox's shell or storage) becomes the outcome `tampered`. `timeout` overrides `[verifier]
     timeout_sec`. With a reward.json, `reward` is its "reward" key, or its first value.
@@ -133,10 +134,6 @@ async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) 
     if not task.test_script.is_file():
         raise TaskFormatError(
             str(task.test_script), None, "tests/test.sh is missing", "every task needs a verifier script"
-        )
-    if not os.access(task.test_script, os.X_OK):
-        raise TaskFormatError(
-            str(task.test_script), None, "tests/test.sh is not executable", "chmod +x tests/test.sh"
         )
     timeout = timeout or task.config.verifier.timeout_sec
     env = {
@@ -159,7 +156,8 @@ async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) 
                 "verifier_inputs",
                 f"/tests and /logs/verifier could not be recreated: {prepared.stderr.strip()[-300:]}",
             )
-        await sandbox.upload(task.tests_dir, "/tests")
+        with scripts_with_lf(task.tests_dir) as tests_dir:
+            await sandbox.upload(tests_dir, "/tests")
         await sandbox.exec("chmod +x /tests/test.sh", timeout=60)
         run = await sandbox.exec(
             "/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1",

@@ -133,9 +133,7 @@ async def test_transport_errors_propagate_not_scored(task) -> None:
             await verify(sb, task)
 
 
-@pytest.mark.parametrize(
-    "fixture,message", [("no-test-sh", "missing"), ("test-not-executable", "executable")]
-)
+@pytest.mark.parametrize("fixture,message", [("no-test-sh", "missing")])
 async def test_bad_test_script_is_a_typed_error(fixture: str, message: str, tmp_path: Path) -> None:
     path = tmp_path / fixture
     shutil.copytree(FIXTURES / fixture, path)
@@ -144,6 +142,16 @@ async def test_bad_test_script_is_a_typed_error(fixture: str, message: str, tmp_
     async with await provider.create(bad, run_id="v") as sb:
         with pytest.raises(TaskFormatError, match=message):
             await verify(sb, bad)
+
+
+async def test_a_test_script_without_its_executable_bit_is_made_executable_inside(tmp_path: Path) -> None:
+    path = tmp_path / "test-not-executable"
+    shutil.copytree(FIXTURES / "test-not-executable", path)
+    task = load_task(path)
+    provider = FakeSandboxProvider()
+    async with await provider.create(task, run_id="v") as sb:
+        await verify(sb, task)
+        assert "chmod +x /tests/test.sh" in sb.commands  # as Harbor does, inside the sandbox
 
 
 def test_a_task_option_may_allow_other_reward_ranges() -> None:

@@ -35,6 +35,9 @@ class VerifierConfig:
     timeout_sec: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
     user: str | int | None = None
+    # The verification phase's own network policy (Harbor: `[verifier] network_mode`); None: the
+    # environment's.
+    network_mode: str | None = None
     # agentrl's extension: the rewards this verifier may write; anything else is a verifier error
     # (`reward_range = [0, 10]` in [verifier]; Harbor has no such key and accepts any number).
     reward_range: tuple[float, float] = (0.0, 1.0)
@@ -44,6 +47,20 @@ class VerifierConfig:
 class AgentConfig:
     timeout_sec: float | None = None
     user: str | int | None = None
+    network_mode: str | None = None  # the agent phase's own policy; None: the environment's
+
+
+@dataclass(frozen=True)
+class HealthcheckConfig:
+    """Harbor's environment healthcheck: `command` is run until it exits 0 once; failures during
+    `start_period_sec` do not count, `retries` consecutive failures after it fail the start."""
+
+    command: str
+    interval_sec: float = 5.0
+    timeout_sec: float = 30.0
+    start_period_sec: float = 0.0
+    start_interval_sec: float = 5.0
+    retries: int = 3
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,7 @@ class EnvironmentConfig:
     allowed_hosts: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    healthcheck: HealthcheckConfig | None = None
 
     @property
     def internet_allowed(self) -> bool:
@@ -89,14 +107,21 @@ class TaskConfig:
     solution: SolutionConfig = field(default_factory=SolutionConfig)
     unknown_keys: tuple[str, ...] = ()
     deprecations: tuple[str, ...] = ()
+    steps: tuple[str, ...] = ()  # the names of a multi-step task's `[[steps]]` (not run here)
+
+    def phase_network(self, phase: str) -> str:
+        """The effective network policy of the "agent" or "verifier" phase (Harbor's phase
+        overrides over the environment's baseline; agentrl's baseline is no network)."""
+        override = self.agent.network_mode if phase == "agent" else self.verifier.network_mode
+        return override or self.environment.network_mode or "no-network"
 
 
 # Keys the format defines but that agentrl does not act on yet; kept quiet rather than warned.
 _KNOWN_PASSIVE = {
-    "": {"artifacts", "multi_step_reward_strategy", "steps", "task"},
-    "environment": {"gpu_types", "tpu", "mcp_servers", "skills_dir", "healthcheck"},
-    "verifier": {"environment_mode", "environment", "collect", "network_mode", "allowed_hosts"},
-    "agent": {"network_mode", "allowed_hosts"},
+    "": {"artifacts", "multi_step_reward_strategy", "task"},
+    "environment": {"gpu_types", "tpu", "mcp_servers", "skills_dir"},
+    "verifier": {"environment_mode", "environment", "collect"},
+    "agent": set(),
 }
 
 
@@ -238,6 +263,54 @@ def resolve_env_templates(env: dict[str, str], where: str = "") -> dict[str, str
     return out
 
 
+def _phase_network(reader: _Reader) -> str | None:
+    """A phase's `network_mode` / `allowed_hosts` override (Harbor 1.4.5)."""
+    mode = reader.string("network_mode")
+    if mode is not None and mode not in NETWORK_MODES:
+        raise reader.err("network_mode", f"unknown network mode {mode!r}", f"use one of {NETWORK_MODES}")
+    hosts = reader.str_list("allowed_hosts")
+    if hosts and mode not in (None, "allowlist"):
+        raise reader.err("allowed_hosts", "only valid with network_mode = 'allowlist'")
+    return "allowlist" if hosts and mode is None else mode
+
+
+def _healthcheck(file: str, env: _Reader, unknown: list[str]) -> HealthcheckConfig | None:
+    table = env.table("healthcheck")
+    if not table:
+        return None
+    hc = _Reader(file, table, "environment.healthcheck", unknown)
+    command = hc.string("command")
+    if not command:
+        raise hc.err("command", "a healthcheck needs a command", 'e.g. command = "curl -fsS localhost:8000"')
+    config = HealthcheckConfig(
+        command=command,
+        interval_sec=hc.number("interval_sec") if table.get("interval_sec") is not None else 5.0,
+        timeout_sec=hc.number("timeout_sec", positive=True) or 30.0,
+        start_period_sec=hc.number("start_period_sec") or 0.0,
+        start_interval_sec=hc.number("start_interval_sec")
+        if table.get("start_interval_sec") is not None
+        else 5.0,
+        retries=hc.integer("retries") if table.get("retries") is not None else 3,
+    )
+    hc.finish()
+    return config
+
+
+def _step_names(top: _Reader) -> tuple[str, ...]:
+    steps = top.get("steps")
+    if steps is None:
+        return ()
+    if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
+        raise top.err("steps", "expected an array of tables [[steps]]")
+    names = []
+    for i, step in enumerate(steps):
+        name = step.get("name")
+        if not isinstance(name, str) or not name:
+            raise top.err(f"steps[{i}].name", "every [[steps]] entry needs a name")
+        names.append(name)
+    return tuple(names)
+
+
 def _reward_range(reader: _Reader) -> tuple[float, float]:
     value = reader.get("reward_range")
     if value is None:
@@ -325,11 +398,16 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         env=ver.str_map("env"),
         user=ver.user("user"),
         reward_range=_reward_range(ver),
+        network_mode=_phase_network(ver),
     )
     ver.finish(_KNOWN_PASSIVE["verifier"])
 
     ag = _Reader(file, top.table("agent"), "agent", unknown)
-    agent = AgentConfig(timeout_sec=ag.number("timeout_sec", positive=True), user=ag.user("user"))
+    agent = AgentConfig(
+        timeout_sec=ag.number("timeout_sec", positive=True),
+        user=ag.user("user"),
+        network_mode=_phase_network(ag),
+    )
     ag.finish(_KNOWN_PASSIVE["agent"])
 
     env = _Reader(file, top.table("environment"), "environment", unknown)
@@ -362,6 +440,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         allowed_hosts=allowed_hosts,
         env=env.str_map("env"),
         workdir=env.string("workdir"),
+        healthcheck=_healthcheck(file, env, unknown),
     )
     env.finish(_KNOWN_PASSIVE["environment"])
 
@@ -369,6 +448,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
     solution = SolutionConfig(env=sol.str_map("env"))
     sol.finish()
 
+    steps = _step_names(top)
     top.finish(_KNOWN_PASSIVE[""])
     return TaskConfig(
         schema_version=str(schema_version),
@@ -381,4 +461,5 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         solution=solution,
         unknown_keys=tuple(unknown),
         deprecations=tuple(deprecations),
+        steps=steps,
     )

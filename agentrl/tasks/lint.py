@@ -1,7 +1,16 @@
-"""Lint many task directories quickly, turning every defect into a row, never a traceback."""
+"""Lint many task directories quickly, turning every defect into a row, never a traceback.
+
+Beyond `Task.validate` (the format), lint reports what would fail later, at build or run time:
+`COPY` / `ADD` sources missing from the build context, scripts Harbor would fix silently
+(non-executable `test.sh`, CRLF line ends), a network the agent's commands could reach.
+"""
 
 from __future__ import annotations
 
+import glob
+import re
+import shlex
+from collections import Counter
 from dataclasses import dataclass, field
 
 from agentrl.errors import TaskFormatError
@@ -19,10 +28,60 @@ class LintResult:
         return not self.errors
 
 
+_INSTRUCTION = re.compile(r"^\s*(COPY|ADD)\s+(.*)$", re.IGNORECASE)
+
+
+def _joined_lines(text: str) -> list[str]:
+    """Dockerfile instructions with backslash continuations joined and comments dropped."""
+    lines: list[str] = []
+    current = ""
+    for raw in text.splitlines():
+        if not current and raw.lstrip().startswith("#"):
+            continue
+        if raw.rstrip().endswith("\\"):
+            current += raw.rstrip()[:-1] + " "
+            continue
+        lines.append(current + raw)
+        current = ""
+    if current:
+        lines.append(current)
+    return lines
+
+
+def missing_copy_sources(task: Task) -> list[str]:
+    """`COPY` / `ADD` sources that are not in environment/ (a build would fail on them)."""
+    if task.dockerfile is None:
+        return []
+    context = task.environment_dir.resolve()
+    missing = []
+    for line in _joined_lines(task.dockerfile.read_text(encoding="utf-8", errors="replace")):
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        body = m.group(2).strip()
+        if body.startswith("["):
+            continue  # the JSON form: rare in tasks, not checked
+        try:
+            words = shlex.split(body)
+        except ValueError:
+            continue
+        if any(w.startswith("--from") for w in words):
+            continue  # from another build stage or image
+        sources = [w for w in words if not w.startswith("--")][:-1]
+        for src in sources:
+            if "://" in src or src.startswith("$"):
+                continue
+            pattern = str(context / src.lstrip("/"))
+            if not glob.glob(pattern):
+                missing.append(f"Dockerfile: {m.group(1).upper()} source {src!r} is not in environment/")
+    return missing
+
+
 def lint_task(task: Task) -> LintResult:
     result = LintResult(task)
     try:
         result.warnings = task.validate()
+        result.errors += missing_copy_sources(task)
     except TaskFormatError as exc:
         result.errors.append(str(exc))
     except OSError as exc:
@@ -32,3 +91,8 @@ def lint_task(task: Task) -> LintResult:
 
 def lint_tasks(tasks: list[Task]) -> list[LintResult]:
     return [lint_task(t) for t in tasks]
+
+
+def warning_kinds(results: list[LintResult]) -> Counter[str]:
+    """Warnings counted by kind (their text up to the first colon), for a corpus summary."""
+    return Counter(w.split(":", 1)[0] for r in results for w in r.warnings)

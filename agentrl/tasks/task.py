@@ -9,9 +9,13 @@ solution/solve.sh    optional reference solution (the oracle agent runs it)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +77,7 @@ class Task:
         """The instruction, canary lines stripped. Raises `TaskFormatError` when it is missing,
         not UTF-8, or over `MAX_INSTRUCTION_BYTES` (checked before anything is read)."""
         path = self.path / "instruction.md"
+        self.check_runnable()
         size = self.instruction_bytes
         if size is not None and size > MAX_INSTRUCTION_BYTES:
             raise TaskFormatError(
@@ -131,6 +136,7 @@ class Task:
         Warnings cover unknown keys (the format evolves), deprecated keys and a missing solution.
         """
         config = self.config
+        self.check_runnable()
         warnings = [f"task.toml: unknown key '{k}' (kept, ignored)" for k in config.unknown_keys]
         warnings += [f"task.toml: {d}" for d in config.deprecations]
         size = self.instruction_bytes
@@ -175,7 +181,71 @@ class Task:
                 _check_containment(self.path, sub)
         if self.solve_script is None:
             warnings.append("solution/solve.sh is missing: the oracle sweep cannot validate this task")
+        warnings += self._script_warnings()
+        if config.phase_network("agent") != "no-network":
+            warnings.append(
+                f"network: the agent phase is {config.phase_network('agent')!r}: the policy's commands "
+                "reach the network (an RL run executes whatever the model writes)"
+            )
         return warnings
+
+    def check_runnable(self) -> None:
+        """Refuse what agentrl would otherwise run wrongly: multi-step tasks (never as one step)
+        and phase network policies that differ (a sandbox keeps one policy for its lifetime)."""
+        config = self.config
+        where = str(self.path / "task.toml")
+        if config.steps:
+            raise TaskFormatError(
+                where,
+                "steps",
+                f"a multi-step task ({len(config.steps)} [[steps]]: {', '.join(config.steps)}) is not supported",
+                "run each step as a task of its own, or run this task with Harbor",
+            )
+        agent, verifier = config.phase_network("agent"), config.phase_network("verifier")
+        if agent != verifier:
+            raise TaskFormatError(
+                where,
+                "agent.network_mode" if config.agent.network_mode else "verifier.network_mode",
+                f"the agent phase's network ({agent!r}) differs from the verifier's ({verifier!r}): "
+                "agentrl keeps one network policy per sandbox",
+                "set [environment].network_mode and drop the phase overrides",
+            )
+
+    def _script_warnings(self) -> list[str]:
+        found = []
+        if self.test_script.is_file() and not os.access(self.test_script, os.X_OK):
+            found.append("tests/test.sh is not executable: it is made executable inside, as Harbor does")
+        for sub in (self.tests_dir, self.solution_dir):
+            for script in crlf_scripts(sub):
+                found.append(f"{script.relative_to(self.path)} has CRLF line ends: converted to LF on upload")
+        return found
+
+
+@contextlib.contextmanager
+def scripts_with_lf(directory: Path) -> Iterator[Path]:
+    """`directory` as it should be uploaded: itself, or, when a `.sh` script in it has Windows
+    line ends (a `#!/bin/bash` line ending in CR names an unknown interpreter), a temporary copy with those
+    scripts converted to LF."""
+    crlf = crlf_scripts(directory)
+    if not crlf:
+        yield directory
+        return
+    with tempfile.TemporaryDirectory(prefix="agentrl-lf-") as tmp:
+        copy = Path(tmp) / directory.name
+        shutil.copytree(directory, copy, symlinks=True)
+        for script in crlf:
+            target = copy / script.relative_to(directory)
+            target.write_bytes(script.read_bytes().replace(b"\r\n", b"\n"))
+        yield copy
+
+
+def crlf_scripts(directory: Path) -> list[Path]:
+    """The `.sh` scripts under `directory` with Windows line ends."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        p for p in directory.rglob("*.sh") if p.is_file() and not p.is_symlink() and b"\r\n" in p.read_bytes()
+    )
 
 
 def _check_containment(root: Path, sub: Path) -> None:

@@ -1,0 +1,49 @@
+"""A task's environment healthcheck (Harbor's `run_healthcheck`), run after the sandbox starts and
+before the agent or the oracle: `command` until it exits 0 once; failures during
+`start_period_sec` do not count (retried every `start_interval_sec`), then `retries` consecutive
+failures (retried every `interval_sec`) fail the start.
+
+A failed healthcheck happens before the agent's first command, so it is never the agent's doing:
+it is `HealthcheckError`, an infrastructure failure of the sandbox's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from agentrl.sandbox.base import Sandbox, SandboxCreateError, printable
+from agentrl.tasks import Task
+
+
+class HealthcheckError(SandboxCreateError):
+    cause = "healthcheck"
+
+
+async def run_healthcheck(
+    sandbox: Sandbox, task: Task, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+) -> int:
+    """Run the task's healthcheck, if it has one; return how many attempts it took (0: none)."""
+    hc = task.config.environment.healthcheck
+    if hc is None:
+        return 0
+    start = time.monotonic()
+    failures = attempts = 0
+    while True:
+        attempts += 1
+        res = await sandbox.exec(hc.command, timeout=max(int(hc.timeout_sec), 1))
+        if res.ok:
+            return attempts
+        if time.monotonic() - start < hc.start_period_sec:
+            await sleep(hc.start_interval_sec)
+            continue
+        failures += 1
+        if failures >= hc.retries:
+            why = "timed out" if res.timed_out else f"exit {res.exit_code}"
+            tail = printable((res.stderr or res.stdout).strip()[-300:])
+            raise HealthcheckError(
+                f"{task.task_id}: the healthcheck `{hc.command}` failed {failures} times in a row "
+                f"({why}): {tail}"
+            )
+        await sleep(hc.interval_sec)

@@ -1,0 +1,150 @@
+"""Tasks written the way public corpora write them: scripts stored without their executable bit or
+with CRLF line ends, a multi-step task, a healthcheck, phase network overrides, env templates,
+a Dockerfile that copies a file it does not have. They load, lint with the expected findings,
+are refused where agentrl would run them wrongly, and the runnable ones pass the oracle."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agentrl.errors import TaskFormatError
+from agentrl.healthcheck import HealthcheckError, run_healthcheck
+from agentrl.sandbox.base import ExecResult
+from agentrl.tasks import load_task
+from agentrl.tasks.lint import lint_task, warning_kinds
+
+HELLO = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks" / "hello-file"
+
+
+def corpus_task(root: Path, name: str, *, toml_extra: str = "", dockerfile_extra: str = "") -> Path:
+    d = root / name
+    shutil.copytree(HELLO, d)
+    (d / "tests" / "test.sh").chmod(0o644)
+    (d / "solution" / "solve.sh").chmod(0o644)
+    if toml_extra:
+        (d / "task.toml").write_text((d / "task.toml").read_text() + "\n" + toml_extra + "\n")
+    if dockerfile_extra:
+        df = d / "environment" / "Dockerfile"
+        df.write_text(df.read_text() + dockerfile_extra + "\n")
+    return d
+
+
+def test_non_executable_and_crlf_scripts_lint_as_warnings(tmp_path: Path) -> None:
+    d = corpus_task(tmp_path, "crlf")
+    script = d / "solution" / "solve.sh"
+    script.write_bytes(script.read_bytes().replace(b"\n", b"\r\n"))
+    result = lint_task(load_task(d))
+    assert result.ok
+    assert any("tests/test.sh is not executable" in w for w in result.warnings)
+    assert any("solution/solve.sh has CRLF line ends" in w for w in result.warnings)
+
+
+def test_a_multi_step_task_is_refused_not_run_as_one_step(tmp_path: Path) -> None:
+    d = corpus_task(tmp_path, "multi", toml_extra='[[steps]]\nname = "one"\n\n[[steps]]\nname = "two"')
+    (d / "instruction.md").unlink()  # multi-step tasks have per-step instructions
+    task = load_task(d)
+    result = lint_task(task)
+    assert result.errors and "multi-step task (2 [[steps]]: one, two) is not supported" in result.errors[0]
+    with pytest.raises(TaskFormatError, match="multi-step"):
+        task.instruction  # noqa: B018 - an episode would read it first
+
+
+def test_phase_network_overrides_that_differ_are_refused(tmp_path: Path) -> None:
+    d = corpus_task(tmp_path, "net", toml_extra="[verifier.environment]\n")
+    text = (d / "task.toml").read_text().replace("[agent]\n", '[agent]\nnetwork_mode = "public"\n')
+    (d / "task.toml").write_text(text)
+    result = lint_task(load_task(d))
+    assert result.errors and "differs from the verifier's" in result.errors[0]
+
+
+def test_public_network_is_a_warning(tmp_path: Path) -> None:
+    d = corpus_task(tmp_path, "pub")
+    (d / "task.toml").write_text((d / "task.toml").read_text().replace('"no-network"', '"public"'))
+    result = lint_task(load_task(d))
+    assert result.ok and any(w.startswith("network: the agent phase is 'public'") for w in result.warnings)
+
+
+def test_a_copy_source_missing_from_the_context_is_an_error(tmp_path: Path) -> None:
+    d = corpus_task(tmp_path, "copy", dockerfile_extra="COPY data.csv \\\n     config/ /app/")
+    (d / "environment" / "config").mkdir()
+    result = lint_task(load_task(d))
+    assert result.errors == ["Dockerfile: COPY source 'data.csv' is not in environment/"]
+
+
+def test_warnings_are_summarised_by_kind(tmp_path: Path) -> None:
+    results = [lint_task(load_task(corpus_task(tmp_path, f"t{i}"))) for i in range(3)]
+    assert warning_kinds(results)["tests/test.sh is not executable"] == 3
+
+
+def test_the_healthcheck_is_parsed_with_harbors_defaults(tmp_path: Path) -> None:
+    d = corpus_task(
+        tmp_path, "hc", toml_extra='[environment.healthcheck]\ncommand = "test -f /app/ready"\nretries = 2'
+    )
+    hc = load_task(d).config.environment.healthcheck
+    assert hc is not None and (hc.command, hc.retries, hc.interval_sec, hc.timeout_sec) == (
+        "test -f /app/ready", 2, 5.0, 30.0,
+    )  # fmt: skip
+    bad = corpus_task(tmp_path, "hc-bad", toml_extra="[environment.healthcheck]\nretries = 2")
+    with pytest.raises(TaskFormatError, match="needs a command"):
+        load_task(bad).config  # noqa: B018
+
+
+class _Flaky:
+    """Fails `fails` times, then succeeds."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+        self.calls = 0
+
+    async def exec(self, cmd: str, **kwargs: object) -> ExecResult:
+        self.calls += 1
+        ok = self.calls > self.fails
+        return ExecResult("", "" if ok else "not ready", 0 if ok else 1)
+
+
+async def test_the_healthcheck_retries_then_passes_or_fails_typed(tmp_path: Path) -> None:
+    d = corpus_task(
+        tmp_path,
+        "hc",
+        toml_extra='[environment.healthcheck]\ncommand = "true"\nretries = 3\ninterval_sec = 0',
+    )
+    task = load_task(d)
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    assert await run_healthcheck(_Flaky(2), task, sleep=sleep) == 3  # type: ignore[arg-type]
+    with pytest.raises(HealthcheckError, match="failed 3 times in a row") as info:
+        await run_healthcheck(_Flaky(5), task, sleep=sleep)  # type: ignore[arg-type]
+    assert info.value.cause == "healthcheck"
+
+
+@pytest.mark.container
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+async def test_the_runnable_corpus_tasks_pass_the_oracle(tmp_path: Path) -> None:
+    from agentrl.oracle import run_oracle
+    from agentrl.sandbox.podman import PodmanProvider
+
+    crlf = corpus_task(tmp_path, "corpus-crlf")
+    for script in (crlf / "tests" / "test.sh", crlf / "solution" / "solve.sh"):
+        script.write_bytes(script.read_bytes().replace(b"\n", b"\r\n"))
+    healthy = corpus_task(
+        tmp_path,
+        "corpus-healthcheck",
+        toml_extra='[environment.healthcheck]\ncommand = "test -d /app"\ninterval_sec = 0.2',
+    )
+    sick = corpus_task(
+        tmp_path,
+        "corpus-sick",
+        toml_extra='[environment.healthcheck]\ncommand = "test -f /nope"\ninterval_sec = 0.1\nretries = 2',
+    )
+    tasks = [load_task(d) for d in (crlf, healthy, sick)]
+    results = await run_oracle(PodmanProvider(), tasks, run_id="corpus", concurrency=2)
+    by_id = {r.task_id: r for r in results}
+    assert by_id["corpus-crlf"].ok and by_id["corpus-crlf"].reward == 1.0, by_id["corpus-crlf"].detail
+    assert by_id["corpus-healthcheck"].ok, by_id["corpus-healthcheck"].detail
+    assert by_id["corpus-sick"].cause == "healthcheck" and "failed 2 times" in by_id["corpus-sick"].detail
