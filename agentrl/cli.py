@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import os
 import signal
+import sys
 
 import click
 import typer
 from typer.core import TyperGroup
+
+from agentrl.errors import AgentRLError
 
 # Sub-command groups, each in its own module, imported only when that group runs: `agentrl --help`
 # lists them from this table without importing torch or any backend, and a group whose optional
@@ -21,6 +25,11 @@ _GROUPS = {
     ),
     "engine": ("agentrl.engine.cli", "Serve a model over an SGLang-compatible HTTP API.", "local"),
     "episode": ("agentrl.episode_cli", "Run, record and replay single episodes.", None),
+    "eval": (
+        "agentrl.eval_cli",
+        "Evaluate a model on tasks with Harbor's semantics; write a Harbor job (ATIF trajectories).",
+        None,
+    ),
     "train": (
         "agentrl.runtime.cli",
         "Train with the library runtime (run), or replay a trainer step.",
@@ -120,9 +129,24 @@ def _interrupt(*_: object) -> None:
 
 
 def main() -> None:
+    """The console script. A user's mistake (any `AgentRLError`: a bad task, a missing model
+    directory, an unknown backend, a missing file) is one clear line and exit status 2; `--debug`
+    (anywhere on the line) or AGENTRL_DEBUG=1 shows the traceback instead."""
     # SIGTERM unwinds like Ctrl-C: sandboxes are closed and atexit clean-up runs.
     signal.signal(signal.SIGTERM, _interrupt)
-    app()
+    debug = "--debug" in sys.argv[1:] or os.environ.get("AGENTRL_DEBUG") == "1"
+    if "--debug" in sys.argv[1:]:
+        sys.argv.remove("--debug")
+    try:
+        app()
+    except AgentRLError as exc:
+        if debug:
+            raise
+        from agentrl.sandbox.base import printable
+
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
+        print("(run again with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
