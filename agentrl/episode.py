@@ -22,7 +22,7 @@ from agentrl.agent.actions import Command, get_format
 from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run_agent, run_command
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
-from agentrl.errors import InfraError
+from agentrl.errors import AgentRLError, InfraError
 from agentrl.healthcheck import run_healthcheck
 from agentrl.sample import Episode, Sample, Status
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
@@ -284,6 +284,10 @@ async def run_episode(
             recorder.close()
 
 
+class RecordError(AgentRLError):
+    """An episode record that cannot be read."""
+
+
 @dataclass
 class TurnReplay:
     index: int
@@ -331,12 +335,17 @@ def read_record(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     header: dict[str, Any] | None = None
     turns: list[dict[str, Any]] = []
     result: dict[str, Any] | None = None
+    if not Path(path).is_file():
+        raise RecordError(f"{path}: no such episode record (records are the .jsonl files of --record)")
     with Path(path).open(encoding="utf-8") as fh:
-        for line in fh:
+        for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            kind = row.pop("type")
+            try:
+                row = json.loads(line)
+                kind = row.pop("type")
+            except (json.JSONDecodeError, AttributeError, KeyError):
+                raise RecordError(f"{path}:{number}: not an episode record line") from None
             if kind == "header":
                 header = row
             elif kind == "turn":
@@ -344,7 +353,7 @@ def read_record(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
             elif kind == "result":
                 result = row
     if header is None:
-        raise ValueError(f"{path}: not an episode record (no header line)")
+        raise RecordError(f"{path}: not an episode record (no header line)")
     return header, turns, result
 
 

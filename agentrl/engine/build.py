@@ -55,9 +55,10 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
         return SGLangEngine(list(spec.urls)), AutoTokenizer.from_pretrained(str(spec.tokenizer))
     if spec.kind not in KINDS:
         raise EngineConfigError(f"unknown engine {spec.kind!r}: choose one of {', '.join(KINDS)}")
+    from agentrl.models.source import check_model_source
     from agentrl.models.tiny import tiny_model_dir
 
-    model_dir = spec.model or tiny_model_dir()
+    model_dir = check_model_source(spec.model) if spec.model else tiny_model_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if spec.kind == "scripted":
         from agentrl.engine.fake import ScriptedEngine

@@ -14,6 +14,7 @@ import torch
 
 from agentrl.environments import EnvContext, get_plugin
 from agentrl.errors import AgentRLError
+from agentrl.models.source import check_model_source
 from agentrl.runtime.config import RunConfig
 from agentrl.runtime.loop import RunParts
 
@@ -87,9 +88,10 @@ def build_parts(cfg: RunConfig) -> RunParts:
         raise AgentRLError(
             "engine.model is not set: give the initial weights (a Hugging Face model directory)"
         )
-    tok_dir = cfg.engine.tokenizer or cfg.engine.model
+    model_dir = check_model_source(cfg.engine.model, "engine.model")
+    tok_dir = check_model_source(cfg.engine.tokenizer or cfg.engine.model, "engine.tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    policy = AutoModelForCausalLM.from_pretrained(cfg.engine.model, dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
     engine = build_engine(cfg, trainer.model, tokenizer)
     plugin = get_plugin(cfg.env["name"])

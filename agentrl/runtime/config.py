@@ -112,6 +112,9 @@ class CheckpointSettings(_Section):
     resume: bool = Field(False, description="Continue from <out>/checkpoints/latest when it exists.")
 
 
+DEFAULT_BATCH_SIZE = 16
+
+
 class RunConfig(_Section):
     """A training run: environment, engine, rollout, trainer, weight sync, eval, checkpoints."""
 
@@ -123,7 +126,7 @@ class RunConfig(_Section):
     env: dict[str, Any] = Field(default_factory=lambda: {"name": DEFAULT_ENV})
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
-    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(batch_size=16))
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(batch_size=DEFAULT_BATCH_SIZE))
     trainer: TrainConfig = Field(default_factory=TrainConfig)
     sync: SyncSettings = Field(default_factory=SyncSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
@@ -146,6 +149,14 @@ class RunConfig(_Section):
             return resolve_config(data).model_dump()
         except (ValidationError, AgentRLError) as exc:
             raise ValueError(f"env ({data.get('name')}): {exc}") from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_defaults(cls, data: Any) -> Any:
+        """`--set rollout.x=...` alone keeps the section's other defaults (batch_size included)."""
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict):
+            data["rollout"] = {"batch_size": DEFAULT_BATCH_SIZE, **data["rollout"]}
+        return data
 
     @model_validator(mode="before")
     @classmethod
