@@ -14,20 +14,45 @@ from agentrl.train.cli import app
 
 @app.command("run")
 def run_cmd(
-    config: Path = typer.Option(None, "--config", help="A .toml / .json / .yaml file of run settings."),
+    config_arg: Path = typer.Argument(
+        None, metavar="CONFIG", help="A .toml / .json / .yaml file of run settings."
+    ),
+    config: Path = typer.Option(None, "--config", help="The same, as an option."),
     set_: list[str] = typer.Option(None, "--set", help="Override a setting: --set trainer.lr=1e-5 (dotted)."),
+    resume: Path = typer.Option(
+        None,
+        "--resume",
+        help="Continue the run in this directory from its last checkpoint (its config.json, "
+        "then --set; e.g. --set steps=8 to go further).",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every resolved setting and exit."),
 ) -> None:
     """A training run of any environment and model through the library runtime (the same loop the
-    recipes call): `agentrl train run --config run.toml --set engine.model=<dir>`."""
+    recipes call): `agentrl train run run.toml --set engine.model=<dir>`; `agentrl train run
+    --resume runs/x --set steps=8` continues one."""
     import asyncio
 
     from agentrl.errors import AgentRLError
+    from agentrl.overrides import ConfigError
     from agentrl.runtime import RunConfig, close_parts, resolve, train
     from agentrl.runtime.build import build_parts
 
+    if config_arg is not None and config is not None:
+        typer.echo("give the config file once: as CONFIG or as --config", err=True)
+        raise typer.Exit(2)
+    config = config or config_arg
+    overrides = list(set_ or [])
     try:
-        cfg = resolve(RunConfig, config_file=config, overrides=set_ or [])
+        if resume is not None:
+            if config is not None:
+                raise ConfigError(
+                    "--resume reads the run's own config.json: give --set overrides, not a file"
+                )
+            config = resume / "config.json"
+            if not config.is_file():
+                raise ConfigError(f"--resume {resume}: no config.json there (is it a run directory?)")
+            overrides = [f"out={resume}", "checkpoint.resume=true", *overrides]
+        cfg = resolve(RunConfig, config_file=config, overrides=overrides)
     except AgentRLError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None

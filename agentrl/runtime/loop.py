@@ -93,10 +93,12 @@ async def run_eval(
     return result
 
 
-async def sync_weights(cfg: RunConfig, parts: RunParts, manager: RolloutManager | None = None) -> int:
-    """Push the trainer's weights as the next version (through the manager's pause wrapper when
-    rollouts are running); returns the new version."""
-    version = parts.engine.weight_version + 1
+async def sync_weights(
+    cfg: RunConfig, parts: RunParts, manager: RolloutManager | None = None, *, version: int | None = None
+) -> int:
+    """Push the trainer's weights as the next version, or as `version` (through the manager's
+    pause wrapper when rollouts are running); returns the version pushed."""
+    version = parts.engine.weight_version + 1 if version is None else version
     bucket_bytes = cfg.sync.bucket_mb * 2**20
 
     async def push() -> None:
@@ -135,7 +137,9 @@ async def train(
         if evals_path.exists():
             evals = [e for e in json.loads(evals_path.read_text()) if e.get("step", 0) <= start_step]
         _report(reporter, f"resumed from {ckpt_root} at step {start_step}")
-        await sync_weights(cfg, parts)
+        # The checkpoint holds the weights of step N, which were version N (one per step): the
+        # engines serve them under that version again, so versions keep counting steps.
+        await sync_weights(cfg, parts, version=max(start_step, parts.engine.weight_version + 1))
     else:
         metrics_path.unlink(missing_ok=True)
     if start_step >= cfg.steps:
