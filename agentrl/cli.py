@@ -36,6 +36,7 @@ _GROUPS = {
         "local",
     ),
     "rollout": ("agentrl.rollout.cli", "Rollout-manager tools (the staleness simulator).", "local"),
+    "env": ("agentrl.openenv.cli", "Serve an environment as an OpenEnv server (reset / step / state).", "openenv"),
 }
 
 

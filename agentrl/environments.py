@@ -27,6 +27,7 @@ Split = Literal["train", "eval"]
 BUILTIN = {
     "tbench2": "envs.tbench2:plugin",
     "dapo_math": "envs.dapo_math:plugin",
+    "openenv": "envs.openenv:plugin",
 }
 
 

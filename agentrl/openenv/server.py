@@ -1,0 +1,234 @@
+"""`agentrl env serve`: an environment plugin served as an OpenEnv environment server.
+
+The app is the `openenv` package's own (`create_fastapi_app`: `/ws` sessions, `/schema`, `/health`,
+`/metadata`, the Task API), around one `TerminalSession` per WebSocket session, behind `Guard`
+(payload sizes, idle sessions, refused routes). The package caps sessions (`max_sessions`): one over
+the cap is answered `CAPACITY_REACHED` and closed.
+
+    server = build_server(ServeConfig(env={"name": "tbench2", "backend": "podman"}))
+    serve(config)                         # uvicorn, until Ctrl-C
+    with run_in_thread(config) as url:    # embedded (tests, notebooks): its own thread and loop
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from agentrl.environments import EnvContext, EnvironmentPluginError, get_plugin, resolve_config
+from agentrl.errors import AgentRLError
+from agentrl.sandbox.base import SandboxProvider
+
+log = logging.getLogger("agentrl.openenv")
+
+SERVABLE = ("tbench2",)  # plugins with an OpenEnv schema (the terminal one: upstream tbench2_env's)
+KIB = 1024
+
+
+class ServeConfig(BaseModel):
+    """Every setting of a served environment (printed by `agentrl env serve --dry-run`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "tbench2"},
+        description="The environment plugin's own settings (tasks, backend, ...), validated by it.",
+    )
+    host: str = Field("127.0.0.1", description="Address to bind: loopback unless you mean to share it.")
+    port: int = Field(8000, ge=0, le=65535, description="0: any free port.")
+    max_sessions: int = Field(8, ge=1, description="Concurrent sessions, hence sandboxes.")
+    idle_timeout_s: float = Field(
+        600.0, gt=0, description="A session whose client sends nothing this long is closed with its sandbox."
+    )
+    command_timeout_s: float = Field(60.0, gt=0, description="exec limit when the action names none.")
+    max_command_timeout_s: float = Field(600.0, gt=0, description="Cap on an exec's own metadata.timeout_s.")
+    close_timeout_s: float = Field(120.0, gt=0, description="Limit on closing one sandbox.")
+    max_command_bytes: int = Field(256 * KIB, ge=1, description="Largest exec command.")
+    max_file_bytes: int = Field(1024 * KIB, ge=1, description="Largest write_file content.")
+    max_message_chars: int = Field(
+        2048 * KIB, ge=1024, description="Largest WebSocket message answered with an error (and kept open)."
+    )
+    max_frame_bytes: int = Field(
+        8192 * KIB, ge=1024, description="Hard cap on one WebSocket frame: larger ones close the connection."
+    )
+    max_http_body_bytes: int = Field(64 * KIB, ge=1024, description="Largest HTTP request body.")
+    run_id: str = Field(
+        default_factory=lambda: f"openenv-{uuid.uuid4().hex[:8]}",
+        description="Label of every sandbox this server starts (`agentrl sandbox reap` finds them).",
+    )
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> dict[str, Any]:
+        data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+        data.setdefault("name", "tbench2")
+        if data["name"] not in SERVABLE:
+            raise ValueError(
+                f"environment {data['name']!r} has no OpenEnv schema to be served with yet; "
+                f"servable: {', '.join(SERVABLE)}"
+            )
+        try:
+            return resolve_config(data).model_dump()
+        except AgentRLError as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _limits(self) -> ServeConfig:
+        if self.max_command_timeout_s < self.command_timeout_s:
+            raise ValueError("max_command_timeout_s must be at least command_timeout_s")
+        biggest = max(self.max_command_bytes, self.max_file_bytes)
+        if self.max_message_chars < biggest + 4 * KIB:
+            raise ValueError(
+                f"max_message_chars ({self.max_message_chars}) must exceed the largest command or file "
+                f"({biggest} bytes) plus the message's own fields, or those limits can never be reached"
+            )
+        if self.max_frame_bytes < 4 * self.max_message_chars:
+            raise ValueError("max_frame_bytes must be at least 4 x max_message_chars (UTF-8 takes up to 4)")
+        return self
+
+
+@dataclass
+class Server:
+    """A built server: the ASGI app to run, and what it serves."""
+
+    app: Any
+    hub: Any  # agentrl.openenv.terminal.TerminalHub
+    environment: Any  # the plugin's built environment (owns the sandbox provider)
+
+    async def aclose(self) -> None:
+        await self.hub.aclose()
+        await self.environment.aclose()
+
+
+def _require_openenv() -> None:
+    try:
+        import openenv.core.env_server  # noqa: F401
+    except ImportError as exc:
+        raise EnvironmentPluginError(
+            f"serving over OpenEnv needs the openenv package ({exc}): pip install 'agentrl[openenv]' "
+            "then pip install --no-deps 'openenv>=0.10,<0.11' (the slim install, without its web UI)"
+        ) from None
+
+
+def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None) -> Server:
+    """The app for `config`; `provider` replaces the plugin's sandbox backend (tests)."""
+    _require_openenv()
+    from openenv.core.env_server.http_server import create_fastapi_app
+
+    from agentrl.openenv.guard import Guard
+    from agentrl.openenv.schema import TerminalAction, TerminalObservation, TerminalState
+    from agentrl.openenv.terminal import TerminalHub, TerminalSession
+
+    plugin = get_plugin(config.env["name"])
+    env_config = plugin.Config.model_validate(config.env)
+    environment: Any = plugin.build(
+        env_config, EnvContext(tokenizer=None, seed=0, out_dir=Path("."), temperature=1.0)
+    )
+    hub = TerminalHub(
+        config,
+        environment.tasks,
+        provider if provider is not None else environment.provider,
+        create_timeout_s=env_config.create_timeout_s,  # type: ignore[attr-defined]
+    )
+    app = create_fastapi_app(
+        functools.partial(TerminalSession, hub),
+        TerminalAction,
+        TerminalObservation,
+        max_concurrent_envs=config.max_sessions,
+        env_name=config.env["name"],
+        state_cls=TerminalState,
+        mode="simulation",
+    )
+    stateless = (
+        "stateless HTTP episodes are not served: a terminal episode keeps a sandbox, which lives as "
+        "long as a WebSocket session; connect to /ws (openenv's EnvClient does)"
+    )
+    no_mcp = "this environment has no MCP tools: use reset / step / state over /ws"
+    guarded = Guard(
+        app,
+        max_message_chars=config.max_message_chars,
+        idle_timeout_s=config.idle_timeout_s,
+        max_http_body_bytes=config.max_http_body_bytes,
+        refused={"POST /reset": stateless, "POST /step": stateless, "POST /mcp": no_mcp, "WS /mcp": no_mcp},
+    )
+    server = Server(app=guarded, hub=hub, environment=environment)
+    app.router.on_startup.append(hub.start)
+    app.router.on_shutdown.append(server.aclose)
+    return server
+
+
+def _uvicorn_config(config: ServeConfig, app: Any) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        ws_max_size=config.max_frame_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+        log_level="warning",
+        timeout_graceful_shutdown=int(config.close_timeout_s),
+    )
+
+
+def serve(config: ServeConfig, *, provider: SandboxProvider | None = None) -> None:
+    """Run the server until interrupted; every sandbox is closed on the way out."""
+    import uvicorn
+
+    server = build_server(config, provider=provider)
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "serving on %s: anyone who reaches it can run commands in sandboxes (there is no "
+            "authentication); put it behind your own access control",
+            config.host,
+        )
+    uvicorn.Server(_uvicorn_config(config, server.app)).run()
+
+
+@contextlib.contextmanager
+def run_in_thread(
+    config: ServeConfig, *, provider: SandboxProvider | None = None, start_timeout_s: float = 60.0
+) -> Iterator[tuple[str, Server]]:
+    """Serve in a background thread with its own event loop; yields (base URL, server). Leaving
+    the block shuts the server down (sessions closed, sandboxes released)."""
+    import uvicorn
+
+    server = build_server(config, provider=provider)
+    userver = uvicorn.Server(_uvicorn_config(config, server.app))
+    failure: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            asyncio.run(userver.serve())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=main, name="openenv-server", daemon=True)
+    thread.start()
+    deadline = threading.Event()
+    for _ in range(int(start_timeout_s * 20)):
+        if userver.started or failure or not thread.is_alive():
+            break
+        deadline.wait(0.05)
+    if not userver.started:
+        userver.should_exit = True
+        thread.join(10)
+        raise AgentRLError(f"the OpenEnv server did not start: {failure[0] if failure else 'timeout'}")
+    port = userver.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{config.host}:{port}", server
+    finally:
+        userver.should_exit = True
+        thread.join(config.close_timeout_s + 30)

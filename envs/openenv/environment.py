@@ -1,0 +1,462 @@
+"""`OpenEnvEnvironment`: episodes on a remote OpenEnv environment server, trained on like local ones.
+
+Two protocols:
+
+- `tbench2`: the upstream `tbench2_env` schema (`agentrl env serve tbench2`, or upstream's own
+  server). `reset(task_id)` gives the instruction; the agent loop runs unchanged on the command
+  path through `RemoteSandbox` (each command an `exec` step); `evaluate` gives the reward. The
+  server's classification comes through: a command that broke the sandbox, or a tampered or hung
+  verifier, is a policy outcome (reward 0 and its cause); a failed sandbox or verifier is an
+  `InfraError` with the server's cause.
+- `text`: any OpenEnv environment whose actions carry text: `reset(**row reset)`, the observation's
+  `observation_field` is the user message, each reply goes out as `{action_field: reply,
+  **action_extra}`, until `done`; the reward is the sum (or last) of the step rewards.
+
+One WebSocket session per episode, never silently reconnected (`agentrl.openenv.client`): a
+dropped connection, a time limit, a full server or a server error is an infrastructure failure
+(`openenv_*` causes), retried by the rollout manager in a new session, never a reward of 0.
+Token-in/token-out as everywhere: the trainer sees exactly the engine's ids and log-probs.
+
+Rows: `task_ids` (tbench2) or `rows_file` (text: JSONL rows with the reset arguments under
+`reset` or `metadata.reset`), else the server's Task API (`/{env}/tasks` of `split`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
+from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
+from agentrl.environments import EnvContext, EnvironmentPluginError, Split
+from agentrl.errors import InputError
+from agentrl.rows import read_jsonl
+from agentrl.sample import Episode, Sample, Status
+
+log = logging.getLogger("agentrl.envs.openenv")
+
+
+class OpenEnvConfig(BaseModel):
+    """Settings of the OpenEnv consumer (every one printed by `--dry-run`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["openenv"] = "openenv"
+    url: str = Field("http://127.0.0.1:8000", description="The environment server (http:// or ws://).")
+    protocol: Literal["tbench2", "text"] = Field(
+        "tbench2", description="tbench2: the tbench2_env schema (terminal tasks); text: text actions."
+    )
+    task_ids: list[str] | None = Field(None, description="tbench2 rows (None: the server's Task API).")
+    eval_task_ids: list[str] | None = Field(None, description="tbench2 eval rows (None: task_ids).")
+    rows_file: str | None = Field(None, description="text rows, JSONL (None: the server's Task API).")
+    eval_rows_file: str | None = Field(None, description="text eval rows (None: rows_file).")
+    split: str = Field("train", description="Task API split of the training rows.")
+    eval_split: str | None = Field(None, description="Task API split of the eval rows (None: split).")
+    # tbench2: the agent loop
+    action_format: str = "terminus-json"
+    system_prompt: str | None = None
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    max_agent_timeout_s: float | None = Field(
+        None, description="Cap on each task's agent time limit (as the server reports it at reset)."
+    )
+    # text: the action and observation fields
+    action_field: str = Field("message", description="text: the action field that carries the reply.")
+    action_extra: dict[str, Any] = Field(default_factory=dict, description="text: fixed action fields.")
+    observation_field: str = Field("text", description="text: the observation field shown to the model.")
+    reward_mode: Literal["sum", "last"] = Field("sum", description="text: episode reward from step rewards.")
+    rejected_reward: float = Field(
+        0.0, description="text: reward of an episode whose reply the server rejected (a policy outcome)."
+    )
+    # time limits
+    connect_timeout_s: float = Field(30.0, gt=0)
+    reset_timeout_s: float = Field(900.0, gt=0, description="reset (a sandbox start, maybe an image build).")
+    step_timeout_s: float = Field(300.0, gt=0, description="text: one step.")
+    step_grace_s: float = Field(30.0, gt=0, description="tbench2: allowance over a command's own limit.")
+    evaluate_timeout_s: float | None = Field(
+        None, gt=0, description="tbench2: evaluate (None: the task's verifier limit + 300 s)."
+    )
+    max_message_mb: float = Field(16.0, gt=0, description="Largest server message the client accepts.")
+
+    @field_validator("agent")
+    @classmethod
+    def _command_path(cls, agent: AgentConfig) -> AgentConfig:
+        if agent.terminal == "tmux":
+            raise ValueError("agent.terminal=tmux: a remote OpenEnv session runs commands (use commands)")
+        return agent
+
+
+class OpenEnvEnvironment:
+    """Rows from the config or the server's Task API; a runner per engine."""
+
+    def __init__(self, config: OpenEnvConfig, context: EnvContext) -> None:
+        try:
+            import openenv.core.env_client  # noqa: F401
+        except ImportError:
+            raise EnvironmentPluginError(
+                "the openenv environment needs the openenv package: pip install 'agentrl[openenv]' "
+                "then pip install --no-deps 'openenv>=0.10,<0.11'"
+            ) from None
+        self.config = config
+        self.context = context
+        self._rows: dict[str, list[dict[str, Any]]] = {}
+        self._check_schema()
+
+    # -- the server --------------------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        url = self.config.url.rstrip("/")
+        for ws, http in (("ws://", "http://"), ("wss://", "https://")):
+            if url.startswith(ws):
+                return http + url[len(ws) :]
+        return url
+
+    def _get(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        url = f"{self.http_url}{path}"
+        try:
+            with httpx.Client(timeout=self.config.connect_timeout_s, trust_env=False) as http:
+                resp = http.post(url, json=body) if body is not None else http.get(url)
+        except httpx.HTTPError as exc:
+            raise EnvironmentPluginError(
+                f"cannot reach the OpenEnv server at {self.http_url} ({exc}): start it first (e.g. "
+                "`agentrl env serve tbench2`) or fix env.url"
+            ) from None
+        if resp.status_code != 200:
+            raise EnvironmentPluginError(f"{url} answered {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+    def _check_schema(self) -> None:
+        """Fail at build, not in every episode, when the server does not speak the protocol."""
+        schema = self._get("/schema")
+        action = (schema.get("action") or {}).get("properties") or {}
+        observation = (schema.get("reset_observation") or schema.get("observation") or {}).get(
+            "properties"
+        ) or {}
+        c = self.config
+        if c.protocol == "tbench2":
+            missing = [f for f in ("action_type", "command") if f not in action]
+            missing += [f"observation.{f}" for f in ("instruction", "output") if f not in observation]
+            if missing:
+                raise EnvironmentPluginError(
+                    f"{c.url} does not speak the tbench2_env schema (no {', '.join(missing)}): "
+                    "use env.protocol=text for other environments"
+                )
+            return
+        if c.action_field not in action:
+            raise EnvironmentPluginError(
+                f"{c.url}'s actions have no field {c.action_field!r} (they have {', '.join(sorted(action)) or 'none'}): "
+                "set env.action_field"
+            )
+        kind = action[c.action_field].get("type")
+        if kind not in (None, "string"):
+            raise EnvironmentPluginError(f"{c.url}'s action field {c.action_field!r} is {kind}, not text")
+        if c.observation_field not in observation:
+            raise EnvironmentPluginError(
+                f"{c.url}'s observations have no field {c.observation_field!r} (they have "
+                f"{', '.join(sorted(observation)) or 'none'}): set env.observation_field"
+            )
+
+    def _task_api_rows(self, split: str) -> list[dict[str, Any]]:
+        names = self._get("/list_environments")
+        if not names:
+            raise EnvironmentPluginError(f"{self.http_url} lists no environment")
+        try:
+            tasks = self._get(f"/{names[0]}/tasks", {"split": split})["tasks"]
+        except EnvironmentPluginError as exc:
+            what = "env.task_ids" if self.config.protocol == "tbench2" else "env.rows_file"
+            raise EnvironmentPluginError(f"{exc}\nthe server has no Task API: give {what}") from None
+        rows = []
+        for i, spec in enumerate(tasks):
+            spec = spec if isinstance(spec, dict) else {"task": spec}
+            if self.config.protocol == "tbench2":
+                rows.append(_task_row(str(spec.get("task_id") or spec.get("id"))))
+            else:
+                task_id = str(spec.get("task_id") or spec.get("id") or f"{split}-{i}")
+                rows.append(_text_row(task_id, {"split": split, "index": i}, spec))
+        if not rows:
+            raise EnvironmentPluginError(f"{self.http_url} has no task in split {split!r}")
+        return rows
+
+    # -- rows --------------------------------------------------------------------------------
+
+    def rows(self, split: Split) -> list[dict[str, Any]]:
+        if split not in self._rows:
+            self._rows[split] = self._load_rows(split)
+        return self._rows[split]
+
+    def _load_rows(self, split: Split) -> list[dict[str, Any]]:
+        c = self.config
+        if c.protocol == "tbench2":
+            ids = c.eval_task_ids if split == "eval" and c.eval_task_ids else c.task_ids
+            if ids:
+                return [_task_row(t) for t in ids]
+        else:
+            path = c.eval_rows_file if split == "eval" and c.eval_rows_file else c.rows_file
+            if path:
+                rows = read_jsonl(path)
+                for i, row in enumerate(rows):
+                    reset = row.get("reset", (row.get("metadata") or {}).get("reset", {}))
+                    if not isinstance(reset, dict):
+                        raise EnvironmentPluginError(
+                            f"{path} row {i}: `reset` must be an object of reset arguments"
+                        )
+                return rows
+        return self._task_api_rows(c.eval_split or c.split if split == "eval" else c.split)
+
+    # -- runners -----------------------------------------------------------------------------
+
+    def runner(self, engine: Engine, *, run_id: str, record_dir: Path | None = None) -> Any:
+        tok = self.context.tokenizer
+        if self.config.protocol == "tbench2":
+            from envs.openenv.terminal import RemoteTerminalRunner
+
+            renderer = ChatRenderer.for_format(tok, self.config.action_format) if tok is not None else None
+            return RemoteTerminalRunner(self, engine, renderer=renderer, run_id=run_id)
+        if tok is None:
+            raise EnvironmentPluginError(
+                "the text protocol generates token-in/token-out: it needs a tokenizer"
+            )
+        return RemoteTextRunner(self, engine, renderer=ChatRenderer(tok), run_id=run_id)
+
+    def sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
+        c = self.context
+        return SamplingParams(
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=max_new_tokens, seed=seed
+        )
+
+    def client_options(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "base_url": c.url,
+            "connect_timeout_s": c.connect_timeout_s,
+            # Each call has its own limit (RemoteSession); the package's own must never cut first.
+            "message_timeout_s": 7 * 24 * 3600.0,
+            "max_message_size_mb": c.max_message_mb,
+        }
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _task_row(task_id: str) -> dict[str, Any]:
+    return {"prompt": [], "label": None, "metadata": {"task_id": task_id}}
+
+
+def _text_row(task_id: str, reset: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt": [], "label": None, "metadata": {"task_id": task_id, "reset": reset, "task": spec}}
+
+
+def segment_samples(
+    segments: list[Segment],
+    *,
+    reward: float,
+    status: Status,
+    end_reason: str,
+    prompt_id: str,
+    sample_index: int,
+    task_id: str,
+    timings: dict[str, float],
+) -> list[Sample]:
+    """One `Sample` per segment that generated anything (as the terminal episode runner builds them)."""
+    trained = [s for s in segments if any(s.loss_mask)]
+    samples = []
+    for k, seg in enumerate(trained):
+        seg.check()
+        samples.append(
+            Sample(
+                prompt_id=prompt_id,
+                tokens=seg.prompt_ids + seg.response_ids,
+                prompt_length=len(seg.prompt_ids),
+                loss_mask=list(seg.loss_mask),
+                rollout_logprobs=list(seg.logprobs),
+                reward=reward,
+                status=status,
+                end_reason=end_reason,
+                sample_index=sample_index,
+                weight_versions=list(seg.weight_versions),
+                timings=dict(timings),
+                task_id=task_id,
+                metadata={"segment": k, "n_segments": len(trained)},
+            )
+        )
+    return samples
+
+
+class RemoteTextRunner:
+    """One row -> one multi-turn text episode on a remote OpenEnv server (the `EpisodeRunner`
+    protocol)."""
+
+    def __init__(
+        self, env: OpenEnvEnvironment, engine: Engine, *, renderer: ChatRenderer, run_id: str
+    ) -> None:
+        self.env = env
+        self.engine = engine
+        self.renderer = renderer
+        self.run_id = run_id
+        self.config = env.config
+
+    def _text(self, observation: Any) -> str:
+        value = observation.get(self.config.observation_field) if isinstance(observation, dict) else None
+        if value is None:
+            from agentrl.openenv.client import OpenEnvInfraError
+
+            raise OpenEnvInfraError(
+                f"{self.config.url}: an observation without {self.config.observation_field!r}",
+                cause="openenv_protocol",
+            )
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+    async def _generate(
+        self, traj: TokenTrajectory, sampling: SamplingParams, session_id: str
+    ) -> tuple[str, str, list[int]]:
+        """One turn to the end; an aborted piece (a weight update) is continued on the new
+        weights, each piece with its version (partial rollouts)."""
+        ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        finish = "abort"
+        wait = self.config.agent.engine_timeout_s
+        while finish == "abort":
+            left = sampling.max_new_tokens - len(ids)
+            if left <= 0:
+                finish = "length"
+                break
+            piece = replace(sampling, max_new_tokens=left)
+            try:
+                gen = await asyncio.wait_for(
+                    self.engine.generate(traj.context_ids() + ids, piece, session_id=session_id), wait
+                )
+            except EngineAborted:
+                continue
+            except TimeoutError:
+                raise EngineError(f"no generation within {wait:g}s", cause="engine_timeout") from None
+            ids += gen.output_ids
+            logps += gen.logprobs
+            versions.append(gen.weight_version)
+            finish = gen.finish_reason
+        return traj.add_generation(ids, logps, versions), finish, versions
+
+    async def run(
+        self,
+        row: dict[str, Any],
+        *,
+        group_id: str,
+        sample_index: int,
+        attempt: int = 0,
+        eval: bool = False,
+        seed: int | None = None,
+    ) -> Episode:
+        from agentrl.openenv.client import OpenEnvRequestError, RemoteSession, TextClient
+
+        c, agent = self.config, self.config.agent
+        meta = row.get("metadata") or {}
+        reset = row.get("reset", meta.get("reset", {}))
+        task_id = str(meta.get("task_id") or row.get("id") or group_id)
+        session_id = f"{self.run_id}:{group_id}:{sample_index}:{attempt}"
+        t0 = time.monotonic()
+        deadline = t0 + agent.wall_clock_s if agent.wall_clock_s else None
+        rewards: list[float] = []
+        versions: list[int] = []
+        end, cause, status = "max_turns", None, Status.TRUNCATED
+        async with RemoteSession(
+            TextClient(**self.env.client_options()), url=c.url, connect_timeout_s=c.connect_timeout_s
+        ) as session:
+            first = await session.reset(timeout_s=c.reset_timeout_s, **reset)
+            if first.done:
+                raise InputError(f"{c.url} ended the episode of {task_id} at reset: nothing to act on")
+            messages = ([{"role": "system", "content": c.system_prompt}] if c.system_prompt else []) + [
+                {"role": "user", "content": self._text(first.observation)}
+            ]
+            traj = TokenTrajectory(self.renderer, messages, check_prefix=agent.check_prefix)
+            engine_s = env_s = 0.0
+            turns = 0
+            for _ in range(agent.max_turns):
+                max_new = min(agent.max_new_tokens, agent.max_total_tokens - traj.context_len())
+                if max_new < agent.min_turn_tokens:
+                    end = "token_budget"
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    end = "timeout"
+                    break
+                t1 = time.monotonic()
+                text, _, turn_versions = await self._generate(
+                    traj, self.env.sampling(max_new, seed), session_id
+                )
+                versions += turn_versions
+                t2 = time.monotonic()
+                engine_s += t2 - t1
+                turns += 1
+                reply = text
+                for eos in self.renderer.eos_ids:
+                    tok = self.renderer.decode([eos])
+                    if tok and reply.endswith(tok):
+                        reply = reply[: -len(tok)]
+                try:
+                    result = await session.step(
+                        {**c.action_extra, c.action_field: reply}, timeout_s=c.step_timeout_s
+                    )
+                except OpenEnvRequestError as exc:
+                    # What the model wrote is what the server refused (its size, its content).
+                    end, cause, status = "action_rejected", "action_rejected", Status.FAILED_POLICY
+                    log.info("%s rejected a reply in %s: %s", c.url, session_id, exc)
+                    break
+                finally:
+                    env_s += time.monotonic() - t2
+                if result.reward is not None:
+                    rewards.append(float(result.reward))
+                if result.done:
+                    end, status = "done", Status.COMPLETED
+                    break
+                traj.add_observation(text, self._text(result.observation))
+        if cause is not None:
+            reward = c.rejected_reward
+        elif not rewards:
+            reward = 0.0
+        else:
+            reward = sum(rewards) if c.reward_mode == "sum" else rewards[-1]
+        timings = {"engine_s": engine_s, "env_s": env_s, "total_s": time.monotonic() - t0}
+        samples = segment_samples(
+            traj.segments,
+            reward=reward,
+            status=status,
+            end_reason=end,
+            prompt_id=group_id,
+            sample_index=sample_index,
+            task_id=task_id,
+            timings=timings,
+        )
+        return Episode(
+            segments=samples,
+            reward=reward,
+            status=status if samples else Status.FAILED_POLICY,
+            turn_versions=versions,
+            end_reason=end,
+            failure_cause=cause,
+            task_id=task_id,
+            prompt_id=group_id,
+            sample_index=sample_index,
+            attempt=attempt,
+            timings=timings,
+            metadata={"step_rewards": rewards, "turns": turns},
+        )
+
+
+class _Plugin:
+    name = "openenv"
+    Config = OpenEnvConfig
+
+    def build(self, config: OpenEnvConfig, context: EnvContext) -> OpenEnvEnvironment:
+        return OpenEnvEnvironment(config, context)
+
+
+plugin = _Plugin()
