@@ -65,12 +65,36 @@ class SandboxContract:
         res = await sandbox.exec("printenv AGENTRL_CONTRACT", env={"AGENTRL_CONTRACT": "a b'c"})
         assert res.stdout == "a b'c\n"
 
-    async def test_state_does_not_leak_between_commands(self, sandbox: Sandbox) -> None:
-        await sandbox.exec("cd /tmp; export AGENTRL_LEAK=1")
-        assert (await sandbox.exec("pwd")).stdout.strip() != "/tmp"
-        assert (await sandbox.exec("printenv AGENTRL_LEAK")).exit_code != 0
+    async def test_cd_and_export_persist_between_commands(self, sandbox: Sandbox) -> None:
+        await sandbox.exec("cd /tmp")
+        await sandbox.exec("export AGENTRL_SESSION='a b'")
+        assert (await sandbox.exec("pwd")).stdout == "/tmp\n"
+        assert (await sandbox.exec("printenv AGENTRL_SESSION")).stdout == "a b\n"
+
+    async def test_explicit_cwd_env_or_user_run_clean_and_leave_the_session_alone(
+        self, sandbox: Sandbox
+    ) -> None:
+        await sandbox.exec("cd /tmp; export AGENTRL_SESSION=1")
+        assert (await sandbox.exec("pwd", cwd="/")).stdout == "/\n"
+        assert (await sandbox.exec("printenv AGENTRL_SESSION", env={"OTHER": "1"})).exit_code != 0
+        await sandbox.exec("cd /; export AGENTRL_SESSION=2", cwd="/")  # a clean command's own changes
         await sandbox.exec("printenv AGENTRL_ONCE", env={"AGENTRL_ONCE": "1"})
+        assert (await sandbox.exec("pwd")).stdout == "/tmp\n"
+        assert (await sandbox.exec("printenv AGENTRL_SESSION")).stdout == "1\n"
         assert (await sandbox.exec("printenv AGENTRL_ONCE")).exit_code != 0
+
+    async def test_a_timed_out_command_leaves_the_session_as_it_was(self, sandbox: Sandbox) -> None:
+        await sandbox.exec("cd /tmp")
+        res = await sandbox.exec("cd /; export AGENTRL_LATE=1; sleep 30", timeout=1)
+        assert res.timed_out
+        assert (await sandbox.exec("pwd")).stdout == "/tmp\n"
+        assert (await sandbox.exec("printenv AGENTRL_LATE")).exit_code != 0
+
+    async def test_stop_processes_starts_a_new_session(self, sandbox: Sandbox) -> None:
+        await sandbox.exec("cd /tmp; export AGENTRL_SESSION=1")
+        await sandbox.stop_processes()
+        assert (await sandbox.exec("pwd")).stdout != "/tmp\n"
+        assert (await sandbox.exec("printenv AGENTRL_SESSION")).exit_code != 0
 
     async def test_user(self, sandbox: Sandbox) -> None:
         assert (await sandbox.exec("id -un")).stdout.strip() == "root"

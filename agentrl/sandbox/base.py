@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from agentrl.errors import AgentRLError, InfraError
 
 if TYPE_CHECKING:
+    from agentrl.sandbox.terminal import TerminalSession
     from agentrl.tasks import Task
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024
@@ -127,7 +128,14 @@ class Sandbox(abc.ABC):
         user: str | int | None = None,
     ) -> ExecResult:
         """Run `cmd` with bash. A timeout kills the command and returns `timed_out=True`; the
-        sandbox stays usable. Transport failures raise `SandboxTransportError`."""
+        sandbox stays usable. Transport failures raise `SandboxTransportError`.
+
+        Without `cwd`, `env` and `user` the command runs in the agent's shell session: working
+        directory, variables, functions, aliases and options persist from one such command to the
+        next as in one terminal, and background jobs keep running (`shellstate.py`); a command
+        killed by its timeout leaves the session as it was. With any of them (the verifier's
+        commands, Harbor's exec) it runs from a clean state and leaves the session alone.
+        `stop_processes` starts a new, empty session."""
 
     @abc.abstractmethod
     async def upload(self, src: Path, dst: str) -> None:
@@ -157,10 +165,20 @@ class Sandbox(abc.ABC):
             found.append(name)
         return found
 
+    async def open_terminal(self, *, width: int = 160, height: int = 40) -> TerminalSession:
+        """An interactive terminal in the sandbox (`agentrl.sandbox.terminal`): keystrokes in,
+        screens out, Harbor's Terminus-2 semantics. Its shell is separate from the `exec` session.
+        Raises `TerminalUnavailableError` where the sandbox cannot host one."""
+        from agentrl.sandbox.terminal import TerminalUnavailableError
+
+        raise TerminalUnavailableError(f"{type(self).__name__} sandboxes have no terminal")
+
     async def stop_processes(self) -> None:
         """Kill every process started in the sandbox so far (the verifier's first step: nothing the
-        agent left running may touch the tests or the reward). The next `exec` works as usual.
-        Backends whose sandboxes hold their own service processes override this."""
+        agent left running may touch the tests or the reward), open terminals included, and start
+        a new, empty shell session (the verifier's commands never see the agent's aliases,
+        functions or variables). The next `exec` works as usual. Backends whose sandboxes hold
+        their own service processes override this."""
         await self.exec(KILL_ALL, timeout=60)
 
     async def tampered_paths(self) -> list[str] | None:

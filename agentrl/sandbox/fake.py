@@ -5,9 +5,17 @@ pairs tried in order, where a handler gets `(sandbox, cmd, match)` and returns a
 string (stdout, exit 0) or None (not handled). Built-in handlers understand the few commands the
 verifier and the contract suite use (`cat`, `tail -c`, `echo ... > f`, `echo ... >&2`, `rm`,
 `mkdir`, `chmod`, `sleep`, `true`, `exit N`, `pwd`, `printenv`, `id -un`, `test -d`,
-`yes x | head -n N`; `cd` and `export` are no-ops, as state never outlives a command) and
-`a; b; c` sequences, split naively on `;`. Running `/tests/test.sh` calls the provider's
-`grader(sandbox) -> float | None`, which writes `/logs/verifier/reward.txt` (None writes nothing).
+`yes x | head -n N`, `cd DIR`, `export K=V`) and `a; b; c` sequences, split naively on `;`.
+Running `/tests/test.sh` calls the provider's `grader(sandbox) -> float | None`, which writes
+`/logs/verifier/reward.txt` (None writes nothing).
+
+Shell state follows the real backends' rules (`agentrl.sandbox.shellstate`) for what the fake
+tracks, the working directory and the environment: commands without `cwd`, `env` and `user` share
+the agent's session (`cd` and `export` persist; a timed-out command leaves it as it was), others
+start clean and leave it alone, `stop_processes` starts a new one. Handlers see the command's
+state as `sandbox.cwd` and `sandbox.env`.
+
+`open_terminal` gives a `FakeTerminal`: an in-memory line discipline with its own shell state.
 
 Processes the agent leaves running are `background` callables: each runs after every later exec
 and before every download (a loop rewriting a file, say) until `stop_processes` ends them all.
@@ -20,15 +28,18 @@ Fault injection (seeded): create failures, transport errors mid-exec, latency an
 from __future__ import annotations
 
 import asyncio
+import posixpath
 import random
 import re
 import shlex
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.sandbox.base import (
+    DEFAULT_OUTPUT_LIMIT,
     ExecResult,
     Sandbox,
     SandboxCreateError,
@@ -38,6 +49,7 @@ from agentrl.sandbox.base import (
     bound_output,
     tampered,
 )
+from agentrl.sandbox.terminal import ENTER_KEYS, TerminalClosedError, TerminalSession, check_size, wait_rest
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -111,11 +123,21 @@ def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
         return _result(" ".join(shlex.split(m.group(1))) + "\n")
 
     def pwd(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
-        return _result((sb.last_cwd or "/") + "\n")
+        return _result(sb.cwd + "\n")
 
     def printenv(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
-        value = (sb.last_env or {}).get(m.group(1))
+        value = sb.env.get(m.group(1))
         return _result(value + "\n") if value is not None else _result(code=1)
+
+    def cd(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        target = shlex.split(m.group(1))[0] if m.group(1) else "/root"
+        sb.state.cwd = posixpath.normpath(posixpath.join(sb.cwd, target))
+        return _result()
+
+    def export(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        words = shlex.split(m.group(2))
+        sb.state.env[m.group(1)] = words[0] if words else ""
+        return _result()
 
     def to_stderr(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
         return _result("", " ".join(shlex.split(m.group(1))) + "\n")
@@ -144,9 +166,22 @@ def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
         (r"^exit (\d+)$", exit_code),
         (r"^pwd$", pwd),
         (r"^printenv (\w+)$", printenv),
-        (r"^(?:true|mkdir .*|chmod .*|cd .*|export .*)$", lambda sb, c, m: _result()),
+        (r"^cd(?: (.+))?$", cd),
+        (r"^export (\w+)=(.*)$", export),
+        (r"^(?:true|mkdir .*|chmod .*)$", lambda sb, c, m: _result()),
     ]
     return [(re.compile(p, re.DOTALL), h) for p, h in rules]
+
+
+@dataclass
+class ShellState:
+    """What the fake tracks of a shell: its working directory and its environment."""
+
+    cwd: str = "/"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def copy(self) -> ShellState:
+        return ShellState(self.cwd, dict(self.env))
 
 
 class FakeSandbox(Sandbox):
@@ -160,6 +195,9 @@ class FakeSandbox(Sandbox):
         self.last_cwd: str | None = None
         self.last_env: dict[str, str] | None = None
         self.last_user: str | int | None = None
+        self.session = ShellState()  # the agent's shell session
+        self.state = ShellState()  # the running command's
+        self.terminals: list[FakeTerminal] = []
         self.closed = False
         self.background: list[Callable[[FakeSandbox], None]] = []
         self.files.update(provider.image_files)
@@ -180,6 +218,8 @@ class FakeSandbox(Sandbox):
         self.commands.append(cmd)
         self.calls.append(FakeCall(cmd, timeout, cwd, env, user))
         self.last_cwd, self.last_env, self.last_user = cwd, env, user
+        session = cwd is None and env is None and user is None
+        self.state = self.session.copy() if session else ShellState(cwd or "/", dict(env or {}))
         if faults.latency_s:
             await asyncio.sleep(faults.latency_s)
         if faults.transport_error and rng.random() < faults.transport_error:
@@ -194,6 +234,8 @@ class FakeSandbox(Sandbox):
             res = await self._sequence(cmd, timeout)
         if res is None:
             res = _result("", f"fake: no handler for {cmd[:80]!r}\n", self.provider.unknown_exit_code)
+        if session and not res.timed_out:
+            self.session = self.state
         self._run_background()
         limit = self.provider.output_limit
         return ExecResult(
@@ -221,6 +263,41 @@ class FakeSandbox(Sandbox):
             if re.match(r"^exit \d+$", part):
                 break
         return _result("".join(out), "".join(err), code)
+
+    @property
+    def cwd(self) -> str:
+        """The running command's working directory."""
+        return self.state.cwd
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The running command's environment (what the fake tracks of it)."""
+        return self.state.env
+
+    async def run_line(self, line: str, state: ShellState) -> ExecResult:
+        """Run one command line with `state` (changed in place), as a terminal's shell does."""
+        saved, self.state = self.state, state
+        try:
+            sequence = ";" in line
+            res = await self._one(line.strip(), None, builtins=not sequence)
+            if res is None and sequence:
+                res = await self._sequence(line, None)
+            if res is None:
+                res = _result(
+                    "", f"bash: {line.split()[0] if line.split() else line}: command not found\n", 127
+                )
+        finally:
+            self.state = saved
+        self._run_background()
+        return res
+
+    async def open_terminal(self, *, width: int = 160, height: int = 40) -> TerminalSession:
+        if self.closed:
+            raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
+        check_size(width, height)
+        term = FakeTerminal(self, width, height)
+        self.terminals.append(term)
+        return term
 
     async def _one(self, cmd: str, timeout: float | None, builtins: bool = True) -> ExecResult | None:
         sleep = re.match(r"^sleep (\d+(?:\.\d+)?)$", cmd)
@@ -259,6 +336,10 @@ class FakeSandbox(Sandbox):
         if self.closed:
             raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
         self.background.clear()
+        self.session = ShellState()
+        for term in self.terminals:
+            term.alive = False
+        self.terminals.clear()
 
     async def tampered_paths(self) -> list[str] | None:
         image = self.provider.image_files
@@ -288,6 +369,8 @@ class FakeSandbox(Sandbox):
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
+            for term in self.terminals:
+                term.alive = False
             self.provider._live.discard(self.sandbox_id)
 
 
@@ -302,6 +385,7 @@ class FakeSandboxProvider(SandboxProvider):
     output_limit: int = 64 * 1024
     unknown_exit_code: int = 127
     image_files: dict[str, bytes] = field(default_factory=dict)
+    terminal_time_scale: float = 0.0  # real seconds slept per second of `send_keys(duration=)`
     created: int = 0
     _live: set[str] = field(default_factory=set)
     sandboxes: list[FakeSandbox] = field(default_factory=list)
@@ -332,3 +416,156 @@ class FakeSandboxProvider(SandboxProvider):
 
     def live_sandboxes(self) -> int:
         return len(self._live)
+
+
+# tmux key names the fake understands (others are ignored, as keys with no effect on a shell).
+_CONTROL_KEYS = frozenset(
+    {"C-c", "C-d", "C-u", "C-l", "BSpace", "Up", "Down", "Left", "Right", "Tab", "Escape"}
+)
+_SLEEP = re.compile(r"^sleep (\d+(?:\.\d+)?)$")
+
+
+class FakeTerminal(TerminalSession):
+    """An in-memory terminal for unit tests of keystroke agents: a line discipline over the fake's
+    command handlers. Typed text is echoed after a prompt (`root@sandbox:CWD# `); Enter runs the
+    line through the handlers with the terminal's own shell state (its `cd` and `export` persist)
+    and prints its output; `sleep N` runs in the foreground for N seconds of the terminal's clock,
+    which `send_keys(duration=)` advances (keys typed meanwhile wait, echoed, until it ends); C-c
+    interrupts it (or discards the typed line); C-d on an empty line, or `exit`, ends the shell;
+    Up recalls the previous line, BSpace and C-u edit. The screen is the last `height` rows, lines
+    wrapped at `width`. Durations sleep `provider.terminal_time_scale` real seconds each (0 by
+    default: tests run at full speed); `sent` records every call's keys and duration."""
+
+    def __init__(self, sandbox: FakeSandbox, width: int, height: int) -> None:
+        self.sandbox = sandbox
+        self.width, self.height = width, height
+        self.state = ShellState()
+        self.lines: list[str] = []  # finished lines (scrollback and screen)
+        self.current = self._prompt()  # the line being written (prompt, echo, output without \n)
+        self.typed = ""  # the shell's line being edited
+        self.queued: list[str] = []  # lines typed while a foreground program ran
+        self.history: list[str] = []
+        self.foreground_until: float | None = None  # clock time the foreground `sleep` ends
+        self.clock = 0.0
+        self.alive = True
+        self.sent: list[tuple[list[str], float]] = []
+
+    def _prompt(self) -> str:
+        return f"root@sandbox:{self.state.cwd}# "
+
+    def _write(self, text: str) -> None:
+        parts = (self.current + text).split("\n")
+        self.lines.extend(parts[:-1])
+        self.current = parts[-1]
+
+    async def _enter(self) -> None:
+        line, self.typed = self.typed, ""
+        self._write("\n")
+        if line.strip():
+            self.history.append(line)
+        await self._run(line)
+
+    async def _run(self, line: str) -> None:
+        cmd = line.strip()
+        if cmd == "exit" or cmd.startswith("exit "):
+            self._write("exit\n")
+            self.alive = False
+            return
+        sleep = _SLEEP.match(cmd)
+        if sleep:
+            self.foreground_until = self.clock + float(sleep.group(1))
+            return
+        if cmd:
+            res = await self.sandbox.run_line(cmd, self.state)
+            self._write(res.stdout + res.stderr)
+            if self.current:
+                self._write("\n")
+        self._write(self._prompt())
+
+    async def _finish_foreground(self) -> None:
+        self.foreground_until = None
+        self._write(self._prompt())
+        while self.queued and self.alive and self.foreground_until is None:
+            line = self.queued.pop(0)
+            self._write(line + "\n")
+            if line.strip():
+                self.history.append(line)
+            await self._run(line)
+
+    async def _key(self, key: str) -> None:
+        busy = self.foreground_until is not None
+        if key in ENTER_KEYS:
+            if busy:
+                self.queued.append(self.typed)
+                self.typed = ""
+                self._write("\n")
+            else:
+                await self._enter()
+        elif key == "C-c":
+            self._write("^C\n")
+            self.typed, self.queued = "", []
+            if busy:
+                self.foreground_until = None
+            self._write(self._prompt())
+        elif key == "C-d":
+            if not busy and not self.typed:
+                self._write("exit\n")
+                self.alive = False
+        elif key == "C-u" and not busy:
+            self.current = self.current[: len(self.current) - len(self.typed)]
+            self.typed = ""
+        elif key == "BSpace" and self.typed:
+            self.typed, self.current = self.typed[:-1], self.current[:-1]
+        elif key == "Up" and not busy and self.history:
+            self.current = self.current[: len(self.current) - len(self.typed)] + self.history[-1]
+            self.typed = self.history[-1]
+        elif key in _CONTROL_KEYS:
+            pass
+        else:
+            for ch in "\n" if key == "Space" else key:
+                if ch in "\r\n":
+                    await self._key("Enter")
+                elif self.alive:
+                    self.typed += " " if key == "Space" else ch
+                    self._write(" " if key == "Space" else ch)
+
+    async def send_keys(self, keys: str | Sequence[str], *, duration: float = 0.0) -> None:
+        start = time.monotonic()
+        if not self.alive:
+            raise TerminalClosedError(f"fake terminal of {self.sandbox.sandbox_id}: the session has ended")
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        self.sent.append((keys, duration))
+        for key in keys:
+            if not self.alive:
+                break
+            await self._key(key)
+        if duration > 0:
+            self.clock += duration
+            if self.foreground_until is not None and self.clock >= self.foreground_until:
+                await self._finish_foreground()
+            await wait_rest(start, duration * self.sandbox.provider.terminal_time_scale)
+
+    def _rows(self) -> list[str]:
+        rows: list[str] = []
+        for line in [*self.lines, self.current]:
+            rows.extend(line[i : i + self.width] for i in range(0, max(len(line), 1), self.width))
+        return rows
+
+    async def capture(self, *, history: bool = False) -> str:
+        if not self.alive:
+            raise TerminalClosedError(f"fake terminal of {self.sandbox.sandbox_id}: the session has ended")
+        rows = self._rows()
+        if history:
+            text = "\n".join(rows) + "\n"
+            return text[-DEFAULT_OUTPUT_LIMIT // 2 :]
+        rows = rows[-self.height :]
+        return "\n".join(rows + [""] * (self.height - len(rows))) + "\n"
+
+    async def is_idle(self) -> bool:
+        return self.alive and self.foreground_until is None
+
+    async def is_alive(self) -> bool:
+        return self.alive
+
+    async def close(self) -> None:
+        self.alive = False

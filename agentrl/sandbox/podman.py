@@ -53,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.sandbox import shellstate
 from agentrl.sandbox.base import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
@@ -72,6 +73,7 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     SandboxTransportError,
 )
+from agentrl.sandbox.terminal import INSTALL_TMUX, TerminalSession, TmuxTerminal
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -214,45 +216,78 @@ def _from_images(dockerfile: Path) -> list[str]:
 # the shell reads it only after forking the command's subshell, so it is in no variable, argument,
 # environment or file the command can see. Anything else on the pipe (a forged or stray frame,
 # garbage, an endless line) is a typed error, read within a fixed memory bound.
-_BOOTSTRAP = r"""
+#
+# Per command the host sends `__ar_a TIMEOUT CWD CMD EXPORTS MODE; ( BODY ) ... & __ar_z` and then
+# the nonce. The subshell runs at the top level (not inside a function), so a restored `declare`
+# makes globals, as in a terminal. MODE `s` is the agent's session (`shellstate.py`): the
+# subshell restores the state of slot `__ar_k` and saves its own into the other slot, which this
+# shell adopts only if the command was not killed by its timeout and its dump completed. MODE `c`
+# (a clean command) touches neither. The state is only ever sourced inside a command's subshell,
+# never by this shell: nothing a command writes there can reach the framing.
+_BOOTSTRAP = (
+    r"""
 __ar_lc=${LC_ALL-__unset__}; export LC_ALL=C; set -m
-__ar_d=/tmp/.agentrl-shell-$$; mkdir -p $__ar_d; mkfifo $__ar_d/f; exec {__ar_fd}<>$__ar_d/f
+for __ar_i in 1 2 3 4 5 6 7 8; do __ar_o=/tmp/.agentrl-shell-$$-$RANDOM$RANDOM; mkdir -m 700 $__ar_o 2>/dev/null && break; done
+__ar_d=/dev/shm/${__ar_o#/tmp/}; mkdir -m 700 $__ar_d 2>/dev/null || __ar_d=$__ar_o
+mkdir -p $__ar_d/0 $__ar_d/1; mkfifo $__ar_d/f; exec {__ar_fd}<>$__ar_d/f
+__ar_k=0 __ar_w=1 __ar_h=0
+"""
+    + shellstate.FUNCTIONS
+    + r"""
+__ar_names $__ar_d/n; shopt -u extglob; shopt -s expand_aliases; __ar_u="unset -v ${__ar_vs[*]}"; unset __ar_vs
 __ar_grab() {
   local f=$1 fd m=
-  __ar_h= __ar_t= __ar_s=0
+  __ar_h0= __ar_t0= __ar_s=0
   { exec {fd}<"$f"; } 2>/dev/null || return 0
-  IFS= read -r -N __LIMIT__ __ar_h <&$fd; IFS= read -r -N 1 m <&$fd
+  IFS= read -r -N __LIMIT__ __ar_h0 <&$fd; IFS= read -r -N 1 m <&$fd
   exec {fd}<&-
-  __ar_s=${#__ar_h}
+  __ar_s=${#__ar_h0}
   if [ -n "$m" ]; then
     __ar_s=$(stat -c %s "$f" 2>/dev/null); case $__ar_s in ''|*[!0-9]*) __ar_s=0;; esac
-    __ar_h=${__ar_h:0:__HALF__}
-    IFS= read -r -N __HALF__ __ar_t < <(tail -c __HALF__ "$f" 2>/dev/null)
+    __ar_h0=${__ar_h0:0:__HALF__}
+    IFS= read -r -N __HALF__ __ar_t0 < <(tail -c __HALF__ "$f" 2>/dev/null)
   fi
 }
-__ar_run() {
-  local t=$1 n= p w= rc to=0 oh ot os
-  [ -d $__ar_d ] || mkdir -p $__ar_d 2>/dev/null
-  : > $__ar_d/t
-  ( if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
-    if [ -n "$2" ]; then cd -- "$2" || exit 1; fi
-    eval "$4"; eval "$3" ) </dev/null >$__ar_d/o 2>$__ar_d/e &
-  p=$!; echo $p > $__ar_d/p
+__ar_pre() {
+  if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
+  if [ -n "$__ar_cwd" ]; then cd -- "$__ar_cwd" || return 1; fi
+  [ "$__ar_m" = s ] || eval "$__ar_x"
+}
+__ar_a() {
+  __ar_t=$1 __ar_cwd=$2 __ar_c=$3 __ar_x=$4 __ar_m=$5
+  [ -d $__ar_d/1 ] && [ -d $__ar_o ] || mkdir -p $__ar_d/0 $__ar_d/1 $__ar_o 2>/dev/null
+  if [ "$__ar_m" = s ]; then __ar_w=$((1 - __ar_k)); : > $__ar_d/$__ar_w/s; fi
+}
+__ar_z() {
+  local p=$! n= w= rc to=0 oh ot os
+  echo $p > $__ar_d/p
   IFS= read -r n
-  if [ -n "$t" ]; then
-    ( read -t "$t" -u $__ar_fd; echo 1 > $__ar_d/t; kill -KILL -- -$p || kill -KILL $p ) >&- 2>&- &
+  if [ -n "$__ar_t" ]; then
+    ( read -t "$__ar_t" -u $__ar_fd; kill -KILL -- -$p || kill -KILL $p; exit 7 ) >&- 2>&- &
     w=$!
   fi
   wait $p; rc=$?
-  if [ -n "$w" ]; then kill $w 2>/dev/null; wait $w 2>/dev/null; fi
-  [ -s $__ar_d/t ] && to=1
-  __ar_grab $__ar_d/o; oh=$__ar_h ot=$__ar_t os=$__ar_s
-  __ar_grab $__ar_d/e
+  if [ -n "$w" ]; then kill $w 2>/dev/null; wait $w; [ $? = 7 ] && to=1; fi
+  if [ "$__ar_m" = s ] && [ $to = 0 ] && [ -s $__ar_d/$__ar_w/s ]; then __ar_k=$__ar_w __ar_h=1; fi
+  __ar_grab $__ar_o/o; oh=$__ar_h0 ot=$__ar_t0 os=$__ar_s
+  __ar_grab $__ar_o/e
   printf '__AGENTRL_%s %d %d %d %d %d %d %d %d\n%s%s%s%s__AGENTRL_END_%s\n' "$n" "$rc" "$to" \
-    "$os" "${#oh}" "${#ot}" "$__ar_s" "${#__ar_h}" "${#__ar_t}" "$oh" "$ot" "$__ar_h" "$__ar_t" "$n"
+    "$os" "${#oh}" "${#ot}" "$__ar_s" "${#__ar_h0}" "${#__ar_t0}" "$oh" "$ot" "$__ar_h0" "$__ar_t0" "$n"
 }
-echo __AGENTRL_READY $__ar_d
+echo __AGENTRL_READY $__ar_d $__ar_o
 """
+)
+# The command's subshell (text of the line the host sends, so this shell parses it before the fork
+# and the subshell only evaluates the command itself): a clean command, or one of the session.
+_CLEAN_BODY = '__ar_pre || exit 1; eval -- "$__ar_c"'
+_SESSION_BODY = (
+    "__ar_pre || exit 1; "
+    + shellstate.save_on_exit("$__ar_d/$__ar_w")
+    + '; if [ "$__ar_h" = 1 ]; then '
+    + shellstate.restore("$__ar_d/$__ar_k")
+    + "; fi; "
+    + shellstate.RUN
+)
 _HEADER_LIMIT = 4096  # bytes a frame header may take; more is a protocol error, never a buffer
 _STREAM_LIMIT = 64 * 1024  # asyncio's read buffer for the shell's stdout: host memory per sandbox
 
@@ -271,7 +306,8 @@ class _Shell:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.lock = asyncio.Lock()
-        self.state_dir = ""
+        self.state_dir = ""  # the shell's control files (tmpfs where the sandbox has /dev/shm)
+        self.out_dir = ""  # the commands' output files (the sandbox's disk: outputs can be large)
 
     @property
     def alive(self) -> bool:
@@ -288,9 +324,9 @@ class _Shell:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise SandboxTransportError(f"persistent shell did not start: {exc!r}") from exc
         parts = line.split()
-        if len(parts) != 2 or parts[0] != b"__AGENTRL_READY":
+        if len(parts) != 3 or parts[0] != b"__AGENTRL_READY":
             raise SandboxTransportError(f"persistent shell did not start: {line[:200]!r}")
-        self.state_dir = parts[1].decode(errors="replace")
+        self.state_dir, self.out_dir = parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
 
     async def run(
         self, line: str, nonce: str, wait: float, limit: int
@@ -459,11 +495,14 @@ class PodmanSandbox(Sandbox):
         *,
         storage_mb: int | None = None,
         upper_dir: str | None = None,
+        image: str = "",
     ) -> None:
         self.provider = provider
         self.cli = provider.cli
         self.sandbox_id = name
         self.workdir = workdir
+        self.image = image
+        self._terminals: list[TmuxTerminal] = []
         self.output_limit = provider.output_limit
         self.shell_grace_s = provider.shell_grace_s
         self._shell: _Shell | None = None
@@ -501,11 +540,14 @@ class PodmanSandbox(Sandbox):
             raise
 
     @staticmethod
-    def _line(cmd: str, *, timeout: float | None, cwd: str | None, env: dict[str, str] | None) -> str:
+    def _line(
+        cmd: str, *, timeout: float | None, cwd: str | None, env: dict[str, str] | None, session: bool
+    ) -> str:
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
         t = "" if timeout is None else f"{max(timeout, 0.001):.3f}"
-        args = ["__ar_run", shlex.quote(t), shlex.quote(cwd or ""), shlex.quote(cmd), shlex.quote(exports)]
-        return " ".join(args) + "\n"
+        args = [shlex.quote(t), shlex.quote(cwd or ""), shlex.quote(cmd), shlex.quote(exports)]
+        body = _SESSION_BODY if session else _CLEAN_BODY
+        return f"__ar_a {' '.join(args)} {'s' if session else 'c'}; ( {body} ) </dev/null >$__ar_o/o 2>$__ar_o/e & __ar_z\n"
 
     def _check_storage(self) -> None:
         if self._storage_used is not None:
@@ -524,6 +566,26 @@ class PodmanSandbox(Sandbox):
         env: dict[str, str] | None = None,
         user: str | int | None = None,
     ) -> ExecResult:
+        """Without `cwd`, `env` and `user` (the agent's commands) the command runs in the agent's
+        shell session (`shellstate.py`); with any of them it runs from a clean state and leaves the
+        session alone."""
+        session = cwd is None and env is None and user is None
+        return await self._exec(cmd, timeout=timeout, cwd=cwd, env=env, user=user, session=session)
+
+    async def _exec_clean(self, cmd: str, *, timeout: float | None = None) -> ExecResult:
+        """A command of agentrl's own (files, liveness, the terminal): never the agent's session."""
+        return await self._exec(cmd, timeout=timeout, cwd=None, env=None, user=None, session=False)
+
+    async def _exec(
+        self,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        user: str | int | None,
+        session: bool,
+    ) -> ExecResult:
         if self._closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed")
         self._check_storage()
@@ -533,23 +595,29 @@ class PodmanSandbox(Sandbox):
         for attempt in range(2):
             if self._shell is None or not self._shell.alive:
                 # A shell that died between commands (or never started) is replaced: nothing of a
-                # command was sent to it, so a fresh one runs the command once.
+                # command was sent to it, so a fresh one runs the command once (in a new session).
                 if self._shell is not None:
-                    self._kill_inside(self._shell.state_dir)
+                    self._kill_inside(self._shell)
                     self._shell = None
                 try:
                     await self._start_shell()
                 except (TimeoutError, SandboxTransportError, OSError) as exc:
                     return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
             try:
-                return await self._exec_shell(cmd, timeout=timeout, cwd=cwd, env=env)
+                return await self._exec_shell(cmd, timeout=timeout, cwd=cwd, env=env, session=session)
             except _NotSent as exc:
                 if attempt:
                     return await self._fall_back(exc, cmd, timeout=timeout, cwd=cwd, env=env)
         raise AssertionError("unreachable")
 
     async def _exec_shell(
-        self, cmd: str, *, timeout: float | None, cwd: str | None, env: dict[str, str] | None
+        self,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        session: bool,
     ) -> ExecResult:
         shell = self._shell
         assert shell is not None
@@ -558,7 +626,10 @@ class PodmanSandbox(Sandbox):
         wait = (timeout or 3600.0) + self.shell_grace_s
         try:
             oh, ot, out_size, eh, et, err_size, rc, timed_out = await shell.run(
-                self._line(cmd, timeout=timeout, cwd=cwd, env=env), nonce, wait, self.output_limit
+                self._line(cmd, timeout=timeout, cwd=cwd, env=env, session=session),
+                nonce,
+                wait,
+                self.output_limit,
             )
         except _NotSent:
             raise
@@ -576,7 +647,7 @@ class PodmanSandbox(Sandbox):
             # The shell is mid-command: its framing can no longer be trusted. Killing the client
             # does not stop the command inside, so its process group is killed in the background.
             self._retire(shell)
-            self._kill_inside(shell.state_dir)
+            self._kill_inside(shell)
             self._shell = None
             raise
         duration = time.monotonic() - start
@@ -597,7 +668,7 @@ class PodmanSandbox(Sandbox):
                 await asyncio.wait_for(shell.proc.wait(), 5)
         client_rc = shell.proc.returncode
         self._retire(shell)
-        self._kill_inside(shell.state_dir)
+        self._kill_inside(shell)
         if self._shell is shell:
             self._shell = None
         if not await self._running():
@@ -692,10 +763,11 @@ class PodmanSandbox(Sandbox):
         timed_out = timeout is not None and rc in (124, 137) and duration >= timeout * 0.98
         return ExecResult(out, err, None if timed_out else rc, timed_out, duration)
 
-    def _kill_inside(self, state_dir: str) -> None:
-        if not state_dir or self._closed:
+    def _kill_inside(self, shell: _Shell) -> None:
+        if not shell.state_dir or self._closed:
             return
-        script = f"kill -KILL -- -$(cat {state_dir}/p) 2>/dev/null; rm -rf {state_dir}"
+        d, o = shell.state_dir, shell.out_dir
+        script = f"kill -KILL -- -$(cat {d}/p) 2>/dev/null; rm -rf {d} {o}"
         t = asyncio.get_running_loop().create_task(
             run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=30)
         )
@@ -708,13 +780,47 @@ class PodmanSandbox(Sandbox):
         )
         return rc == 0 and out.strip() == "true"
 
+    # -- terminal ---------------------------------------------------------------------------------
+    async def open_terminal(self, *, width: int = 160, height: int = 40) -> TerminalSession:
+        """A tmux session in the container, driven through the persistent shell (clean commands)."""
+        if self._closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed")
+        note = self.provider._terminal_notes.get(self.image)
+        if not self.provider.terminal_tools:
+            hint = "or create the provider with PodmanProvider(terminal_tools=True), which installs it"
+        elif note:
+            hint = f"installing it when the image was built failed: {note}"
+        else:
+            hint = "the offline stand-in base images have it (`make bases`)"
+        term = await TmuxTerminal.start(
+            self._terminal_run, width=width, height=height, where=self.sandbox_id, hint=hint
+        )
+        self._terminals.append(term)
+        return term
+
+    async def _terminal_run(self, cmd: str, timeout: float) -> ExecResult:
+        # Timed from the host: a watchdog inside would cost a fork per keystroke batch, and tmux
+        # answers at once unless the agent stopped it (then the shell is replaced, as on a cancel).
+        start = time.monotonic()
+        try:
+            return await asyncio.wait_for(self._exec_clean(cmd, timeout=None), timeout)
+        except TimeoutError:
+            return ExecResult("", "", None, True, time.monotonic() - start)
+
+    def _end_terminals(self) -> None:
+        for term in self._terminals:
+            term.mark_closed()
+        self._terminals.clear()
+
     # -- verification support ---------------------------------------------------------------------
     async def stop_processes(self) -> None:
         """Kill every process in the container but its init and the servers listening on a socket
-        (a task may ask for a service its tests talk to), the persistent shell included (a new one
-        starts on the next exec). From the host where it can (stopped, then killed, by PID
-        namespace: no tool inside the container takes part, and a fork bomb that filled the pids
-        limit cannot block it), else through a fresh `exec` (which kills the listeners too)."""
+        (a task may ask for a service its tests talk to; a tmux server is never kept), the
+        persistent shell and its session included (a new one starts on the next exec) and every
+        terminal. From the host where it can (stopped, then killed, by PID namespace: no tool
+        inside the container takes part, and a fork bomb that filled the pids limit cannot block
+        it), else through a fresh `exec` (which kills the listeners too)."""
+        self._end_terminals()
         if self._shell is not None:
             self._retire(self._shell)
             self._shell = None
@@ -727,7 +833,7 @@ class PodmanSandbox(Sandbox):
             self._init_pid = int(out.strip()) if rc == 0 and out.strip().isdigit() else 0
         if self._init_pid > 0 and await asyncio.to_thread(_kill_namespace, self._init_pid):
             return
-        script = f"{KILL_ALL}; rm -rf /tmp/.agentrl-shell-*"
+        script = f"{KILL_ALL}; rm -rf /tmp/.agentrl-shell-* /dev/shm/.agentrl-shell-*"
         try:
             rc, _, err = await run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=60)
         except TimeoutError as exc:
@@ -845,10 +951,10 @@ class PodmanSandbox(Sandbox):
     async def upload(self, src: Path, dst: str) -> None:
         src = Path(src).resolve()  # the CLI runs in cli_cwd()
         if src.is_dir():
-            await self.exec(f"mkdir -p {shlex.quote(dst)}")
+            await self._exec_clean(f"mkdir -p {shlex.quote(dst)}")
             rc, _, err = await run_cli(self.cli, "cp", f"{src}/.", f"{self.sandbox_id}:{dst}", timeout=300)
         else:
-            await self.exec(f"mkdir -p {shlex.quote(os.path.dirname(dst) or '/')}")
+            await self._exec_clean(f"mkdir -p {shlex.quote(os.path.dirname(dst) or '/')}")
             rc, _, err = await run_cli(self.cli, "cp", str(src), f"{self.sandbox_id}:{dst}", timeout=300)
         if rc != 0:
             raise SandboxTransportError(f"upload {src} -> {dst} failed: {err.strip()[-500:]}")
@@ -857,7 +963,10 @@ class PodmanSandbox(Sandbox):
         # A directory's contents land in dst, like upload, whether or not dst exists yet (when it
         # does not, `cp` gives that for a directory and a file alike, with no exec inside).
         dst = Path(dst).resolve()  # the CLI runs in cli_cwd()
-        is_dir = dst.exists() and (await self.exec(f"test -d {shlex.quote(src)}", timeout=30)).exit_code == 0
+        is_dir = (
+            dst.exists()
+            and (await self._exec_clean(f"test -d {shlex.quote(src)}", timeout=30)).exit_code == 0
+        )
         dst.parent.mkdir(parents=True, exist_ok=True)
         source = f"{src.rstrip('/')}/." if is_dir else src
         rc, _, err = await run_cli(self.cli, "cp", f"{self.sandbox_id}:{source}", str(dst), timeout=300)
@@ -868,6 +977,7 @@ class PodmanSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        self._end_terminals()
         if self._monitor is not None:
             self._monitor.cancel()
         shell, self._shell = self._shell, None
@@ -883,7 +993,7 @@ class PodmanSandbox(Sandbox):
         if self._closed:
             return False
         try:
-            res = await self.exec("true", timeout=10)
+            res = await self._exec_clean("true", timeout=10)
         except (SandboxError, SandboxPolicyError):
             return False
         return res.exit_code == 0
@@ -930,10 +1040,25 @@ def _is_listener(pid: int, listening: set[str]) -> bool:
     return False
 
 
+def _is_tmux(pid: int) -> bool:
+    """A tmux server (the agent's terminal, or one it started): never kept as a service, since it
+    can start processes of its own (hooks, `run-shell`) after the others are gone."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = ""
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            comm = fh.read().strip()
+    except OSError:
+        comm = ""
+    return os.path.basename(exe).split(" ")[0] == "tmux" or comm.startswith("tmux")
+
+
 def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
     """SIGSTOP, then SIGKILL, every host process in the PID namespace of `init_pid` but the init
-    itself (and, with `keep_listeners`, the servers listening on a socket: tasks ask for services
-    the tests talk to), sweeping until none is left. False when this host cannot see that
+    itself (and, with `keep_listeners`, the servers listening on a socket but tmux: tasks ask for
+    services the tests talk to), sweeping until none is left. False when this host cannot see that
     namespace (another user's, a remote engine): the caller kills from inside instead."""
     try:
         ns = os.readlink(f"/proc/{init_pid}/ns/pid")
@@ -954,7 +1079,7 @@ def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
         return found
 
     if listening:
-        kept.update(p for p in members() if _is_listener(p, listening))
+        kept.update(p for p in members() if _is_listener(p, listening) and not _is_tmux(p))
     for _ in range(100):
         alive = members()
         if not alive:
@@ -1055,11 +1180,14 @@ class PodmanProvider(SandboxProvider):
         storage_check_s: float = 2.0,
         shell_grace_s: float = 30.0,
         init: str | None = None,
+        terminal_tools: bool = True,
     ) -> None:
         """Limits: a task's own `cpus` / `memory_mb` / `storage_mb` win; when it is silent the
         defaults apply (None: no limit). `init` is a static init run as PID 1 in pause mode
         (default: catatonit, found like podman finds it): it reaps zombies and cannot be killed from
-        inside, so `kill -9 -1` ends the agent's processes but never the container."""
+        inside, so `kill -9 -1` ends the agent's processes but never the container.
+        `terminal_tools`: sandboxes run the task's image plus one layer that installs tmux where it
+        is missing (built once per image, with the build network), so `open_terminal` works."""
         self.cli = cli or os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
         self.allow_network = allow_network  # None: the task decides; True/False: user override
         self.pids_limit = pids_limit
@@ -1074,6 +1202,9 @@ class PodmanProvider(SandboxProvider):
         self.storage_check_s = storage_check_s
         self.shell_grace_s = shell_grace_s
         self.init = init if init is not None else find_init()
+        self.terminal_tools = terminal_tools
+        self._terminal_images: dict[str, str] = {}
+        self._terminal_notes: dict[str, str] = {}  # image -> why its tmux layer is missing
         self._storage_opt: bool | None = None  # whether the storage driver caps a container's size
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._live: set[str] = set()
@@ -1105,6 +1236,48 @@ class PodmanProvider(SandboxProvider):
                 return tag
             await self._build(task, tag)
         return tag
+
+    async def terminal_image(self, image: str, timeout: float = 600.0) -> str:
+        """`image` plus a layer that installs tmux where it is missing (`INSTALL_TMUX`), built
+        once and tagged by the image's id. An image whose layer cannot be built (no shell in it,
+        say) is used as it is: the command path does not need tmux, and `open_terminal` says why
+        there is none."""
+        if not self.terminal_tools:
+            return image
+        if image in self._terminal_images:
+            return self._terminal_images[image]
+        lock = self._build_locks.setdefault(f"terminal:{image}", asyncio.Lock())
+        async with lock:
+            if image in self._terminal_images:
+                return self._terminal_images[image]
+            rc, out, err = await run_cli(
+                self.cli, "image", "inspect", "--format", "{{.Id}}\t{{.Config.User}}", image, timeout=60
+            )
+            image_id, _, user = out.strip().partition("\t")
+            if rc != 0 or not image_id:
+                raise SandboxCreateError(f"inspecting image {image} failed", log_tail=err[-500:])
+            recipe = hashlib.sha256(f"{image_id}\n{INSTALL_TMUX}".encode()).hexdigest()[:16]
+            tag = f"localhost/agentrl-terminal/image:{recipe}"
+            if (await run_cli(self.cli, "image", "inspect", tag, timeout=60))[0] != 0:
+                dockerfile = f"FROM {image_id}\nUSER root\nRUN {INSTALL_TMUX}\n"
+                if user and user not in ("root", "0", "0:0"):
+                    dockerfile += f"USER {user}\n"
+                with tempfile.TemporaryDirectory(prefix="agentrl-terminal-") as ctx:
+                    (Path(ctx) / "Dockerfile").write_text(dockerfile)
+                    args = ["build", "--network=host", "--pull=never" if self._podman else "--pull=false"]
+                    try:
+                        rc, out, err = await run_cli(self.cli, *args, "-t", tag, ctx, timeout=timeout)
+                    except TimeoutError:
+                        rc, out, err = 1, "", f"took longer than {timeout:.0f}s"
+                if rc != 0:
+                    note = (out + err).strip()[-300:]
+                    log.warning(
+                        "could not add tmux to %s (the terminal will be unavailable): %s", image, note
+                    )
+                    self._terminal_notes[image] = note
+                    tag = image
+            self._terminal_images[image] = tag
+            return tag
 
     async def _have_or_pull(self, image: str) -> bool:
         lock = self._build_locks.setdefault(image, asyncio.Lock())
@@ -1236,10 +1409,10 @@ class PodmanProvider(SandboxProvider):
             if not (storage and not self._storage_opt):
                 upper = None
             sandbox = PodmanSandbox(
-                self, name, env.workdir, storage_mb=storage if upper else None, upper_dir=upper
+                self, name, env.workdir, storage_mb=storage if upper else None, upper_dir=upper, image=image
             )
             sandbox._init_pid = int(pid) if pid.isdigit() else None
-            res = await sandbox.exec(
+            res = await sandbox._exec_clean(
                 "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
             )
             if res.exit_code != 0:
@@ -1257,7 +1430,9 @@ class PodmanProvider(SandboxProvider):
                 self._refill(task, run_id)
                 return sandbox
             await sandbox.close()
-        image = await self.image_for(task)
+        image = await self.terminal_image(
+            await self.image_for(task), task.config.environment.build_timeout_sec
+        )
         sandbox = await self._start(task, run_id, image)
         self._refill(task, run_id)
         return sandbox
@@ -1287,7 +1462,9 @@ class PodmanProvider(SandboxProvider):
 
     async def _warm_one(self, task: Task, run_id: str) -> None:
         try:
-            sandbox = await self._start(task, run_id, await self.image_for(task))
+            image = await self.image_for(task)
+            image = await self.terminal_image(image, task.config.environment.build_timeout_sec)
+            sandbox = await self._start(task, run_id, image)
         except SandboxError as exc:
             log.warning("warm pool: could not pre-start %s: %s", task.task_id, exc)
             return
