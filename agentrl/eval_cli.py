@@ -640,7 +640,11 @@ def _check_terminal(provider: Any, mode: str, backend: str) -> None:
 
 
 def _sandbox_can_open_terminal(provider: Any, backend: str) -> bool:
+    """Whether the backend's sandboxes implement `open_terminal` themselves (the base class's only
+    says there is no terminal)."""
     import importlib
+
+    from agentrl.sandbox import base
 
     classes = {
         "podman": ("agentrl.sandbox.podman", "PodmanSandbox"),
@@ -649,13 +653,16 @@ def _sandbox_can_open_terminal(provider: Any, backend: str) -> bool:
         "fake": ("agentrl.sandbox.fake", "FakeSandbox"),
     }
     cls = getattr(provider, "sandbox_class", None)
-    if cls is None and backend in classes:
+    if cls is None:
+        if backend not in classes:
+            return True  # a provider of its own: its episodes will say
         module, name = classes[backend]
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
-            return True  # cannot tell here; the episodes will say
-    return cls is None or callable(getattr(cls, "open_terminal", None))
+            return True
+    own = getattr(cls, "open_terminal", None)
+    return callable(own) and own is not getattr(base.Sandbox, "open_terminal", None)
 
 
 @app.command("eval")

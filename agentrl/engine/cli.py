@@ -9,6 +9,8 @@ import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inference engines.")
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 @app.command("serve")
 def serve_cmd(
@@ -30,11 +32,22 @@ def serve_cmd(
         help="Simulated tensor-parallel size: tensor updates need one payload per rank, and a weight-update "
         "group gets one member per rank (the model itself stays one copy).",
     ),
+    served_model_name: str = typer.Option(
+        None, "--served-model-name", help="The model's name in /v1/models (default: the directory's name)."
+    ),
+    log_level: str = typer.Option(
+        "INFO", "--log-level", help="INFO logs one line per request (method, path, status, latency)."
+    ),
 ) -> None:
-    """Serve MODEL with SGLang's /generate and control-plane endpoints (see agentrl.engine.server).
+    """Serve MODEL with SGLang's /generate, its OpenAI-compatible /v1/models and /v1/chat/completions,
+    and its control-plane endpoints (see agentrl.engine.server).
 
     Exits with status 1 after an error that would kill a real SGLang server (the reason is printed)."""
+    import logging
+
     from agentrl.engine.server import serve
+
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
 
     dead = None
     with contextlib.suppress(KeyboardInterrupt):
@@ -47,6 +60,7 @@ def serve_cmd(
                 logprob_mode=logprob_mode,
                 cpu_threads=cpu_threads,
                 tp_size=tp_size,
+                served_model_name=served_model_name,
             )
         )
     if dead is not None:
