@@ -36,7 +36,11 @@ _GROUPS = {
         "local",
     ),
     "rollout": ("agentrl.rollout.cli", "Rollout-manager tools (the staleness simulator).", "local"),
-    "env": ("agentrl.openenv.cli", "Serve an environment as an OpenEnv server (reset / step / state).", "openenv"),
+    "env": (
+        "agentrl.openenv.cli",
+        "Serve an environment as an OpenEnv server (reset / step / state).",
+        "openenv",
+    ),
 }
 
 
@@ -78,6 +82,28 @@ class _LazyRoot(TyperGroup):
 app = typer.Typer(
     cls=_LazyRoot, no_args_is_help=True, add_completion=False, help="Agentic RL on terminal tasks."
 )
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@app.callback()
+def _root(
+    log_level: str = typer.Option(
+        "warning",
+        "--log-level",
+        help=f"Logging to stderr: {', '.join(LOG_LEVELS)} (runs also log to <out>/run.log).",
+    ),
+) -> None:
+    """Agentic RL on terminal tasks."""
+    import logging
+
+    if log_level.lower() not in LOG_LEVELS:
+        raise typer.BadParameter(f"choose one of {', '.join(LOG_LEVELS)}", param_hint="--log-level")
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 @app.command("sft")

@@ -90,3 +90,9 @@ def test_set_values_are_validated_and_sections_keep_their_defaults() -> None:
     assert (
         good.returncode == 0 and '"dynamic_filter": true' in good.stdout and '"batch_size": 16' in good.stdout
     )
+
+
+def test_log_level_is_checked() -> None:
+    result = _agentrl("--log-level", "loud", "tasks", "--help")
+    assert result.returncode == 2 and "--log-level" in result.stderr
+    assert _agentrl("--log-level", "debug", "tasks", "--help").returncode == 0

@@ -78,6 +78,23 @@ every = 1
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one metrics file, continued
     assert [r["extra"]["version"] for r in rows] == [1, 2, 3, 4]
+    log = (run / "run.log").read_text()
+    assert "step 4:" in log and "resumed from" in log  # the run's own log file, both sessions
 
     wrong = agentrl("train", "run", "--resume", str(tmp_path / "nowhere"))
     assert wrong.returncode == 2 and "no config.json there" in wrong.stderr
+
+
+def test_records_are_bounded(tmp_path: Path) -> None:
+    import os
+
+    from agentrl.runtime.loop import prune_records
+
+    for i in range(7):
+        path = tmp_path / f"ep{i}.jsonl"
+        path.write_text("{}")
+        os.utime(path, (1000 + i, 1000 + i))
+    (tmp_path / "notes.txt").write_text("kept")
+    assert prune_records(tmp_path, 3) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep4.jsonl", "ep5.jsonl", "ep6.jsonl", "notes.txt"]
+    assert prune_records(tmp_path, 0) == 0

@@ -123,6 +123,9 @@ class RunConfig(_Section):
     steps: int = Field(32, ge=1, description="Rollout steps (one weight version each).")
     batch_timeout_s: float = Field(900.0, gt=0, description="Longest wait for one batch of groups.")
     torch_threads: int = Field(2, ge=1)
+    records_keep: int = Field(
+        20000, ge=0, description="Keep the newest N episode records under <out>/records (0: keep all)."
+    )
     env: dict[str, Any] = Field(default_factory=lambda: {"name": DEFAULT_ENV})
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -12,8 +12,10 @@ The loop knows no environment, engine or trainer backend: it gets them built (`R
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -65,7 +67,9 @@ class RunResult:
 
 
 def _report(reporter: Callable[[str], None] | None, text: str) -> None:
-    (reporter or log.info)(text)
+    if reporter is not None:
+        reporter(text)
+    log.info(text)
 
 
 async def run_eval(
@@ -116,10 +120,35 @@ async def sync_weights(
 async def train(
     cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], None] | None = None
 ) -> RunResult:
-    """Run `cfg.steps` rollout steps (resuming from the last checkpoint when asked)."""
-    t0 = time.monotonic()
+    """Run `cfg.steps` rollout steps (resuming from the last checkpoint when asked). Everything
+    agentrl logs at INFO and above during the run also goes to `<out>/run.log`."""
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    with _run_log(out / "run.log"):
+        return await _train(cfg, parts, reporter=reporter)
+
+
+@contextlib.contextmanager
+def _run_log(path: Path) -> Iterator[None]:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("agentrl")
+    previous = root.level
+    if root.getEffectiveLevel() > logging.INFO:
+        root.setLevel(logging.INFO)  # the file gets INFO; the console handler keeps its own level
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
+        handler.close()
+
+
+async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], None] | None) -> RunResult:
+    t0 = time.monotonic()
+    out = cfg.out_dir
     (out / "config.json").write_text(json.dumps(cfg.dump(), indent=1))
     ckpt_root = out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
@@ -170,6 +199,7 @@ async def train(
                 step, groups, consumed_at_version=consumed_at, extra={"trainer": stats, "version": version}
             )
             sinks.log(evals, step=step, metrics=m)
+            prune_records(record_dir, cfg.records_keep)
             _report(
                 reporter,
                 f"step {step}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f} (all {m.rollout_pass_rate:.2f})"
@@ -193,6 +223,22 @@ async def train(
     sinks.log(evals)
     _plot(cfg, evals)
     return RunResult(step, evals, history, out, time.monotonic() - t0)
+
+
+def prune_records(record_dir: Path, keep: int) -> int:
+    """Keep the newest `keep` episode records (0: all); return how many were removed. Records are
+    for reading episodes, and a long run writes one per episode: without a bound they fill the disk."""
+    if keep <= 0 or not record_dir.is_dir():
+        return 0
+    with os.scandir(record_dir) as entries:
+        files = [(e.stat().st_mtime, e.path) for e in entries if e.is_file() and e.name.endswith(".jsonl")]
+    if len(files) <= keep:
+        return 0
+    files.sort()
+    for _, path in files[: len(files) - keep]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return len(files) - keep
 
 
 def _plot(cfg: RunConfig, evals: list[dict[str, Any]]) -> None:
