@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentrl.errors import AgentRLError, InfraError
@@ -87,14 +88,24 @@ async def oracle_one(
 
 
 async def run_oracle(
-    provider: SandboxProvider, tasks: list[Task], *, run_id: str, solution: bool = True, concurrency: int = 2
+    provider: SandboxProvider,
+    tasks: list[Task],
+    *,
+    run_id: str,
+    solution: bool = True,
+    concurrency: int = 2,
+    on_done: Callable[[OracleResult], None] | None = None,
 ) -> list[OracleResult]:
-    """Check every task, `concurrency` at a time; results in the order of `tasks`."""
+    """Check every task, `concurrency` at a time; results in the order of `tasks`. `on_done` is
+    called as each task finishes (progress)."""
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(task: Task) -> OracleResult:
         async with gate:
-            return await oracle_one(provider, task, run_id=run_id, solution=solution)
+            result = await oracle_one(provider, task, run_id=run_id, solution=solution)
+        if on_done is not None:
+            on_done(result)
+        return result
 
     try:
         return list(await asyncio.gather(*(one(t) for t in tasks)))

@@ -117,11 +117,32 @@ def oracle(
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("oracle"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
+        console=console, transient=True,
+    )  # fmt: skip
+    bar = progress.add_task("", total=len(tasks))
+
+    def done(result) -> None:  # type: ignore[no-untyped-def]
+        progress.update(
+            bar, advance=1, description=_safe(f"{result.task_id}: {'ok' if result.ok else result.cause}")
+        )
+
     try:
         provider = make_provider(backend)
-        results = asyncio.run(
-            run_oracle(provider, tasks, run_id=run_id, solution=not no_solution, concurrency=concurrency)
-        )
+        with progress:
+            results = asyncio.run(
+                run_oracle(
+                    provider,
+                    tasks,
+                    run_id=run_id,
+                    solution=not no_solution,
+                    concurrency=concurrency,
+                    on_done=done,
+                )
+            )
     except AgentRLError as exc:
         console.print(f"[red]error:[/red] {_safe(str(exc))}")
         raise typer.Exit(2) from None
