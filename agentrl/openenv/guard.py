@@ -30,6 +30,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]]
 
 CLOSE_IDLE = 4408  # private-use close code (4000-4999), after HTTP 408 Request Timeout
+MAX_DEPTH = 32  # JSON nesting of one message (an action needs 3 or 4)
 
 
 class Guard:
@@ -164,9 +165,16 @@ class _Connection:
         try:
             parsed = json.loads(data)
         except RecursionError:
-            return _rejection("message nested too deeply to parse")
+            parsed = None
+            deep = True
         except ValueError:
             return message  # the package answers malformed JSON itself (INVALID_JSON)
+        else:
+            deep = _deeper_than(parsed, MAX_DEPTH)
+        if deep:
+            # The package echoes a rejected value in its error frame, and cannot serialize one nested
+            # this deep: its answer would fail and take the session down with it.
+            return _rejection(f"message nested more than {MAX_DEPTH} levels deep: no action needs that")
         # The package's handler answers every message but `close`, after which it tears down.
         answered = not (isinstance(parsed, dict) and parsed.get("type") == "close")
         return {**message, "agentrl.answered": answered}
@@ -202,6 +210,21 @@ class _Connection:
                 "reason": f"idle for {idle:g}s: the session and its sandbox were closed",
             }
         await self.client_send(message)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests more than `limit` containers deep; iterative, so any
+    depth the parser accepted is measured without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _rejection(why: str) -> Message:

@@ -1,0 +1,287 @@
+"""`agentrl env serve` on loopback with in-memory sandboxes, driven by the `openenv` package's own
+clients: the upstream tbench2_env schema, the verifier's reward, classified failures, clear answers
+to malformed actions, and the session lifecycle (capacity, disconnect, idle timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("openenv.core.env_server")
+
+import httpx
+from openenv.core.generic_client import GenericEnvClient
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from agentrl.openenv.server import ServeConfig, Server, run_in_thread
+from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError
+from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
+from tests.conftest import BUNDLED_TASKS
+
+HELLO = "echo 'Hello, world!' > /app/hello.txt"
+
+
+def hello_grader(sb: FakeSandbox) -> float:
+    return 1.0 if sb.files.get("/app/hello.txt") == b"Hello, world!\n" else 0.0
+
+
+def fake_provider() -> FakeSandboxProvider:
+    """hello-file's solution and verifier in memory, plus commands that break the sandbox."""
+
+    def shell_killed(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> None:
+        raise SandboxPolicyError("the shell was killed during the command", cause="shell_killed")
+
+    def container_gone(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> None:
+        raise SandboxTransportError("the container is gone")
+
+    provider = FakeSandboxProvider(grader=hello_grader)
+    provider.on(r"^kill -9 \$\$$", shell_killed)
+    provider.on(r"^vanish$", container_gone)
+    return provider
+
+
+@contextlib.contextmanager
+def fake_server(
+    provider: FakeSandboxProvider | None = None, **settings: Any
+) -> Iterator[tuple[str, Server, FakeSandboxProvider]]:
+    """A server in a thread of its own (as a remote one would be), on an in-memory backend."""
+    provider = provider or fake_provider()
+    config = ServeConfig(
+        env={"name": "tbench2", "backend": "fake", "tasks": str(BUNDLED_TASKS), "max_solution_chars": 64},
+        port=0,
+        **settings,
+    )
+    with run_in_thread(config, provider=provider) as (url, server):
+        yield url, server, provider
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        await asyncio.sleep(0.05)
+    return check()
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + "/ws"
+
+
+async def ask(ws: Any, message: dict[str, Any]) -> dict[str, Any]:
+    await ws.send(json.dumps(message))
+    return json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, Server, FakeSandboxProvider]]:
+    with fake_server(max_sessions=4) as running:
+        yield running
+
+
+async def test_the_reference_solution_scores_one_and_doing_nothing_scores_zero(server) -> None:  # type: ignore[no-untyped-def]
+    url, _, provider = server
+    async with GenericEnvClient(base_url=url) as env:
+        first = await env.reset(task_id="hello-file")
+        assert "Hello, world!" in first.observation["instruction"]
+        assert first.reward is None and not first.done
+        assert first.observation["info"]["verifier_timeout_sec"] == 120.0
+        ran = await env.step({"action_type": "exec", "command": HELLO})
+        assert ran.observation["success"] and ran.observation["info"]["exit_code"] == 0
+        scored = await env.step({"action_type": "evaluate"})
+        assert (scored.reward, scored.done) == (1.0, True)
+        assert scored.observation["info"]["outcome"] == "pass"
+        # The next episode in the same session: a fresh sandbox, and nothing done scores 0.
+        await env.reset(task_id="hello-file")
+        scored = await env.step({"action_type": "evaluate"})
+        assert (scored.reward, scored.done) == (0.0, True)
+        assert scored.observation["info"]["outcome"] == "fail"
+        assert "failure" not in scored.observation["info"]
+    assert await eventually(lambda: provider.live_sandboxes() == 0)
+
+
+def test_the_schema_is_upstream_tbench2_envs(server) -> None:  # type: ignore[no-untyped-def]
+    url, _, _ = server
+    schema = httpx.get(f"{url}/schema", trust_env=False).json()
+    assert set(schema["action"]["properties"]) == {
+        "metadata", "action_type", "command", "session_id", "block", "wait_seconds", "file_path", "content"
+    }  # fmt: skip
+    assert {
+        "instruction",
+        "output",
+        "success",
+        "error",
+        "task_id",
+        "task_path",
+        "session_id",
+        "action_type",
+        "info",
+    } <= set(schema["observation"]["properties"])
+    assert {"task_id", "terminal_ready", "last_action_type", "last_command", "last_output"} <= set(
+        schema["state"]["properties"]
+    )
+    tasks = httpx.post(f"{url}/tbench2/tasks", json={"split": "train"}, trust_env=False).json()["tasks"]
+    assert "hello-file" in {t["task_id"] for t in tasks}
+
+
+async def test_write_file_and_state(server) -> None:  # type: ignore[no-untyped-def]
+    url, _, _ = server
+    async with GenericEnvClient(base_url=url) as env:
+        await env.reset(task_id="hello-file", episode_id="ep-1")
+        wrote = await env.step(
+            {"action_type": "write_file", "file_path": "/app/hello.txt", "content": "Hello, world!\n"}
+        )
+        assert wrote.observation["success"], wrote.observation
+        state = await env.state()
+        assert state["episode_id"] == "ep-1" and state["task_id"] == "hello-file" and state["terminal_ready"]
+        assert state["step_count"] == 1 and state["last_action_type"] == "write_file"
+        assert (await env.step({"action_type": "evaluate"})).reward == 1.0
+
+
+async def test_malformed_and_untimely_actions_are_answered_in_words_and_the_session_goes_on(server) -> None:  # type: ignore[no-untyped-def]
+    url, _, _ = server
+    async with connect(ws_url(url), proxy=None) as ws:
+        before = await ask(ws, {"type": "step", "data": {"action_type": "exec", "command": "true"}})
+        assert before["data"]["observation"]["info"] == {"failure": "request", "cause": "not_reset"}
+        assert "reset(task_id=...) first" in before["data"]["observation"]["error"]
+        unknown = await ask(ws, {"type": "reset", "data": {"task_id": "no-such-task"}})
+        assert "unknown task_id 'no-such-task'" in unknown["data"]["observation"]["error"]
+        assert "hello-file" in unknown["data"]["observation"]["error"]
+        path = await ask(ws, {"type": "reset", "data": {"task_path": "/etc"}})
+        assert "task_path is not accepted" in path["data"]["observation"]["error"]
+        extra = await ask(ws, {"type": "reset", "data": {"task_id": "hello-file", "colour": "red"}})
+        assert "unknown reset parameter(s) 'colour'" in extra["data"]["observation"]["error"]
+        assert (await ask(ws, {"type": "reset", "data": {"task_id": "hello-file"}}))["type"] == "observation"
+
+        cases = {
+            "extra field": {"action_type": "exec", "commnd": "ls"},
+            "wrong type": {"action_type": "exec", "command": ["ls"]},
+            "too long a name": {"action_type": "x" * 100},
+        }
+        for what, data in cases.items():
+            answer = await ask(ws, {"type": "step", "data": data})
+            assert answer["type"] == "error" and answer["data"]["code"] == "VALIDATION_ERROR", what
+            assert answer["data"]["errors"], what
+        answer = await ask(ws, {"type": "step", "data": {"action_type": "view", "session_id": "s"}})
+        assert "unknown action_type 'view'" in answer["data"]["observation"]["error"]
+        assert "run commands to completion" in answer["data"]["observation"]["error"]
+        answer = await ask(
+            ws, {"type": "step", "data": {"action_type": "exec", "command": "sleep 9", "block": False}}
+        )
+        assert answer["data"]["observation"]["info"]["cause"] == "non_blocking"
+        answer = await ask(
+            ws, {"type": "step", "data": {"action_type": "write_file", "file_path": "rel.txt"}}
+        )
+        assert answer["data"]["observation"]["info"]["cause"] == "bad_path"
+        assert (await ask(ws, {"type": "nonsense"}))["data"]["code"] == "UNKNOWN_TYPE"
+        await ws.send("{not json")
+        assert json.loads(await ws.recv())["data"]["code"] == "INVALID_JSON"
+
+        # None of it touched the episode: the solution still scores.
+        ran = await ask(ws, {"type": "step", "data": {"action_type": "exec", "command": HELLO}})
+        assert ran["data"]["observation"]["success"]
+        scored = await ask(ws, {"type": "step", "data": {"action_type": "evaluate"}})
+        assert scored["data"]["reward"] == 1.0
+        late = await ask(ws, {"type": "step", "data": {"action_type": "exec", "command": "true"}})
+        assert late["data"]["observation"]["info"]["cause"] == "episode_done"
+
+
+async def test_a_command_that_breaks_its_sandbox_is_a_policy_outcome_and_a_dead_sandbox_is_infra(
+    server,
+) -> None:  # type: ignore[no-untyped-def]
+    url, _, provider = server
+    async with GenericEnvClient(base_url=url) as env:
+        await env.reset(task_id="hello-file")
+        broke = await env.step({"action_type": "exec", "command": "kill -9 $$"})
+        assert broke.done and broke.reward == 0.0
+        assert broke.observation["info"] == {"failure": "policy", "cause": "shell_killed"}
+        await env.reset(task_id="hello-file")
+        gone = await env.step({"action_type": "exec", "command": "vanish"})
+        assert gone.done and gone.reward is None  # no reward at all, never a 0
+        assert gone.observation["info"] == {"failure": "infra", "cause": "sandbox_transport"}
+    assert await eventually(lambda: provider.live_sandboxes() == 0)
+
+
+async def test_a_session_over_the_cap_is_told_capacity_reached() -> None:
+    with fake_server(max_sessions=2) as (url, server, provider):
+        async with GenericEnvClient(base_url=url) as a, GenericEnvClient(base_url=url) as b:
+            await a.reset(task_id="hello-file")
+            await b.reset(task_id="hello-file")
+            with pytest.raises(RuntimeError, match="CAPACITY_REACHED"):
+                async with GenericEnvClient(base_url=url) as c:
+                    await c.reset(task_id="hello-file")
+            assert provider.live_sandboxes() == 2
+        assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0)
+        async with GenericEnvClient(base_url=url) as again:  # the places came back
+            assert not (await again.reset(task_id="hello-file")).done
+
+
+async def test_a_client_that_disconnects_mid_command_leaves_no_sandbox() -> None:
+    with fake_server() as (url, server, provider):
+        for abrupt in (False, True):
+            ws = await connect(ws_url(url), proxy=None)
+            await ask(ws, {"type": "reset", "data": {"task_id": "hello-file"}})
+            assert provider.live_sandboxes() == 1
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "step",
+                        "data": {
+                            "action_type": "exec",
+                            "command": "sleep 300",
+                            "metadata": {"timeout_s": 600},
+                        },
+                    }
+                )
+            )
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            if abrupt:
+                ws.transport.abort()  # no close frame: the TCP connection just ends
+            else:
+                await ws.close()
+            # The step is cancelled at once, not left to run out its 300 s.
+            assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0, 5.0)
+            assert time.monotonic() - t0 < 5.0
+
+
+async def test_an_idle_session_is_closed_with_its_sandbox_and_told_why() -> None:
+    with fake_server(idle_timeout_s=1.0) as (url, server, provider):
+        async with connect(ws_url(url), proxy=None) as ws:
+            await ask(ws, {"type": "reset", "data": {"task_id": "hello-file"}})
+            # A step longer than the idle limit is not idleness.
+            slow = await ask(ws, {"type": "step", "data": {"action_type": "exec", "command": "sleep 2"}})
+            assert slow["data"]["observation"]["success"]
+            assert provider.live_sandboxes() == 1
+            assert await eventually(lambda: provider.live_sandboxes() == 0, 5.0)
+            with pytest.raises(ConnectionClosed) as closed:
+                await ask(ws, {"type": "step", "data": {"action_type": "exec", "command": "true"}})
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4408
+            assert "idle for 1s" in closed.value.rcvd.reason
+        assert server.hub.sandboxes == 0
+
+
+def test_stateless_http_episodes_and_mcp_are_refused_with_the_reason(server) -> None:  # type: ignore[no-untyped-def]
+    url, _, provider = server
+    with httpx.Client(base_url=url, trust_env=False) as http:
+        for path in ("/reset", "/step"):
+            resp = http.post(path, json={"action": {"action_type": "exec", "command": "true"}})
+            assert resp.status_code == 501 and "connect to /ws" in resp.json()["detail"]
+        assert (
+            "no MCP tools"
+            in http.post("/mcp", json={"jsonrpc": "2.0", "method": "tools/list", "id": 1}).json()["detail"]
+        )
+        big = http.post(
+            "/tbench2/tasks", content=b"x" * (200 * 1024), headers={"content-type": "application/json"}
+        )
+        assert big.status_code == 413 and "limit" in big.json()["detail"]
+        assert http.get("/health").json()["status"] == "healthy"
+    assert provider.live_sandboxes() == 0
