@@ -53,6 +53,7 @@ from agentrl.sandbox.daytona import (
     reap_daytona,
 )
 from agentrl.sandbox.registry import make_provider
+from agentrl.sandbox.terminal import INSTALL_TMUX
 from agentrl.tasks import load_task
 from tests.fake_daytona import (
     FakeAsyncDaytona,
@@ -146,7 +147,7 @@ def test_params_from_the_task_dockerfile(tmp_path) -> None:
     assert isinstance(params, CreateSandboxFromImageParams)
     assert params.image.dockerfile() == (
         "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY seed.txt /app/seed.txt\n"
-        f"USER root\nRUN {PREPARE_LOGS}\n"
+        f"USER root\nRUN {PREPARE_LOGS}\nRUN {INSTALL_TMUX}\n"
     )
     ctx = params.image._context_list
     assert [c.archive_path for c in ctx] == ["seed.txt"] and Path(ctx[0].source_path).is_file()
@@ -185,11 +186,11 @@ def test_docker_image_tasks_and_a_non_root_user_are_kept(tmp_path) -> None:
     provider = provider_on(FakeDaytonaServer())
     img = make_task(tmp_path, "img", 'docker_image = "python:3.12-slim"\nworkdir = "/srv"', dockerfile=None)
     assert provider.params_for(img, "r").image.dockerfile() == (
-        f"FROM python:3.12-slim\nUSER root\nRUN {PREPARE_LOGS}\n"
+        f"FROM python:3.12-slim\nUSER root\nRUN {PREPARE_LOGS}\nRUN {INSTALL_TMUX}\n"
     )
     user = make_task(tmp_path, "user", "", dockerfile="FROM debian:bookworm-slim\nUSER app")
     assert provider.params_for(user, "r").image.dockerfile() == (
-        f"FROM debian:bookworm-slim\nUSER app\nUSER root\nRUN {PREPARE_LOGS}\nUSER app\n"
+        f"FROM debian:bookworm-slim\nUSER app\nUSER root\nRUN {PREPARE_LOGS}\nRUN {INSTALL_TMUX}\nUSER app\n"
     )
     none = make_task(tmp_path, "none", "", dockerfile=None)
     with pytest.raises(SandboxCreateError, match="no environment/Dockerfile and no docker_image"):

@@ -64,6 +64,7 @@ from daytona_toolbox_api_client_async import SessionCommandLogsResponse as Toolb
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from agentrl.errors import AgentRLError
+from agentrl.sandbox import shellstate
 from agentrl.sandbox.base import (
     DEFAULT_OUTPUT_LIMIT,
     SYSTEM_PREFIXES,
@@ -79,6 +80,7 @@ from agentrl.sandbox.base import (
     tampered,
 )
 from agentrl.sandbox.credentials import DaytonaCredentials
+from agentrl.sandbox.terminal import INSTALL_TMUX, TerminalSession, TmuxTerminal
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -131,6 +133,21 @@ CORE_PROBE = (
 SHADOW_PATHS = tuple(f"{d}/{t}" for d in PATH_DIRS for t in CORE_TOOLS) + ("/etc/ld.so.preload",)
 PREPARE_LOGS = "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*"
 NO_TIMEOUT_S = 7 * 24 * 3600  # `timeout` still runs, for its process group, when the caller sets none
+# An agent's command in its shell session (`shellstate.py`): `bash -c SESSION_SCRIPT bash STATE DIR
+# CMD` restores the state committed in STATE, runs CMD and saves its state into DIR/st, which the
+# wrapper adopts as STATE unless the command was killed.
+SESSION_SCRIPT = (
+    "__ar_S=$1 __ar_D=$2 __ar_c=$3; set --\n"
+    + shellstate.FUNCTIONS
+    + '__ar_names "$__ar_D/n"; shopt -u extglob; shopt -s expand_aliases; __ar_u="unset -v ${__ar_vs[*]}"; '
+    + "unset __ar_vs\n"
+    + shellstate.save_on_exit("$__ar_D/st")
+    + "\n"
+    + shellstate.restore("$__ar_S")
+    + "\n"
+    + shellstate.RUN
+    + "\n"
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
 _QUOTA = re.compile(
@@ -141,6 +158,10 @@ _QUOTA = re.compile(
 _TRY_LATER = re.compile(r"try again later|temporarily", re.IGNORECASE)
 
 DaytonaClientFactory = Callable[[], Any]
+
+
+def _new_state_dir() -> str:
+    return f"/tmp/.agentrl-session-{uuid.uuid4().hex}"
 
 
 class SandboxQuotaError(SandboxCreateError):
@@ -212,7 +233,8 @@ def _last_user(dockerfile: str) -> str | None:
 
 def image_for(task: Task) -> Image:
     """The Daytona image of a task: its Dockerfile (with build context) or its `docker_image`, plus
-    a root layer that prepares /logs; the task's last `USER` is restored after it."""
+    root layers that prepare /logs and install tmux where it is missing (for `open_terminal`;
+    Daytona's builder has the network); the task's last `USER` is restored after them."""
     env = task.config.environment
     if task.dockerfile is not None:
         image = Image.from_dockerfile(task.dockerfile.resolve(), strict_context=True)
@@ -225,7 +247,7 @@ def image_for(task: Task) -> Image:
     user = _last_user(image.dockerfile())
     # Appended text is glued onto a last line that has no newline: start with an empty line then.
     lines = [] if image.dockerfile().endswith("\n") else [""]
-    lines += ["USER root", f"RUN {PREPARE_LOGS}"]
+    lines += ["USER root", f"RUN {PREPARE_LOGS}", f"RUN {INSTALL_TMUX}"]
     if user and user not in ("root", "0", "0:0"):
         lines.append(f"USER {user}")
     image.dockerfile_commands(lines)
@@ -252,6 +274,8 @@ class DaytonaSandbox(Sandbox):
         self.created_at = time.time()
         self._core: dict[str, str | None] | None = None  # see record_baseline
         self._infra: dict[str, tuple[str, str]] | None = None
+        self._state_dir = _new_state_dir()  # the agent's shell session (shellstate.py)
+        self._terminals: list[TmuxTerminal] = []
 
     def __repr__(self) -> str:
         return f"DaytonaSandbox({self.sandbox_id!r}, task={self.task_id!r})"
@@ -266,6 +290,7 @@ class DaytonaSandbox(Sandbox):
         cwd: str | None,
         env: dict[str, str] | None,
         user: str | int | None,
+        session: bool = False,
     ) -> str:
         for key in env or {}:
             if not _ENV_NAME.match(key):
@@ -287,14 +312,27 @@ class DaytonaSandbox(Sandbox):
             )
         else:
             run = f"exec timeout -k 5 {seconds:.3f} {inner}"
+        commit = ""
+        if session:
+            # bash only (a shell without `declare` keeps no session); the state is adopted unless
+            # the command was killed by its timeout (124, 137) or saved nothing.
+            state = shlex.quote(self._state_dir)
+            run = (
+                f'if [ "$__ar_sh" = bash ]; then exec timeout -k 5 {seconds:.3f} bash -c '
+                f"{shlex.quote(SESSION_SCRIPT)} bash {state} $d {shlex.quote(cmd)}; else {run}; fi"
+            )
+            commit = (
+                f'if [ "$rc" != 124 ] && [ "$rc" != 137 ] && [ -s $d/st/s ]; then '
+                f"rm -rf {state} && mv $d/st {state}; fi\n"
+            )
         cd = f"cd -- {shlex.quote(cwd)} || exit 1; " if cwd else ""
         half = self.output_limit // 2
         d = f"/tmp/.agentrl-exec-{nonce}"
         return (
-            f"d={d}; mkdir -p $d || exit 125\n"
+            f"d={d}; mkdir -p $d/st || exit 125\n"
             "if command -v bash >/dev/null 2>&1; then __ar_sh=bash; else __ar_sh=sh; fi\n"
             f"( {cd}{run} ) </dev/null >$d/o 2>$d/e &\n"
-            "echo $! >$d/p; wait $!; rc=$?\n"
+            f"echo $! >$d/p; wait $!; rc=$?\n{commit}"
             f'emit() {{ s=$(wc -c <"$1"); if [ "$s" -gt {2 * half} ]; then head -c {half} "$1"; '
             f'printf \'\\n__AGENTRL_CUT_{nonce} %s\\n\' "$s"; tail -c {half} "$1"; '
             'else cat "$1"; fi; }\n'
@@ -335,10 +373,32 @@ class DaytonaSandbox(Sandbox):
         env: dict[str, str] | None = None,
         user: str | int | None = None,
     ) -> ExecResult:
+        """Without `cwd`, `env` and `user` (the agent's commands) the command runs in the agent's
+        shell session (`shellstate.py`, its state in a directory of the sandbox that only such
+        commands read); with any of them it runs from a clean state and leaves the session alone."""
+        session = cwd is None and env is None and user is None
+        return await self._run(cmd, timeout=timeout, cwd=cwd, env=env, user=user, session=session)
+
+    async def _exec_clean(self, cmd: str, *, timeout: float | None = None) -> ExecResult:
+        """A command of agentrl's own (files, checks, the terminal): never the agent's session."""
+        return await self._run(cmd, timeout=timeout, cwd=None, env=None, user=None, session=False)
+
+    async def _run(
+        self,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        user: str | int | None,
+        session: bool,
+    ) -> ExecResult:
         if self._closed:
             raise SandboxError(f"daytona sandbox {self.sandbox_id} is closed")
         nonce = uuid.uuid4().hex
-        script = self._script(cmd, nonce, timeout=timeout, cwd=cwd or self.workdir, env=env, user=user)
+        script = self._script(
+            cmd, nonce, timeout=timeout, cwd=cwd or self.workdir, env=env, user=user, session=session
+        )
         wrapped = f"sh -c {shlex.quote(script)}"
         start = time.monotonic()
         self._last_activity = start
@@ -476,6 +536,31 @@ class DaytonaSandbox(Sandbox):
         script = f'p=$(cat {d}/p 2>/dev/null) && {{ kill -9 "-$p" 2>/dev/null || kill -9 "$p"; }}; rm -rf {d}'
         self.provider._spawn(self.sdk.process.exec(f"sh -c {shlex.quote(script)}", timeout=30), 45)
 
+    # -- terminal ---------------------------------------------------------------------------------
+    async def open_terminal(self, *, width: int = 160, height: int = 40) -> TerminalSession:
+        """A tmux session in the sandbox, every tmux command one clean `exec` round trip. Daytona's
+        own PTY sessions are not used: Terminus-2's semantics are tmux's (key names, the screen
+        as `capture-pane` renders it, the scrollback), which a raw PTY stream does not give."""
+        if self._closed:
+            raise SandboxError(f"daytona sandbox {self.sandbox_id} is closed")
+        term = await TmuxTerminal.start(
+            self._exec_clean_for_terminal,
+            width=width,
+            height=height,
+            where=f"daytona sandbox {self.sandbox_id}",
+            hint="the Daytona image layer that installs it found no package manager or no mirror",
+        )
+        self._terminals.append(term)
+        return term
+
+    async def _exec_clean_for_terminal(self, cmd: str, timeout: float) -> ExecResult:
+        return await self._exec_clean(cmd, timeout=timeout)
+
+    def _end_terminals(self) -> None:
+        for term in self._terminals:
+            term.mark_closed()
+        self._terminals.clear()
+
     # -- the verifier's trusted view (file API only) ------------------------------------------------
     async def record_baseline(self, core: dict[str, str | None] | None = None) -> dict[str, str | None]:
         """Before the agent's first command: the processes the sandbox runs by itself (toolbox
@@ -483,7 +568,7 @@ class DaytonaSandbox(Sandbox):
         with their libraries and loader, `SHADOW_PATHS`). `core` reuses a record made on another
         sandbox of the same image; the record is returned for that purpose."""
         if core is None:
-            probe = await self.exec(CORE_PROBE, timeout=120)
+            probe = await self._exec_clean(CORE_PROBE, timeout=120)
             found = {p for p in probe.stdout.splitlines() if p.startswith("/")}
             core = await self._digests(sorted(found | set(SHADOW_PATHS)))
         self._core = core
@@ -556,8 +641,10 @@ class DaytonaSandbox(Sandbox):
                 + ", ".join(changed[:10]),
                 cause="system_files",
             )
-        await self.exec(STOP_PROCESSES, timeout=120)
+        self._end_terminals()
+        await self._exec_clean(STOP_PROCESSES, timeout=120)
         self._session_id = None  # its shell was killed with the rest
+        self._state_dir = _new_state_dir()  # the verifier never sees the agent's shell session
         if self._infra is None:
             return
         infra_names = {comm for _, comm in self._infra.values()}
@@ -590,7 +677,7 @@ class DaytonaSandbox(Sandbox):
         prune = " -o ".join(f"-path {p}" for p in ("/proc", "/sys", "/dev", "/run", "/tmp", "/logs"))
         name = f".agentrl-tamper-{uuid.uuid4().hex}"
         # The list travels as a file through the file API: the exec reply passes the sandbox's `cat`.
-        await self.exec(
+        await self._exec_clean(
             f"find / -xdev \\( {prune} \\) -prune -o ! -type d -newerct @{since} -print > /tmp/{name} 2>/dev/null",
             timeout=300,
         )
@@ -598,7 +685,7 @@ class DaytonaSandbox(Sandbox):
             if not await self.fetch_files("/tmp", [name], Path(tmp)):
                 return ["/tmp (the list of changed files could not be written)"]
             listing = (Path(tmp) / name).read_text(errors="replace")
-        await self.exec(f"rm -f /tmp/{name}", timeout=60)
+        await self._exec_clean(f"rm -f /tmp/{name}", timeout=60)
         paths = [p for p in listing.splitlines() if p.startswith("/")]
         changed = [p for p in paths if p.startswith(SYSTEM_PREFIXES) and not p.startswith("/usr/local/")]
         return tampered(changed, [], paths)
@@ -628,7 +715,7 @@ class DaytonaSandbox(Sandbox):
 
     # -- files -----------------------------------------------------------------------------------
     async def _checked(self, cmd: str, what: str) -> ExecResult:
-        res = await self.exec(cmd, timeout=120)
+        res = await self._exec_clean(cmd, timeout=120)
         if res.exit_code != 0:
             raise SandboxTransportError(
                 f"daytona sandbox {self.sandbox_id}: {what} failed: {(res.stderr or res.stdout)[-500:]}"
@@ -675,7 +762,9 @@ class DaytonaSandbox(Sandbox):
         dst = Path(dst)
         q = shlex.quote(src)
         kind = (
-            await self.exec(f"if [ -d {q} ]; then echo dir; elif [ -e {q} ]; then echo file; fi", timeout=60)
+            await self._exec_clean(
+                f"if [ -d {q} ]; then echo dir; elif [ -e {q} ]; then echo file; fi", timeout=60
+            )
         ).stdout.strip()
         if kind not in ("dir", "file"):
             raise SandboxTransportError(f"daytona sandbox {self.sandbox_id}: {src} does not exist")
@@ -698,7 +787,7 @@ class DaytonaSandbox(Sandbox):
             ) from exc
         finally:
             if kind == "dir":
-                await self.exec(f"rm -f {shlex.quote(remote)}", timeout=60)
+                await self._exec_clean(f"rm -f {shlex.quote(remote)}", timeout=60)
         (resp,) = responses
         if resp.error or resp.result is None:
             raise SandboxTransportError(
@@ -738,6 +827,7 @@ class DaytonaSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        self._end_terminals()
         if self._keepalive is not None:
             self._keepalive.cancel()
         # Shielded: a cancelled owner must still not leave a (billed) sandbox behind.
