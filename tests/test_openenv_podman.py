@@ -37,6 +37,7 @@ from agentrl.tasks import load_task
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment
 from tests.chat_tokenizer import byte_tokenizer
 from tests.conftest import BUNDLED_TASKS
+from tests.test_openenv_server import eventually
 
 pytestmark = [pytest.mark.container, pytest.mark.slow]
 
@@ -117,10 +118,7 @@ async def test_the_reference_solution_scores_one_and_no_solution_scores_zero(ser
 
 
 async def _no_containers(run_id: str, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while containers(run_id) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    assert containers(run_id) == []
+    assert await eventually(lambda: containers(run_id) == [], within_s), containers(run_id)
 
 
 async def test_a_client_that_disconnects_mid_episode_leaves_no_container(served: tuple[str, str]) -> None:
@@ -152,7 +150,9 @@ async def test_the_consume_plugin_scores_the_task_like_the_direct_path(served: t
         provider=PodmanProvider(),
         engine=ScriptedEngine(texts, tok),
         renderer=ChatRenderer(tok),
-        config=EpisodeConfig(action_format="terminus-json", agent=agent, sampling=SamplingParams(max_new_tokens=8192)),
+        config=EpisodeConfig(
+            action_format="terminus-json", agent=agent, sampling=SamplingParams(max_new_tokens=8192)
+        ),
         run_id="openenv-direct",
     )
     env = OpenEnvEnvironment(

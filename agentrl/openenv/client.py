@@ -90,9 +90,11 @@ class _Sticky:
             await super()._ensure_connected()  # type: ignore[misc]
             return
         if self._ws is not self._pinned or self._pinned.state is not SocketState.OPEN:
+            code = getattr(self._pinned, "close_code", None)
+            why = f" (closed with code {code}: {getattr(self._pinned, 'close_reason', '')})" if code else ""
             raise OpenEnvInfraError(
-                f"the connection to {self._ws_url} was lost mid-episode: its server-side session is "
-                "gone with it",
+                f"the connection to {self._ws_url} was lost mid-episode{why}: its server-side session "
+                "is gone with it",
                 cause="openenv_connection",
             )
 
