@@ -1,4 +1,14 @@
-"""Chunked vs unchunked log-prob computation in a GRPO trainer step, side by side in one run.
+"""Log-prob implementations side by side in one run: the LM head alone, or a whole trainer step.
+
+--mode head (the GLM-5.2 head by default: 16,384 tokens, hidden 6,144, vocabulary 154,880, bf16)
+times one plain `h @ W.T`, the naive path (`full_logprobs`), `chunked_logprobs`, Liger's fused
+linear cross-entropy per token (when liger-kernel is installed) and `fused_logprobs` (Triton), each
+forward and forward + backward with random per-token upstream gradients, with peak memory and
+errors against an fp32 computation from the same bf16 inputs:
+
+    python benchmarks/logprob_bench.py --mode head --iters 7
+
+--mode model (the default) is the chunked-vs-unchunked comparison in a GRPO trainer step:
 
 A random-init GLM-shaped model (Glm4Config, ~0.5B parameters, ~150k vocabulary) runs forward +
 backward on one sequence of `--seq-len` tokens, computing token log-probs either all at once
@@ -96,6 +106,7 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
         cfg = TrainConfig(
             lr=1e-6,
             logprob_chunk_size=c,
+            logprob_impl="chunked",
             gradient_checkpointing=True,
             max_tokens_per_micro_batch=args.seq_len,
         )
@@ -123,16 +134,232 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# --mode head: the LM head alone at the GLM-5.2 shape, every implementation side by side.
+
+GLM52 = {"seq_len": 16384, "hidden": 6144, "vocab": 154880}
+
+
+def _cuda_ms(fn, iters: int) -> tuple[float, float]:
+    """(median ms, peak GiB above what was allocated before) of fn() after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times, peaks = [], []
+    for _ in range(iters):
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+    return sorted(times)[len(times) // 2], max(peaks)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b).norm() / b.norm()).item()
+
+
+def head_variants(args, y):
+    """name -> fn(h, w, with_entropy) -> (logp, entropy or None), for every implementation here."""
+    from agentrl.algo.fused_logprobs import TileConfig, fused_logprobs
+
+    out = {
+        "naive": lambda h, w, e: full_logprobs(h, w, y, with_entropy=e),
+    }
+    for c in (int(c) for c in args.chunk_sizes.split(",")):
+        out[f"chunked {c}"] = lambda h, w, e, c=c: chunked_logprobs(h, w, y, chunk_size=c, with_entropy=e)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        print("liger-kernel not installed: its rows are skipped")
+    else:
+        for label, acc in (("bf16 sums", None), ("fp32 sums", torch.float32)):
+            loss = LigerFusedLinearCrossEntropyLoss(reduction="none", accum_dtype=acc)
+            out[f"liger ({label})"] = lambda h, w, e, loss=loss: (-loss(w, h, y), None)
+    out["fused"] = lambda h, w, e: fused_logprobs(h, w, y, with_entropy=e, kernel="triton")
+    for spec in filter(None, args.sweep.split(";")):
+        kw = dict(kv.split("=") for kv in spec.removeprefix("fwd:").split(","))
+        tiles = TileConfig(**{k: (v if k == "load" else int(v)) for k, v in kw.items()})
+        out[f"fused {spec}"] = lambda h, w, e, t=tiles: fused_logprobs(
+            h, w, y, with_entropy=e, kernel="triton", tiles=t
+        )
+    return out
+
+
+def head_main(args: argparse.Namespace) -> None:
+    from agentrl.algo.fused_logprobs import _addmm_accumulates_fp32
+    from agentrl.algo.logprobs import chunk_grads, chunk_stats
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, hid, vocab = args.seq_len, args.hidden, args.vocab
+    print(
+        f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  tokens {n}  hidden {hid}  "
+        f"vocab {vocab}  bf16  iters {args.iters}"
+    )
+    print(f"cuBLAS adds bf16 products into fp32 in place: {_addmm_accumulates_fp32(torch.device('cuda'))}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, hid, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(vocab, hid, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    g_lp = torch.randn(n, device="cuda", generator=g)
+    g_ent = torch.randn(n, device="cuda", generator=g)
+
+    t0 = time.perf_counter()
+    hf, wf = h.float(), w.float()
+    zy, lse, ez = chunk_stats(hf, wf, y, chunk_size=2048, temperature=1.0, with_entropy=True)
+    ref = {"lp": zy - lse, "ent": lse - ez}
+    for e in (False, True):
+        ref[f"dh{e:d}"], ref[f"dw{e:d}"] = chunk_grads(
+            hf, wf, y, lse, ez if e else None, g_lp, g_ent if e else None, chunk_size=2048,
+            temperature=1.0, mm_dtype=torch.float32, need_h=True, need_w=True,
+        )  # fmt: skip
+    # fp64 truth on the first tokens: how far the fp32 reference itself is from exact.
+    few = min(n, 512)
+    z64 = h[:few].double() @ w.double().t()
+    lp64 = z64.gather(1, y[:few, None])[:, 0] - torch.logsumexp(z64, dim=1)
+    del z64, hf, wf, zy, lse, ez
+    torch.cuda.empty_cache()
+    ref32_vs_64 = (ref["lp"][:few].double() - lp64).abs().max().item()
+    print(f"fp32 reference vs fp64 on the first {few} tokens: logp max error {ref32_vs_64:.1e}")
+    floor_dh, floor_dw = _rel(ref["dh0"].bfloat16(), ref["dh0"]), _rel(ref["dw0"].bfloat16(), ref["dw0"])
+    print(
+        f"fp32 reference in {time.perf_counter() - t0:.1f} s; bf16 rounding of the fp32 gradients "
+        f"(the floor of any bf16 gradient): dh {floor_dh:.2e}, dW {floor_dw:.2e}"
+    )
+
+    mm_ms, _ = _cuda_ms(lambda: torch.mm(h, w.t()), args.iters)
+    print(f"plain matmul h @ W.T: {mm_ms:.1f} ms ({2 * n * hid * vocab / mm_ms / 1e9:.0f} TFLOP/s)")
+    rows = [{"name": "matmul h @ W.T", "fwd_ms": mm_ms, "fwdbwd_ms": 3 * mm_ms}]
+
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    cases = []
+    keep = [v for v in args.variants.split(",") if v]
+    for name, fn in head_variants(args, y).items():
+        if keep and not any(k in name for k in keep):
+            continue
+        cases.append((name, fn, False))
+        if name == "fused":
+            cases.append(("fused + entropy", fn, True))
+    for name, fn, ent in cases:
+        row: dict = {"name": name}
+        try:
+            with torch.no_grad():
+                row["fwd_ms"], _ = _cuda_ms(lambda fn=fn, ent=ent: fn(h, w, ent), args.iters)
+
+            def fwd_bwd(fn=fn, ent=ent):
+                lp, et = fn(hg, wg, ent)
+                outs, grads = ([lp, et], [g_lp, g_ent]) if ent else ([lp], [g_lp])
+                return torch.autograd.grad(outs, [hg, wg], grads)
+
+            if name.startswith("fused fwd:"):  # a forward-only tiling: no backward numbers
+                with torch.no_grad():
+                    lp, _ = fn(h, w, False)
+                row["lp_err"] = (lp.float() - ref["lp"]).abs().max().item()
+                row["lp_err64"] = (lp[:few].double() - lp64).abs().max().item()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            row["fwdbwd_ms"], row["peak_gib"] = _cuda_ms(fwd_bwd, args.iters)
+            lp, et = fn(hg, wg, ent)
+            outs, grads = ([lp, et], [g_lp, g_ent]) if ent else ([lp], [g_lp])
+            dh, dw = torch.autograd.grad(outs, [hg, wg], grads)
+            row["lp_err"] = (lp.detach().float() - ref["lp"]).abs().max().item()
+            row["lp_err64"] = (lp.detach()[:few].double() - lp64).abs().max().item()
+            if ent:
+                row["ent_err"] = (et.detach() - ref["ent"]).abs().max().item()
+            row["dh_rel"] = _rel(dh, ref[f"dh{ent:d}"])
+            row["dw_rel"] = _rel(dw, ref[f"dw{ent:d}"])
+            del lp, et, dh, dw
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+        except Exception as exc:  # a variant that fails still leaves the others' numbers
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # The trainer's case: fp32 master weights under bf16 autocast get an fp32 weight gradient.
+    from agentrl.algo.fused_logprobs import fused_logprobs
+
+    w32 = w.float().requires_grad_()
+
+    def master():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, et = fused_logprobs(hg, w32, y, with_entropy=True, kernel="triton")
+        return torch.autograd.grad([lp, et], [hg, w32], [g_lp, g_ent]), lp
+
+    row = {"name": "fused + entropy, fp32 master weight (autocast)"}
+    row["fwdbwd_ms"], row["peak_gib"] = _cuda_ms(master, args.iters)
+    (dh, dw), lp = master()
+    row["lp_err"] = (lp.detach() - ref["lp"]).abs().max().item()
+    row["lp_err64"] = (lp.detach()[:few].double() - lp64).abs().max().item()
+    row["dh_rel"], row["dw_rel"] = _rel(dh, ref["dh1"]), _rel(dw, ref["dw1"])
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    del dh, dw
+
+    print(f"\nGLM-5.2 LM head, {n} tokens x {hid} hidden x {vocab} vocab, bf16; medians of {args.iters}")
+    print(
+        f"{'variant':58s} {'fwd ms':>8s} {'fwd/mm':>7s} {'f+b ms':>8s} {'f+b/3mm':>8s} {'peak GiB':>9s} "
+        f"{'logp err':>9s} {'lp e64':>8s} {'ent err':>9s} {'dh rel':>9s} {'dW rel':>9s}"
+    )
+
+    def f(x, spec):
+        return format(x, spec) if isinstance(x, float) else "-"
+
+    for r in rows:
+        if "error" in r or "oom" in r:
+            print(f"{r['name']:58s} {r.get('error', 'OOM')}")
+            continue
+        fwd, fb = r.get("fwd_ms"), r.get("fwdbwd_ms")
+        print(
+            f"{r['name']:58s} {f(fwd, '8.1f')} {f(fwd / mm_ms if fwd else None, '7.2f')} {f(fb, '8.1f')} "
+            f"{f(fb / (3 * mm_ms) if fb else None, '8.2f')} {f(r.get('peak_gib'), '9.2f')} "
+            f"{f(r.get('lp_err'), '9.1e')} {f(r.get('lp_err64'), '8.1e')} {f(r.get('ent_err'), '9.1e')} "
+            f"{f(r.get('dh_rel'), '9.1e')} "
+            f"{f(r.get('dw_rel'), '9.1e')}"
+        )
+    print(f"bf16 floor (fp32 reference rounded to bf16): dh {floor_dh:.1e}, dW {floor_dw:.1e}")
+    print(f"logp err: max |logp - fp32 reference| over all tokens; lp e64: against fp64 on the first {few}")
+    print(f"(the fp32 reference itself is {ref32_vs_64:.1e} from fp64 there)")
+    fused = next((r for r in rows if r["name"] == "fused"), {})
+    fused_e = next((r for r in rows if r["name"] == "fused + entropy"), {})
+    if "fwdbwd_ms" in fused and "fwdbwd_ms" in fused_e:
+        print(f"entropy adds {100 * (fused_e['fwdbwd_ms'] / fused['fwdbwd_ms'] - 1):.1f}% to fused fwd+bwd")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "floor": [floor_dh, floor_dw], "rows": rows}, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--vocab", type=int, default=151552)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--mode", choices=["model", "head"], default="model")
+    ap.add_argument("--seq-len", type=int, default=None, help="model: 16384; head: 16384")
+    ap.add_argument("--vocab", type=int, default=None, help="model: 151552; head: 154880")
+    ap.add_argument("--hidden", type=int, default=None, help="model: 1024; head: 6144")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--chunk-sizes", default="1024,4096")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="head: extra fused tilings, ';'-separated TileConfig fields, e.g. 'load=ptr;block_v=128,num_warps=4'",
+    )
+    ap.add_argument(
+        "--variants", default="", help="head: only rows whose name holds one of these (comma-separated)"
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    defaults = GLM52 if args.mode == "head" else {"seq_len": 16384, "hidden": 1024, "vocab": 151552}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.mode == "head":
+        head_main(args)
+        return
     chunks = [int(c) for c in args.chunk_sizes.split(",")]
 
     model = build_model(args)
@@ -183,7 +410,7 @@ def main() -> None:
 
     def step(chunk: int | None):
         def run() -> None:
-            logp, _ = model_logprobs(model, ids, chunk_size=chunk)
+            logp, _ = model_logprobs(model, ids, chunk_size=chunk, impl="chunked")
             loss_of(logp, adv).backward()
             model.zero_grad(set_to_none=True)
 

@@ -5,6 +5,7 @@ aligns `logp[b, t]` with the token at `input_ids[b, t]` (predicted from position
 """
 
 from agentrl.algo.advantages import broadcast_to_tokens, grpo_advantages
+from agentrl.algo.fused_logprobs import fused_logprobs, vocab_parallel_logprobs
 from agentrl.algo.logprobs import chunked_logprobs, full_logprobs
 from agentrl.algo.losses import (
     LossConfig,
@@ -22,10 +23,12 @@ __all__ = [
     "broadcast_to_tokens",
     "chunked_logprobs",
     "full_logprobs",
+    "fused_logprobs",
     "grpo_advantages",
     "grpo_loss",
     "kl_penalty",
     "mismatch_kl",
     "policy_loss",
     "tis_weights",
+    "vocab_parallel_logprobs",
 ]

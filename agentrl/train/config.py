@@ -19,6 +19,10 @@ class TrainConfig:
     `num_minibatches` splits each `train_step`'s samples into that many optimizer steps, all
     measured against the same recomputed old log-probs (so PPO clipping has something to clip).
     `dtype` "auto" trains fp32 on CPU and bf16 autocast over fp32 weights on GPU.
+    `logprob_impl` picks how token log-probs come out of the LM head (`agentrl.train.forward`):
+    "auto" runs the fused kernel where it applies (CUDA, bf16/fp16 products) and the chunked torch
+    passes elsewhere, "fused" and "chunked" force one; `logprob_chunk_size` is the chunked path's
+    positions per chunk (None: all logits at once).
     """
 
     # Unknown keys in a run configuration are errors, not silently dropped settings.
@@ -33,6 +37,7 @@ class TrainConfig:
     num_minibatches: int = 1
     normalize_adv_std: bool = True
     logprob_chunk_size: int | None = 1024
+    logprob_impl: str = "auto"
     temperature: float = 1.0
     gradient_checkpointing: bool = False
     dtype: str = "auto"
@@ -52,6 +57,8 @@ class TrainConfig:
             problems.append(f"num_minibatches must be >= 1 (got {self.num_minibatches})")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size <= 0:
             problems.append("logprob_chunk_size must be > 0, or None to compute all logits at once")
+        if self.logprob_impl not in ("auto", "fused", "chunked"):
+            problems.append(f"logprob_impl={self.logprob_impl!r}: choose auto, fused or chunked")
         if self.temperature <= 0:
             problems.append(
                 f"temperature must be > 0: the sampling temperature of the rollouts (got {self.temperature})"
