@@ -1,11 +1,13 @@
 """The library runtime trains the terminal environment through the `openenv` plugin against
-`agentrl env serve`, as it trains it directly: the tiny model, in-process weight sync, in-memory
-sandboxes on both sides of the wire. For the same seeds the two paths give the same episodes token
-for token; two training steps through either give the same shape of numbers."""
+`agentrl env serve`, as it trains it directly: the tiny model, in-process weight sync, and the same
+sandbox backend on both sides of the wire (in-memory, or podman with the real verifier). For the
+same seeds the two paths give the same episodes token for token; two training steps through either
+give the same shape of numbers."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +16,22 @@ import pytest
 pytest.importorskip("openenv.core.env_server")
 pytest.importorskip("torch")
 
+from agentrl.openenv.server import ServeConfig, run_in_thread
 from agentrl.runtime import RunConfig, close_parts, resolve, train
 from agentrl.runtime.build import build_parts
 from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
 from tests.conftest import BUNDLED_TASKS
-from tests.test_openenv_server import eventually, fake_server
+from tests.test_openenv_server import eventually
 
 pytestmark = pytest.mark.slow
 
-AGENT = {"max_turns": 1, "max_new_tokens": 12, "min_turn_tokens": 4, "max_total_tokens": 2048, "terminal": "commands"}
-TASKS = {"name": "tbench2", "tasks": str(BUNDLED_TASKS), "max_solution_chars": 64, "backend": "fake"}
+AGENT = {
+    "max_turns": 1,
+    "max_new_tokens": 12,
+    "min_turn_tokens": 4,
+    "max_total_tokens": 2048,
+    "terminal": "commands",
+}
 
 
 def parity(sb: FakeSandbox) -> float:
@@ -51,13 +59,24 @@ def metrics(cfg: RunConfig) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (cfg.out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-async def test_two_training_steps_through_the_openenv_plugin_match_the_direct_path(tmp_path: Path) -> None:
-    direct_cfg = config(tmp_path, "direct", {**TASKS, "action_format": "fenced-bash", "agent": AGENT})
+@pytest.mark.parametrize("backend", ["fake", pytest.param("podman", marks=pytest.mark.container)])
+async def test_two_training_steps_through_the_openenv_plugin_match_the_direct_path(
+    tmp_path: Path, backend: str
+) -> None:
+    if backend == "fake":
+        tasks = {"name": "tbench2", "tasks": str(BUNDLED_TASKS), "max_solution_chars": 64, "backend": "fake"}
+    else:  # one small task: every episode is a real container and a real verifier run
+        shutil.copytree(BUNDLED_TASKS / "hello-file", tmp_path / "tasks" / "hello-file")
+        tasks = {"name": "tbench2", "tasks": str(tmp_path / "tasks"), "backend": "podman"}
+    direct_cfg = config(tmp_path, "direct", {**tasks, "action_format": "fenced-bash", "agent": AGENT})
     direct = build_parts(direct_cfg)
-    direct.env.provider.grader = parity  # type: ignore[attr-defined]
+    served = None
+    if backend == "fake":
+        direct.env.provider.grader = parity  # type: ignore[attr-defined]
+        served = FakeSandboxProvider(grader=parity)
     rows = direct.env.rows("train")
     task_ids = [r["metadata"]["task_id"] for r in rows]
-    with fake_server(FakeSandboxProvider(grader=parity), max_sessions=8) as (url, server, provider):
+    with run_in_thread(ServeConfig(env=tasks, port=0, max_sessions=8), provider=served) as (url, server):
         remote_env = {
             "name": "openenv",
             "url": url,
@@ -84,18 +103,21 @@ async def test_two_training_steps_through_the_openenv_plugin_match_the_direct_pa
         finally:
             await close_parts(direct)
             await close_parts(remote)
-        assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0)
+        assert await eventually(lambda: server.hub.sandboxes == 0)
 
     d, r = metrics(direct_cfg), metrics(remote_cfg)
     for name, rows_ in (("direct", d), ("remote", r)):
         assert [m["step"] for m in rows_] == [1, 2], name
         assert [m["extra"]["version"] for m in rows_] == [1, 2], name  # a weight sync per step
         assert [m["extra"]["trainer"]["step"] for m in rows_] == [2.0, 4.0], name
-        assert all(m["samples"] == 4 and m["internal_errors"] == 0 and not m["failures_by_cause"] for m in rows_)
-    # Rewards alternate by sandbox, so each step's mean is near 0.5 on both paths; the
-    # sampled tokens differ (training sampling is not seeded), the amount of it does not.
+        assert all(
+            m["samples"] == 4 and m["internal_errors"] == 0 and not m["failures_by_cause"] for m in rows_
+        )
+    # Fake: rewards alternate by sandbox, so each step's mean is near 0.5 on both paths. Podman: a
+    # random model never solves the task, 0 on both. The sampled tokens differ (training sampling is
+    # not seeded); the amount of them does not.
     for m_d, m_r in zip(d, r, strict=True):
-        assert abs(m_d["reward_mean"] - m_r["reward_mean"]) <= 0.5
+        assert abs(m_d["reward_mean"] - m_r["reward_mean"]) <= (0.5 if backend == "fake" else 0.0)
         assert 0 < m_r["response_tokens"] <= 4 * AGENT["max_new_tokens"]
     before_d = json.loads((direct_cfg.out_dir / "evals.json").read_text())[0]
     before_r = json.loads((remote_cfg.out_dir / "evals.json").read_text())[0]

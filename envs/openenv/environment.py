@@ -211,7 +211,7 @@ class OpenEnvEnvironment:
                             f"{path} row {i}: `reset` must be an object of reset arguments"
                         )
                 return rows
-        return self._task_api_rows(c.eval_split or c.split if split == "eval" else c.split)
+        return self._task_api_rows((c.eval_split or c.split) if split == "eval" else c.split)
 
     # -- runners -----------------------------------------------------------------------------
 
