@@ -101,6 +101,7 @@ class TorchTrainer:
                 chunk_size=self.config.logprob_chunk_size,
                 temperature=self.config.temperature,
                 with_entropy=with_entropy,
+                impl=self.config.logprob_impl,
             )
 
     @torch.no_grad()
