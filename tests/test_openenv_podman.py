@@ -166,3 +166,55 @@ async def test_the_consume_plugin_scores_the_task_like_the_direct_path(served: t
     # The same model text, the same observations: the same tokens to train on.
     assert [s.tokens for s in remote.segments] == [s.tokens for s in direct.episode.segments]
     assert [s.loss_mask for s in remote.segments] == [s.loss_mask for s in direct.episode.segments]
+
+
+async def test_the_daytona_backend_serves_the_same_episodes(tmp_path: Path) -> None:
+    """The server is backend-blind: on Daytona (the in-process fake, its sandboxes real podman
+    containers) the solution scores 1, nothing scores 0, and a vanished client leaves nothing."""
+    pytest.importorskip("daytona")
+    from agentrl.openenv.server import ServeConfig, run_in_thread
+    from agentrl.sandbox.daytona import DaytonaProvider
+    from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
+
+    shutil.copytree(BUNDLED_TASKS / TASK, tmp_path / TASK)
+    runtime = PodmanRuntime("podman")
+    provider = DaytonaProvider(
+        client_factory=FakeDaytonaServer(runtime).client, backoff_initial_s=0.01, keepalive_s=0
+    )
+
+    def sandboxes() -> list[str]:
+        out = subprocess.run(
+            [
+                "podman",
+                "ps",
+                "-a",
+                "--filter",
+                f"label={FAKE_LABEL}={runtime.server_tag}",
+                "--format",
+                "{{.Names}}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return out.stdout.split()
+
+    solve = (BUNDLED_TASKS / TASK / "solution" / "solve.sh").read_text()
+    config = ServeConfig(
+        env={"name": "tbench2", "backend": "daytona", "tasks": str(tmp_path)}, port=0, max_sessions=2
+    )
+    with run_in_thread(config, provider=provider) as (url, server):
+        async with GenericEnvClient(base_url=url, message_timeout_s=600) as env:
+            await env.reset(task_id=TASK)
+            await env.step({"action_type": "exec", "command": f"bash <<'SOLVE'\n{solve}\nSOLVE"})
+            assert (await env.step({"action_type": "evaluate"})).reward == 1.0
+            await env.reset(task_id=TASK)
+            assert (await env.step({"action_type": "evaluate"})).reward == 0.0
+        ws = await connect(url.replace("http://", "ws://") + "/ws", proxy=None, open_timeout=30)
+        await ws.send(json.dumps({"type": "reset", "data": {"task_id": TASK}}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 300))["type"] == "observation"
+        await ws.send(json.dumps({"type": "step", "data": {"action_type": "exec", "command": "sleep 120"}}))
+        await asyncio.sleep(1.0)
+        ws.transport.abort()
+        assert await eventually(lambda: server.hub.sandboxes == 0 and sandboxes() == [], 60), sandboxes()
