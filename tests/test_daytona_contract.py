@@ -24,6 +24,7 @@ from agentrl.tasks import load_task
 from tests.chat_tokenizer import byte_tokenizer
 from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
 from tests.sandbox_contract import SandboxContract
+from tests.terminal_contract import ShellSessionContract, TerminalContract
 
 CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
 TASK = "tests/fixtures/sandbox_tasks/write-hello"
@@ -68,6 +69,20 @@ class TestDaytonaContract(SandboxContract):
     @pytest.fixture
     def task(self):
         return load_task(TASK)
+
+
+class TestDaytonaShellSession(ShellSessionContract):
+    @pytest.fixture
+    def provider(self, server: FakeDaytonaServer) -> DaytonaProvider:
+        return make_provider(server)
+
+
+class TestDaytonaTerminal(TerminalContract):
+    keeps_listeners = False  # the Daytona verifier's kill spares nothing but the toolbox daemon
+
+    @pytest.fixture
+    def provider(self, server: FakeDaytonaServer) -> DaytonaProvider:
+        return make_provider(server)
 
 
 async def test_sandbox_is_built_from_the_task_dockerfile_with_logs_prepared(server) -> None:

@@ -20,6 +20,7 @@ from agentrl.sandbox.base import ImageBuildError, SandboxTransportError
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, PodmanSandbox, context_hash, reap, run_cli
 from agentrl.tasks import load_task
 from tests.sandbox_contract import SandboxContract
+from tests.terminal_contract import ShellSessionContract, TerminalContract
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
 CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
@@ -54,6 +55,18 @@ class TestPodmanContract(SandboxContract):
     @pytest.fixture
     def task(self):
         return load_task(FIXTURES / "write-hello")
+
+
+class TestPodmanShellSession(ShellSessionContract):
+    @pytest.fixture
+    def provider(self) -> PodmanProvider:
+        return PodmanProvider(cli=CLI)
+
+
+class TestPodmanTerminal(TerminalContract):
+    @pytest.fixture
+    def provider(self) -> PodmanProvider:
+        return PodmanProvider(cli=CLI)
 
 
 @pytest.fixture

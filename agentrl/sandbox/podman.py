@@ -217,6 +217,9 @@ def _from_images(dockerfile: Path) -> list[str]:
 # environment or file the command can see. Anything else on the pipe (a forged or stray frame,
 # garbage, an endless line) is a typed error, read within a fixed memory bound.
 #
+# The watchdog reports a timeout by its exit status (7), and ignores the TERM that ends it once it
+# has fired: this shell wakes from `wait` as soon as the watchdog's kill lands.
+#
 # Per command the host sends `__ar_a TIMEOUT CWD CMD EXPORTS MODE; ( BODY ) ... & __ar_z` and then
 # the nonce. The subshell runs at the top level (not inside a function), so a restored `declare`
 # makes globals, as in a terminal. MODE `s` is the agent's session (`shellstate.py`): the
@@ -263,7 +266,7 @@ __ar_z() {
   echo $p > $__ar_d/p
   IFS= read -r n
   if [ -n "$__ar_t" ]; then
-    ( read -t "$__ar_t" -u $__ar_fd; kill -KILL -- -$p || kill -KILL $p; exit 7 ) >&- 2>&- &
+    ( read -t "$__ar_t" -u $__ar_fd; trap '' TERM; kill -KILL -- -$p || kill -KILL $p; exit 7 ) >&- 2>&- &
     w=$!
   fi
   wait $p; rc=$?
@@ -1055,10 +1058,38 @@ def _is_tmux(pid: int) -> bool:
     return os.path.basename(exe).split(" ")[0] == "tmux" or comm.startswith("tmux")
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """`/proc/PID/stat` after the command name: state, ppid, pgrp, session, tty_nr, tpgid, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def _terminal_holders(servers: set[int]) -> set[int]:
+    """For servers with a controlling terminal: their session leader and, when it is a tmux
+    pane's shell, the tmux server (its parent)."""
+    found: set[int] = set()
+    for pid in servers:
+        fields = _stat_fields(pid)
+        if len(fields) < 5 or fields[4] == "0" or not fields[3].isdigit():
+            continue
+        leader = int(fields[3])
+        if leader in servers or leader <= 1:
+            continue
+        found.add(leader)
+        parent = _stat_fields(leader)
+        if len(parent) > 1 and parent[1].isdigit() and _is_tmux(int(parent[1])):
+            found.add(int(parent[1]))
+    return found
+
+
 def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
     """SIGSTOP, then SIGKILL, every host process in the PID namespace of `init_pid` but the init
     itself (and, with `keep_listeners`, the servers listening on a socket but tmux: tasks ask for
-    services the tests talk to), sweeping until none is left. False when this host cannot see that
+    services the tests talk to; such a server's terminal, if it has one, is stopped rather than
+    killed, see `_terminal_holders`), sweeping until none is left. False when this host cannot see that
     namespace (another user's, a remote engine): the caller kills from inside instead."""
     try:
         ns = os.readlink(f"/proc/{init_pid}/ns/pid")
@@ -1072,14 +1103,25 @@ def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
         for entry in os.scandir("/proc"):
             if entry.name.isdigit() and int(entry.name) not in kept and int(entry.name) != init_pid:
                 try:
-                    if os.readlink(f"/proc/{entry.name}/ns/pid") == ns:
-                        found.append(int(entry.name))
+                    if os.readlink(f"/proc/{entry.name}/ns/pid") != ns:
+                        continue
                 except OSError:
                     continue  # gone, a zombie, or not ours to inspect
+                # A zombie (of a stopped terminal's shell, say) is dead already.
+                if _stat_fields(int(entry.name))[:1] not in (["Z"], ["X"]):
+                    found.append(int(entry.name))
         return found
 
     if listening:
         kept.update(p for p in members() if _is_listener(p, listening) and not _is_tmux(p))
+        # A server in a terminal's foreground dies of SIGHUP when its terminal goes (its session
+        # leader, the pane's shell, or the tmux server holding the pty): those are stopped, never
+        # killed, so they cannot act (a tmux hook, say) and the server keeps serving.
+        holders = _terminal_holders(kept)
+        for pid in holders:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        kept.update(holders)
     for _ in range(100):
         alive = members()
         if not alive:

@@ -47,9 +47,10 @@ BASH_OWN = (
 # - `__ar_names FILE`: the session's variables of this shell, into the array `__ar_vs` (FILE is
 #   scratch space);
 # - `__ar_dump DIR`: the state into DIR/s, written in one go at exit: the directory, the options
-#   (as `$SHELLOPTS` / `$BASHOPTS`), umask, aliases, functions (the backends' own `__ar_*` helpers
-#   removed first), then the session's variables (`declare -p`; bash's own are left out:
-#   assigning some of them aborts the shell that restores);
+#   (as `$SHELLOPTS` / `$BASHOPTS`), umask, the session's variables (`declare -p`; bash's own are
+#   left out: assigning some of them aborts the shell that restores), functions (the backends'
+#   own `__ar_*` helpers removed first) and last the aliases, which would otherwise be expanded
+#   in the restore itself (an alias `cat` turns `cat () {` into a syntax error);
 # - `__ar_post`: after a restore, set exactly the saved options (where they differ: `$__ar_so`,
 #   `$__ar_bo`) but job control, and turn a saved `set -x` off until the command itself runs.
 # No loop in bash over variables: `compgen -X` filters the names and `declare -p` prints them, in C.
@@ -63,10 +64,10 @@ __ar_dump() {
   {
     printf 'builtin cd -- %q\n__ar_so=%q __ar_bo=%q\n' "$PWD" "$SHELLOPTS" "$BASHOPTS"
     set +o xtrace +o verbose +o errexit +o nounset +o noglob
-    umask -p; alias -p; declare -f; declare -F -x
-    shopt -s extglob
+    umask -p; shopt -s extglob
     compgen -v -X '@(__BASH_OWN__)' > "$1/n"; mapfile -t __ar_vs < "$1/n"
     if ((${#__ar_vs[@]})); then declare -p "${__ar_vs[@]}"; fi
+    declare -f; declare -F -x; alias -p
   } > "$1/s"
 }
 __ar_post() {
