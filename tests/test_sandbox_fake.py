@@ -7,6 +7,7 @@ import pytest
 from agentrl.sandbox.base import ExecResult, SandboxCreateError, SandboxTransportError
 from agentrl.sandbox.fake import FakeSandboxProvider, Faults
 from agentrl.sandbox.registry import make_provider
+from agentrl.sandbox.terminal import TerminalClosedError
 from agentrl.tasks import load_task
 from tests.sandbox_contract import SandboxContract
 
@@ -82,3 +83,65 @@ def test_registry_names_backends() -> None:
 
     with pytest.raises(AgentRLError, match="unknown sandbox backend"):
         make_provider("lxc")
+
+
+# -- the fake terminal --------------------------------------------------------------------------------
+async def test_fake_terminal_echoes_typing_and_runs_lines_through_the_handlers() -> None:
+    provider = FakeSandboxProvider().on(
+        r"^make (\w+)$", lambda sb, cmd, m: f"built {m.group(1)} in {sb.cwd}\n"
+    )
+    async with await provider.create("t", run_id="r") as sb:
+        term = await sb.open_terminal(width=40, height=8)
+        await term.send_keys("cd /app")
+        assert (await term.capture()).startswith("root@sandbox:/# cd /app\n")  # echoed, not run
+        await term.send_keys(["Enter", "make all", "Enter", "echo $HOME", "Enter"])
+        screen = await term.capture()
+        assert screen.split("\n")[:5] == [
+            "root@sandbox:/# cd /app",
+            "root@sandbox:/app# make all",
+            "built all in /app",
+            "root@sandbox:/app# echo $HOME",
+            "$HOME",
+        ]
+        assert (await sb.exec("pwd")).stdout == "/\n"  # the terminal's shell is its own
+
+
+async def test_fake_terminal_foreground_sleep_ctrl_c_and_typeahead() -> None:
+    async with await FakeSandboxProvider().create("t", run_id="r") as sb:
+        term = await sb.open_terminal()
+        await term.send_keys("sleep 5\n", duration=1.0)
+        assert not await term.is_idle()
+        await term.send_keys("echo later\n", duration=1.0)  # typed ahead: echoed, run afterwards
+        assert "\nlater\n" not in await term.capture()
+        await term.send_keys("", duration=3.0)
+        assert await term.is_idle() and "\nlater\n" in await term.capture()
+        await term.send_keys("sleep 100\n", duration=1.0)
+        await term.send_keys("C-c")
+        assert await term.is_idle()
+        assert "sleep 100\n^C\nroot@sandbox:/# " in await term.capture()
+        assert [d for _, d in term.sent] == [1.0, 1.0, 3.0, 1.0, 0.0]  # type: ignore[attr-defined]
+
+
+async def test_fake_terminal_screen_is_the_last_rows_wrapped_at_the_width() -> None:
+    provider = FakeSandboxProvider().on(r"^many$", "\n".join(f"line {i}" for i in range(30)) + "\n")
+    async with await provider.create("t", run_id="r") as sb:
+        term = await sb.open_terminal(width=10, height=4)
+        await term.send_keys("many\n")
+        assert await term.capture() == "line 28\nline 29\nroot@sandb\nox:/# \n"
+        history = await term.capture(history=True)
+        assert history.startswith("root@sandb\nox:/# many\nline 0\n")
+
+
+async def test_fake_terminal_ends_with_ctrl_d_exit_and_stop_processes() -> None:
+    async with await FakeSandboxProvider().create("t", run_id="r") as sb:
+        for ending in ("C-d", "exit\n"):
+            term = await sb.open_terminal()
+            await term.send_keys(ending)
+            assert not await term.is_alive()
+            with pytest.raises(TerminalClosedError):
+                await term.send_keys("echo late\n")
+        term = await sb.open_terminal()
+        await sb.stop_processes()
+        assert not await term.is_alive()
+        with pytest.raises(ValueError, match="width and height"):
+            await sb.open_terminal(width=0)
