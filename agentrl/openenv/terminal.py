@@ -51,6 +51,7 @@ from agentrl.sandbox.base import (
     SandboxError,
     SandboxPolicyError,
     SandboxProvider,
+    SandboxTransportError,
 )
 from agentrl.tasks import Task
 from agentrl.verify import verify
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentrl.openenv")
 
 STATE_TEXT_LIMIT = 4096  # last_command / last_output kept in the state, characters
+UPLOAD_TIMEOUT_S = 120.0  # one write_file copy (at most max_file_bytes)
 
 
 class CapacityError(InfraError):
@@ -442,7 +444,12 @@ class TerminalSession(Environment[TerminalAction, TerminalObservation, TerminalS
             src.write_text(action.content, encoding="utf-8")
             try:
                 await self._sandbox.exec(f"mkdir -p -- {shlex.quote(parent)}", timeout=60)
-                await self._sandbox.upload(src, path)
+                try:
+                    await asyncio.wait_for(self._sandbox.upload(src, path), UPLOAD_TIMEOUT_S)
+                except TimeoutError:
+                    raise SandboxTransportError(
+                        f"copying {path[:200]} took over {UPLOAD_TIMEOUT_S:g}s"
+                    ) from None
             except SandboxPolicyError as exc:
                 return await self._policy_failure("write_file", exc)
             except SandboxError as exc:
