@@ -41,6 +41,7 @@ async def still_serves(url: str) -> None:
         assert (await env.step({"action_type": "evaluate"})).reward == 1.0
 
 
+@pytest.mark.slow
 async def test_a_thousand_sessions_at_once_get_capacity_reached_and_the_cap_holds() -> None:
     with fake_server(max_sessions=4, **LIMITS) as (url, server, provider):
 
