@@ -100,9 +100,6 @@ class TerminalHub:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
-    def live_sandboxes(self) -> int:
-        return self.sandboxes
-
     async def open(self, task: Task) -> Sandbox:
         """A started sandbox for `task`, counted against the budget; `CapacityError` when full."""
         limit = self.config.max_sessions
