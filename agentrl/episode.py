@@ -66,7 +66,7 @@ def _status(end: EndReason) -> Status:
     return Status.COMPLETED
 
 
-def _episode_from_run(
+def episode_from_run(
     run: AgentRun,
     *,
     reward: float,
@@ -237,7 +237,7 @@ async def run_episode(
         reward = 0.0 if vres.policy_failure else vres.reward
         assert reward is not None
         timings["total_s"] = time.monotonic() - t_start
-        episode = _episode_from_run(
+        episode = episode_from_run(
             run,
             reward=reward,
             prompt_id=prompt_id,

@@ -15,7 +15,7 @@ from agentrl.agent.actions import get_format
 from agentrl.agent.loop import run_agent
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine
-from agentrl.episode import _episode_from_run
+from agentrl.episode import episode_from_run
 from agentrl.errors import InputError
 from agentrl.openenv.client import (
     OpenEnvInfraError,
@@ -101,7 +101,7 @@ class RemoteTerminalRunner:
                 reward, cause = await self._evaluate(session, obs.info, task_id)
                 timings["verifier_s"] = time.monotonic() - t1
         timings["total_s"] = time.monotonic() - t0
-        episode = _episode_from_run(
+        episode = episode_from_run(
             run,
             reward=reward,
             prompt_id=group_id,
