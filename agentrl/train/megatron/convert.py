@@ -1,0 +1,290 @@
+"""Hugging Face `glm_moe_dsa` <-> megatron-core names, shapes and shards.
+
+One table (`_LAYER_RULES`) maps each megatron parameter of a decoder layer to its HF tensor(s) and
+says how it is cut over tensor-parallel ranks; both directions read it:
+
+- `hf_to_megatron(hf_state, model, ...)`: every rank slices its own shard out of the full HF
+  tensors (load of an HF checkpoint, or of weights exported earlier);
+- `megatron_to_hf(models, ...)`: full HF tensors, in HF names and shapes, gathered over TP (and
+  expert TP / EP) ranks, one at a time, in a fixed order that every rank follows (the weight
+  source of every sync transport and of the HF export).
+
+Shard kinds: "dup" (the same on every TP rank), "col" (rows split over TP), "row" (columns split),
+"glu" (megatron's fc1 holds [gate; up] per rank: rank r has gate_r then up_r), "vocab" (rows of
+the embedding / LM head split over TP). The HF <-> Megatron name table is in
+`shared/reference/megatron_glm5.md`; megatron-bridge's GLM5Bridge is not used (see docs/megatron.md).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.train.megatron.plan import PipelineLayout
+
+
+class ConversionError(ValueError):
+    """A tensor that is missing, unexpected or of the wrong shape in a conversion."""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    megatron: str  # suffix after `decoder.layers.{i}.`
+    hf: tuple[str, ...]  # suffix(es) after `model.layers.{i}.`
+    kind: str
+
+
+_LAYER_RULES = [
+    _Rule("input_layernorm.weight", ("input_layernorm.weight",), "dup"),
+    _Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "dup"),
+    _Rule("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), "dup"),
+    _Rule("self_attention.q_layernorm.weight", ("self_attn.q_a_layernorm.weight",), "dup"),
+    _Rule("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), "col"),
+    _Rule("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), "dup"),
+    _Rule("self_attention.kv_layernorm.weight", ("self_attn.kv_a_layernorm.weight",), "dup"),
+    _Rule("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), "col"),
+    _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
+    _Rule("self_attention.core_attention.indexer.linear_wq_b.weight", ("self_attn.indexer.wq_b.weight",), "dup"),
+    _Rule("self_attention.core_attention.indexer.linear_wk.weight", ("self_attn.indexer.wk.weight",), "dup"),
+    _Rule("self_attention.core_attention.indexer.k_norm.weight", ("self_attn.indexer.k_norm.weight",), "dup"),
+    _Rule("self_attention.core_attention.indexer.k_norm.bias", ("self_attn.indexer.k_norm.bias",), "dup"),
+    _Rule(
+        "self_attention.core_attention.indexer.linear_weights_proj.weight",
+        ("self_attn.indexer.weights_proj.weight",),
+        "dup",
+    ),
+    _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
+    _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
+    _Rule("mlp.router.weight", ("mlp.gate.weight",), "dup"),
+    _Rule("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), "dup"),
+    _Rule(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        "glu",
+    ),
+    _Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), "row"),
+]
+_BY_MEGATRON = {r.megatron: r for r in _LAYER_RULES}
+_TOP = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight", "vocab"),
+    "decoder.final_layernorm.weight": ("model.norm.weight", "dup"),
+    "output_layer.weight": ("lm_head.weight", "vocab"),
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+# Megatron state that is not a weight of the HF model.
+_SKIP = re.compile(r"(local_tokens_per_expert|_extra_state)$")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This rank's coordinates in the groups that shard weights."""
+
+    tp: int = 0
+    tp_size: int = 1
+    etp: int = 0
+    etp_size: int = 1
+    ep: int = 0
+    ep_size: int = 1
+
+    @classmethod
+    def current(cls) -> Ranks:
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+        )
+
+
+def _shard(full: torch.Tensor, kind: str, rank: int, size: int) -> torch.Tensor:
+    if kind == "dup" or size == 1:
+        return full
+    if kind in ("col", "vocab"):
+        return full.chunk(size, dim=0)[rank]
+    if kind == "row":
+        return full.chunk(size, dim=1)[rank]
+    raise ConversionError(f"unknown shard kind {kind!r}")
+
+
+def _glu_shard(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+
+def _global_layer(local: int, stage_layers: Sequence[int]) -> int:
+    return stage_layers[local]
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    model: torch.nn.Module,
+    *,
+    stage_layers: Sequence[int],
+    num_experts: int,
+    ranks: Ranks | None = None,
+) -> dict[str, torch.Tensor]:
+    """This rank's megatron state dict (the keys of `model.state_dict()` that hold weights) cut
+    from the full HF tensors. `stage_layers`: the global (0-indexed) ids of this stage's layers.
+    Raises `ConversionError` naming any megatron weight without an HF source, or shape mismatch."""
+    ranks = ranks or Ranks.current()
+    own = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    local_experts = num_experts // ranks.ep_size
+
+    def need(name: str) -> torch.Tensor:
+        if name not in hf_state:
+            raise ConversionError(f"HF weight {name} is missing")
+        return hf_state[name]
+
+    for key, target in own.items():
+        if _SKIP.search(key):
+            continue
+        if key in _TOP:
+            hf_name, kind = _TOP[key]
+            value = _shard(need(hf_name), kind, ranks.tp, ranks.tp_size)
+        else:
+            m = _LAYER.match(key)
+            if m is None:
+                raise ConversionError(f"no HF source for megatron weight {key}")
+            layer = _global_layer(int(m.group(1)), stage_layers)
+            rest = m.group(2)
+            prefix = f"model.layers.{layer}."
+            e = _EXPERT.match(rest)
+            if e is not None:
+                expert = ranks.ep * local_experts + int(e.group(1))
+                if e.group(2) == "1":
+                    gate, up = need(prefix + "mlp.experts.gate_up_proj")[expert].chunk(2, dim=0)
+                    value = _glu_shard(gate, up, ranks.etp, ranks.etp_size)
+                else:
+                    value = _shard(need(prefix + "mlp.experts.down_proj")[expert], "row", ranks.etp, ranks.etp_size)
+            elif rest in _BY_MEGATRON:
+                rule = _BY_MEGATRON[rest]
+                if rule.kind == "glu":
+                    value = _glu_shard(need(prefix + rule.hf[0]), need(prefix + rule.hf[1]), ranks.tp, ranks.tp_size)
+                else:
+                    value = _shard(need(prefix + rule.hf[0]), rule.kind, ranks.tp, ranks.tp_size)
+            else:
+                raise ConversionError(f"no HF source for megatron weight {key}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConversionError(
+                f"{key}: HF tensor gives shape {tuple(value.shape)} on this rank, the model has {tuple(target.shape)}"
+            )
+        out[key] = value.to(target.dtype)
+    return out
+
+
+def load_hf_into(
+    hf_state: Mapping[str, torch.Tensor],
+    model: torch.nn.Module,
+    *,
+    stage_layers: Sequence[int],
+    num_experts: int,
+    ranks: Ranks | None = None,
+) -> None:
+    """Copy the HF weights into `model` in place (strict: every weight of the model is set)."""
+    state = hf_to_megatron(hf_state, model, stage_layers=stage_layers, num_experts=num_experts, ranks=ranks)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not _SKIP.search(k)]
+    if missing or unexpected:
+        raise ConversionError(f"load left weights unset {missing[:5]} or unknown {unexpected[:5]}")
+
+
+def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _unshard(local: torch.Tensor, kind: str, group: Any, size: int) -> torch.Tensor:
+    if kind == "dup" or size == 1:
+        return local
+    parts = _all_gather(local, group, size)
+    return torch.cat(parts, dim=1 if kind == "row" else 0)
+
+
+def _unshard_glu(local: torch.Tensor, group: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = _all_gather(local, group, size)
+    gates, ups = zip(*(p.chunk(2, dim=0) for p in parts), strict=True)
+    return torch.cat(gates, dim=0), torch.cat(ups, dim=0)
+
+
+def megatron_to_hf(
+    model: torch.nn.Module,
+    *,
+    stage_layers: Sequence[int],
+    num_experts: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's weights as full HF tensors, in the model's order; every rank of the stage's
+    TP / EP groups must iterate it together (the gathers are collectives). Expert weights of a
+    layer come out as HF's two stacked tensors once the layer's last expert is seen."""
+    from megatron.core import parallel_state as ps
+
+    tp_group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    etp_group, etp_size = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
+    ep_group, ep_size = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
+    local_experts = num_experts // ep_size
+    pending: dict[int, dict[str, list[torch.Tensor | None]]] = {}
+    for key, local in model.state_dict(keep_vars=False).items():
+        if _SKIP.search(key):
+            continue
+        local = local.detach()
+        if key in _TOP:
+            hf_name, kind = _TOP[key]
+            yield hf_name, _unshard(local, kind, tp_group, tp_size)
+            continue
+        m = _LAYER.match(key)
+        if m is None:
+            raise ConversionError(f"no HF name for megatron weight {key}")
+        layer = _global_layer(int(m.group(1)), stage_layers)
+        rest = m.group(2)
+        prefix = f"model.layers.{layer}."
+        e = _EXPERT.match(rest)
+        if e is not None:
+            slots = pending.setdefault(layer, {"1": [None] * local_experts, "2": [None] * local_experts})
+            slots[e.group(2)][int(e.group(1))] = local
+            if all(t is not None for v in slots.values() for t in v):
+                yield from _experts_to_hf(prefix, pending.pop(layer), etp_group, etp_size, ep_group, ep_size)
+            continue
+        rule = _BY_MEGATRON.get(rest)
+        if rule is None:
+            raise ConversionError(f"no HF name for megatron weight {key}")
+        if rule.kind == "glu":
+            gate, up = _unshard_glu(local, tp_group, tp_size)
+            yield prefix + rule.hf[0], gate
+            yield prefix + rule.hf[1], up
+        else:
+            yield prefix + rule.hf[0], _unshard(local, rule.kind, tp_group, tp_size)
+    if pending:
+        raise ConversionError(f"experts of layers {sorted(pending)} were incomplete in the state dict")
+
+
+def _experts_to_hf(
+    prefix: str, slots: dict[str, list[Any]], etp_group: Any, etp_size: int, ep_group: Any, ep_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    fc1 = []
+    for t in slots["1"]:
+        gate, up = _unshard_glu(t, etp_group, etp_size) if etp_size > 1 else t.chunk(2, dim=0)
+        fc1.append(torch.cat([gate, up], dim=0))
+    fc2 = [_unshard(t, "row", etp_group, etp_size) for t in slots["2"]]
+    gate_up = torch.stack(fc1)
+    down = torch.stack(fc2)
+    # Experts are spread over EP ranks in order: rank r holds experts r * E_local ... .
+    gate_up = torch.cat(_all_gather(gate_up, ep_group, ep_size), dim=0)
+    down = torch.cat(_all_gather(down, ep_group, ep_size), dim=0)
+    yield prefix + "mlp.experts.gate_up_proj", gate_up
+    yield prefix + "mlp.experts.down_proj", down
+
+
+def stage_layers(layout: PipelineLayout, stage: int) -> list[int]:
+    return list(layout.stages[stage])

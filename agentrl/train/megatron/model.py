@@ -1,0 +1,284 @@
+"""A `glm_moe_dsa` model on megatron-core's own modules, from a Hugging Face config.
+
+MLA (the absorbed form megatron uses for DSA), MoE with a sigmoid router, expert bias and a shared
+expert, and the experimental attention variant `dsa` with index sharing
+(`dsa_indexer_topk_freq` / `dsa_indexer_skip_topk_offset`). Nothing here re-implements a layer:
+the module specs are megatron-core's (`get_transformer_layer_with_experimental_attention_variant_spec`)
+with a backend provider that needs no TransformerEngine, so the same code builds on a CPU (gloo)
+and on a GPU without TE. Settings that make the megatron model compute what HF's
+`GlmMoeDsaForCausalLM` computes are in `transformer_config` with the reason for each.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from agentrl.train.megatron.plan import (
+    ModelConfigError,
+    PipelineLayout,
+    check_pipeline_split,
+    megatron_index_sharing,
+    pipeline_layout,
+)
+from agentrl.train.megatron.settings import MegatronSettings
+
+# megatron picks its JIT fuser at import: torch.compile costs ~16 s of C++ builds on the first CPU
+# forward for the same numbers, so the plain path is chosen before megatron is imported.
+os.environ.setdefault("NVTE_TORCH_COMPILE", "0")
+
+
+def _no_jit_fuser() -> None:
+    import megatron.core.jit as jit
+
+    jit.jit_fuser = lambda fn: fn
+
+
+def cpu_shims() -> None:
+    """What megatron-core needs to run without CUDA: `torch.cuda.current_device` answers (the
+    indexer-loss tracker and the RNG tracker ask), and the RNG tracker in its inference mode (the
+    CUDA one needs a device)."""
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def check_hf_config(hf_config: Any) -> None:
+    """Refuse what this backend does not build, before any weight is allocated."""
+    if getattr(hf_config, "model_type", None) != "glm_moe_dsa":
+        raise ModelConfigError(
+            f"the megatron backend builds glm_moe_dsa models; this config is {getattr(hf_config, 'model_type', None)!r}"
+        )
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ModelConfigError("tie_word_embeddings=True: GLM-5 models have untied embeddings")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ModelConfigError(f"rope_type {rope.get('rope_type')!r}: only the default RoPE is mapped")
+    if getattr(hf_config, "num_nextn_predict_layers", 0):
+        raise ModelConfigError("MTP layers (num_nextn_predict_layers > 0) are not built by this backend")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ModelConfigError("attention_bias / mlp_bias: DSA in megatron-core requires bias-free linears")
+
+
+def moe_layer_pattern(hf_config: Any) -> list[int]:
+    types = getattr(hf_config, "mlp_layer_types", None)
+    if types is None:
+        k = int(hf_config.first_k_dense_replace)
+        return [0] * k + [1] * (hf_config.num_hidden_layers - k)
+    return [1 if t == "sparse" else 0 for t in types]
+
+
+def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
+    """The `MLATransformerConfig` that makes megatron compute what `GlmMoeDsaForCausalLM` computes."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    check_hf_config(hf_config)
+    freq, offset = megatron_index_sharing(hf_config)
+    rope = dict(hf_config.rope_parameters)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.params_dtype]
+    n_group = int(getattr(hf_config, "n_group", 1) or 1)
+    recompute: dict[str, Any] = {}
+    if settings.recompute != "none":
+        recompute = {
+            "recompute_granularity": settings.recompute,
+            **(
+                {"recompute_method": "uniform", "recompute_num_layers": settings.recompute_num_layers}
+                if settings.recompute == "full"
+                else {}
+            ),
+        }
+    return MLATransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        # MLA
+        multi_latent_attention=True,
+        q_lora_rank=hf_config.q_lora_rank,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        qk_layernorm=True,
+        rope_type="rope",
+        rotary_base=float(rope["rope_theta"]),
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        apply_rope_fusion=False,  # DSA requires it off
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,  # DSA requires it; HF GLM-5 has no biases
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=hf_config.initializer_range,
+        # MoE: sigmoid scores, expert bias for choice only, top-k weights renormalised then scaled
+        num_moe_experts=hf_config.n_routed_experts,
+        moe_layer_freq=moe_layer_pattern(hf_config),
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # GLM-5.2 RL: the bias stays as loaded
+        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_num_groups=n_group if n_group > 1 else None,
+        moe_router_group_topk=int(hf_config.topk_group) if n_group > 1 else None,
+        moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        # DSA with index sharing; GLM-5's indexer: interleaved RoPE, LayerNorm eps 1e-6, no Hadamard
+        experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=hf_config.index_n_heads,
+        dsa_indexer_head_dim=hf_config.index_head_dim,
+        dsa_indexer_topk=hf_config.index_topk,
+        dsa_indexer_topk_freq=freq,
+        dsa_indexer_skip_topk_offset=offset,
+        dsa_indexer_rope_interleaved=True,
+        dsa_indexer_rotate_activation=False,
+        dsa_indexer_k_norm_epsilon=1e-6,
+        dsa_indexer_loss_coeff=settings.dsa_indexer_loss_coeff,
+        dsa_kernel_backend="none",
+        # parallelism
+        tensor_model_parallel_size=settings.tp,
+        pipeline_model_parallel_size=settings.pp,
+        virtual_pipeline_model_parallel_size=settings.vpp,
+        num_layers_in_first_pipeline_stage=settings.first_stage_layers,
+        num_layers_in_last_pipeline_stage=settings.last_stage_layers,
+        context_parallel_size=settings.cp,
+        expert_model_parallel_size=settings.ep,
+        expert_tensor_parallel_size=settings.etp,
+        sequence_parallel=settings.tp > 1,  # the absorbed MLA requires it with TP > 1
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        transformer_impl="local",
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        cp_comm_type="allgather" if settings.cp > 1 else None,
+        **recompute,
+    )
+
+
+def _plain_linear() -> type:
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return Linear
+
+
+class SequenceParallelTorchNorm:
+    """torch's RMSNorm / LayerNorm that accepts sequence parallelism. Under it each rank
+    normalises its own tokens, so the weights' gradients are partial sums: they are marked
+    `sequence_parallel` for the TP all-reduce (megatron's torch wrapper refuses sequence
+    parallelism instead, and the absorbed MLA demands it). A class, as `build_module` calls
+    classes and passes plain functions through."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(config=plain, hidden_size=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+class QKNorm(SequenceParallelTorchNorm):
+    """The MLA q/kv latent norms (and the indexer's k norm). HF's `GlmMoeDsaAttention` builds
+    `q_a_layernorm` / `kv_a_layernorm` with the RMSNorm default eps 1e-6, not `rms_norm_eps`
+    (megatron would pass `layernorm_epsilon`): with 1e-5 the tiny model's logits differ by 4e-2."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> Any:
+        return SequenceParallelTorchNorm.__new__(cls, config, hidden_size, eps=1e-6)
+
+
+def spec_provider() -> Any:
+    """megatron's local (non-TE) spec provider plus what the DSA spec asks of a backend: a plain
+    duplicated `linear()` (indexer projections, MLA down-projections) and norms that accept
+    sequence parallelism. Duplicated MLA down-projections also avoid a TP gradient error of the
+    column-parallel ones (the RoPE slice of `linear_kv_down_proj` is never reduced)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla
+
+    linear = _plain_linear()
+    # Without TE absorbed_mla binds its `Linear` to None and then refuses the plain linear.
+    if absorbed_mla.Linear is None:
+        absorbed_mla.Linear = linear
+
+    class Provider(LocalSpecProvider):
+        def linear(self) -> type:
+            return linear
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> Any:
+            return QKNorm if for_qk else SequenceParallelTorchNorm
+
+    return Provider()
+
+
+def layout_of(hf_config: Any, settings: MegatronSettings) -> PipelineLayout:
+    return pipeline_layout(
+        hf_config.num_hidden_layers,
+        settings.pp,
+        vpp=settings.vpp,
+        first_stage_layers=settings.first_stage_layers,
+        last_stage_layers=settings.last_stage_layers,
+    )
+
+
+def build_model(hf_config: Any, settings: MegatronSettings, *, vp_stage: int | None = None) -> Any:
+    """This rank's `GPTModel` (its pipeline stage). Process groups must be initialised
+    (`agentrl.train.megatron.parallel.initialize`). The pipeline split is checked first."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_layer_with_experimental_attention_variant_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layout = layout_of(hf_config, settings)
+    check_pipeline_split(hf_config, layout)
+    _no_jit_fuser()
+    config = transformer_config(hf_config, settings)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp = settings.pp
+    stage = (vp_stage or 0) * pp + pp_rank
+    backend = spec_provider()
+    specs = get_transformer_layer_with_experimental_attention_variant_spec(config=config, backend=backend)
+    local = list(layout.stages[stage])
+    block = TransformerBlockSubmodules(
+        layer_specs=[specs[i] for i in local],
+        layer_norm=backend.layer_norm(rms_norm=True),
+    )
+    first = stage == 0
+    last = stage == len(layout.stages) - 1
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=first,
+        post_process=last,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="none",  # MLA applies its own RoPE
+        vp_stage=vp_stage,
+    )
+    return model
+
+
+def settings_replace(settings: MegatronSettings, **changes: Any) -> MegatronSettings:
+    return dataclasses.replace(settings, **changes)

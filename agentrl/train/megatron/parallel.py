@@ -1,0 +1,64 @@
+"""Process groups for the Megatron backend: gloo on CPU, NCCL on GPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.train.megatron.settings import MegatronSettings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def initialize(settings: MegatronSettings, *, seed: int = 0) -> None:
+    """Join (or create) the default process group and megatron's model-parallel groups.
+
+    Launched by torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) every rank joins that world; a
+    plain single process makes a world of one on loopback, which is how the runtime drives a
+    one-rank trainer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from agentrl.train.megatron.model import cpu_shims
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if world % settings.world_size:
+        raise ValueError(
+            f"world size {world} is not a multiple of tp x pp x cp = {settings.world_size}"
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=settings.tp,
+        pipeline_model_parallel_size=settings.pp,
+        virtual_pipeline_model_parallel_size=settings.vpp,
+        context_parallel_size=settings.cp,
+        expert_model_parallel_size=settings.ep,
+        expert_tensor_parallel_size=settings.etp,
+    )
+    cpu_shims()
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def tp_group() -> Any:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()

@@ -1,0 +1,70 @@
+"""`MegatronSettings`: the Megatron backend's own knobs (parallel layout, precision, recompute).
+
+Pure Python (no megatron import): it is part of the run configuration (`trainer.megatron`), which
+the 3.11 side validates and prints with `--dry-run` too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ConfigDict
+
+
+@dataclass
+class MegatronSettings:
+    """Parallel layout and model-side options of the Megatron trainer.
+
+    `tp`, `pp`, `cp`, `ep`, `etp` (expert TP; None: same as `tp`) are megatron-core's sizes;
+    sequence parallelism is on whenever `tp > 1` (the absorbed MLA that DSA uses requires it).
+    `first_stage_layers` / `last_stage_layers` make the pipeline ends uneven (GLM-5.2: 18 / 20 with
+    PP4), `vpp` cuts each rank's layers into virtual stages. Every stage must start on a layer
+    that computes its DSA indices (checked before the model is built).
+    `recompute`: "none", "selective" or "full" (uniform, `recompute_num_layers` per chunk).
+    `dsa_indexer_loss_coeff`: the indexer's KL loss against the main attention (its inputs are
+    detached, so without it the indexer does not train); None leaves the indexer frozen, as in
+    the GLM-5.2 RL recipe.
+    `moe_token_dispatcher_type`: "allgather" runs everywhere (CPU included); "alltoall" needs CUDA.
+    `params_dtype`: weights and compute dtype ("float32" on CPU, "bfloat16" on GPU).
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    recompute: str = "none"
+    recompute_num_layers: int = 1
+    dsa_indexer_loss_coeff: float | None = None
+    moe_token_dispatcher_type: str = "allgather"
+    params_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.vpp is not None and self.vpp < 1:
+            problems.append(f"vpp must be >= 1 or None (got {self.vpp})")
+        if self.recompute not in ("none", "selective", "full"):
+            problems.append(f"recompute={self.recompute!r}: choose none, selective or full")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall", "flex"):
+            problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}")
+        if self.params_dtype not in ("float32", "bfloat16"):
+            problems.append(f"params_dtype={self.params_dtype!r}: choose float32 or bfloat16")
+        if problems:
+            raise ValueError("MegatronSettings: " + "; ".join(problems))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one model replica (data parallelism multiplies it)."""
+        return self.tp * self.pp * self.cp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,430 @@
+"""The Megatron trainer backend (the `Trainer` protocol) for `glm_moe_dsa` models.
+
+Same contract as `TorchTrainer`: `train_step(samples)` on segments whose advantages were computed
+once per episode outside, the batch format of `agentrl.train.batch` (whole episodes per optimizer
+step, per-token loss weights), old log-probs recomputed before any update, the GRPO / PPO-clip /
+TIS / KL losses of `agentrl.algo`, a non-finite loss or gradient skips the optimizer step.
+
+What differs is the model side:
+- the model is megatron-core's (`agentrl.train.megatron.model`), sharded over TP / EP ranks;
+- each micro-batch runs packed without padding (THD: one row of all its sequences, positions and
+  attention restarting at every `cu_seqlens` boundary); its log-probs are scattered back into the
+  batch's [rows, length] layout, so the loss sees exactly what the torch backend's sees;
+- token log-probs and entropy come from the vocabulary-parallel LM head
+  (`agentrl.algo.vocab_parallel_logprobs`: no [T, V] logits, no gathered vocabulary);
+- gradients of weights that every TP rank holds are reduced as megatron's `finalize_model_grads`
+  does (sum for sequence-parallel ones, mean for the DSA indexer), then AdamW steps.
+
+Every rank of the model-parallel group calls the same methods with the same samples (SPMD);
+`export_weights` yields full HF tensors on every rank (only one of them needs to push them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.algo import grpo_loss, vocab_parallel_logprobs
+from agentrl.sample import Sample
+from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, episode_chunks
+from agentrl.train.checkpoint import CheckpointError, TrainState, atomic_dir, latest_checkpoint
+from agentrl.train.config import TrainConfig
+from agentrl.train.megatron import convert, parallel
+from agentrl.train.megatron.model import build_model, layout_of
+from agentrl.train.megatron.settings import MegatronSettings
+from agentrl.train.torch_backend import bucket_named_tensors
+
+log = logging.getLogger("agentrl.train.megatron")
+
+
+class PackedRows:
+    """A micro-batch's rows packed into one THD row: real tokens only, positions restarting per
+    sequence, `cu_seqlens` at the boundaries (plus a padding sequence so the length divides the
+    TP size, which sequence parallelism needs)."""
+
+    def __init__(self, mb: MicroBatch, *, multiple: int = 1) -> None:
+        lengths = mb.attention_mask.sum(-1).tolist()
+        ids = [mb.input_ids[r, :n] for r, n in enumerate(lengths)]
+        pad = (-sum(lengths)) % multiple
+        if pad:
+            lengths = [*lengths, pad]
+            ids.append(torch.zeros(pad, dtype=mb.input_ids.dtype, device=mb.input_ids.device))
+        self.lengths = [int(n) for n in lengths]
+        self.num_rows = mb.num_rows
+        self.input_ids = torch.cat(ids)[None]
+        self.position_ids = torch.cat([torch.arange(n, device=mb.input_ids.device) for n in self.lengths])[None]
+        cu = torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+        self.cu_seqlens = cu.to(mb.input_ids.device)
+        self.width = mb.input_ids.shape[1]
+
+    def packed_seq_params(self) -> Any:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = max(self.lengths)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+
+    def targets(self) -> torch.Tensor:
+        """Token t's target is token t + 1 of the same sequence (a sequence's last token has none:
+        its target is a placeholder, dropped by `unpack`)."""
+        return torch.roll(self.input_ids[0], -1)
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values [T] (for the next token) -> [rows, width] aligned with the batch:
+        entry (r, t) is the value for token t of row r, predicted at position t - 1; column 0 is 0."""
+        out = values.new_zeros(self.num_rows, self.width)
+        start = 0
+        for r in range(self.num_rows):
+            n = self.lengths[r]
+            if n > 1:
+                out[r, 1:n] = values[start : start + n - 1]
+            start += n
+        return out
+
+
+class MegatronTrainer:
+    """Owns this rank's model shard, its optimizer and the step counter.
+
+    `hf_config`: a transformers `GlmMoeDsaConfig`; `hf_state`: the initial weights as HF tensors
+    (full, on every rank; each rank keeps its shard), or None to keep megatron's initialisation.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        config: TrainConfig,
+        settings: MegatronSettings | None = None,
+        *,
+        hf_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.hf_config = hf_config
+        self.config = config
+        self.settings = settings or MegatronSettings()
+        if self.settings.pp > 1:
+            raise NotImplementedError(
+                "pipeline parallelism is built and checked (the DSA split rule, the weight mapping) but "
+                "its training schedule is CUDA-only and not wired yet: use pp=1"
+            )
+        if hf_config.vocab_size % self.settings.tp:
+            raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
+        if config.loss.kl_coef:
+            raise NotImplementedError("kl_coef > 0 needs a reference model: not wired in the megatron backend yet")
+        parallel.initialize(self.settings, seed=config.seed)
+        torch.manual_seed(config.seed)
+        self.layout = layout_of(hf_config, self.settings)
+        self.model = build_model(hf_config, self.settings)
+        self.stage_layers = convert.stage_layers(self.layout, 0)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model.to(self.device)
+        if hf_state is not None:
+            self.load_hf(hf_state)
+        self.tp_group = parallel.tp_group()
+        self.tp_size = dist.get_world_size(self.tp_group)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.step = 0
+        self.skipped_nonfinite = 0
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights with full HF tensors (each rank keeps its shard)."""
+        with torch.no_grad():
+            convert.load_hf_into(
+                hf_state, self.model, stage_layers=self.stage_layers, num_experts=self.hf_config.n_routed_experts
+            )
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF tensors (names and shapes of `GlmMoeDsaForCausalLM`), gathered over TP / EP
+        ranks; every rank of the model-parallel group must iterate it to the end together."""
+        with torch.no_grad():
+            yield from convert.megatron_to_hf(
+                self.model, stage_layers=self.stage_layers, num_experts=self.hf_config.n_routed_experts
+            )
+
+    def export_weights(
+        self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weights under their HF names and shapes, in buckets of at most `bucket_bytes`."""
+        return bucket_named_tensors(self.hf_weights(), dtype=dtype, bucket_bytes=bucket_bytes)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def logprobs(self, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token log-probs [R, L] of a micro-batch (column 0 and padding are 0), and entropy."""
+        packed = PackedRows(mb, multiple=self.tp_size)
+        targets = packed.targets()
+        temperature = self.config.temperature
+        group = self.tp_group
+        tp_size = self.tp_size
+
+        def head(hidden_states: torch.Tensor, output_layer: Any, **_: Any) -> Any:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            if tp_size > 1:
+                # The LM head's dL/dh is all-reduced by vocab_parallel_logprobs itself, so the
+                # gather's backward must only split (not reduce-scatter) it.
+                hidden_states = gather_from_sequence_parallel_region(
+                    hidden_states, tensor_parallel_output_grad=False, group=group
+                )
+            return vocab_parallel_logprobs(
+                hidden_states[:, 0],
+                output_layer.weight,
+                targets,
+                group=group,
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+
+        logp, ent = self.model(
+            packed.input_ids,
+            packed.position_ids,
+            None,
+            packed_seq_params=packed.packed_seq_params(),
+            output_processor=head,
+        )
+        return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
+
+    @torch.no_grad()
+    def _fill_old(self, batch: TrainBatch) -> None:
+        self.model.eval()
+        for i, mb in enumerate(batch.micro_batches):
+            mb = mb.to(self.device)
+            batch.micro_batches[i] = mb
+            mb.old_logprobs = self.logprobs(mb)[0] * mb.loss_mask
+
+    def prepare(self, samples: Sequence[Sample]) -> tuple[list[TrainBatch], dict[str, float]]:
+        """Filter, split into per-optimizer-step batches of whole episodes, recompute old log-probs."""
+        trainable = [s for s in samples if s.trainable]
+        if not trainable:
+            raise ValueError(
+                f"none of the {len(samples)} samples can train (infra failures or missing rewards): "
+                "check the rollout's failure counts"
+            )
+        batches = []
+        for chunk in episode_chunks(trainable, self.config.num_minibatches):
+            batch = build_batch(
+                [trainable[i] for i in chunk],
+                aggregation=self.config.loss.aggregation,
+                max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+                pad_token_id=0,
+            )
+            self._fill_old(batch)
+            batches.append(batch)
+        rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
+        adv = torch.tensor([float(s.advantage or 0.0) for s in trainable])
+        stats = {
+            "num_samples": float(len(trainable)),
+            "num_episodes": float(len({s.episode_id for s in trainable})),
+            "num_dropped": float(len(samples) - len(trainable)),
+            "reward_mean": rewards.mean().item(),
+            "adv_abs_mean": adv.abs().mean().item(),
+        }
+        return batches, stats
+
+    # -- update ----------------------------------------------------------------------------------
+
+    def finalize_grads(self) -> None:
+        """What megatron's `finalize_model_grads` does for TP without its DDP wrapper: gradients of
+        weights every TP rank holds are partial under sequence parallelism (summed), and the DSA
+        indexer's are averaged (`average_gradients_across_tp_domain`)."""
+        if self.tp_size == 1:
+            return
+        summed, averaged = [], []
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                averaged.append(p.grad)
+            elif getattr(p, "sequence_parallel", False):
+                summed.append(p.grad)
+        for grads, op in ((summed, dist.ReduceOp.SUM), (averaged, dist.ReduceOp.AVG)):
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if op == dist.ReduceOp.AVG and dist.get_backend(self.tp_group) == "gloo":
+                dist.all_reduce(flat, group=self.tp_group)  # gloo has no AVG
+                flat /= self.tp_size
+            else:
+                dist.all_reduce(flat, op=op, group=self.tp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def grad_norm(self) -> float:
+        """Global L2 norm: TP-sharded weights counted on every rank, replicated ones once."""
+        from megatron.core import parallel_state as ps
+
+        first = ps.get_tensor_model_parallel_rank() == 0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sharded = getattr(p, "tensor_model_parallel", False) or not getattr(p, "allreduce", True)
+            if sharded or first:
+                total += p.grad.double().pow(2).sum()
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+        return float(total.sqrt())
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        want_entropy = self.config.loss.entropy_coef > 0
+        sums: dict[str, float] = {}
+        total = 0.0
+        for mb in batch.micro_batches:
+            logp, ent = self.logprobs(mb, with_entropy=want_entropy)
+            assert mb.old_logprobs is not None
+            loss, metrics = grpo_loss(
+                logp * mb.loss_mask,
+                mb.old_logprobs,
+                mb.rollout_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                self.config.loss,
+                entropy=ent,
+                num_tokens=batch.num_loss_tokens,
+                num_seqs=batch.num_loss_seqs,
+                token_weights=mb.loss_weights,
+            )
+            if not torch.isfinite(loss):
+                return self._skip(f"non-finite loss {loss.item()} in a micro-batch of {mb.num_rows} rows")
+            loss.backward()
+            total += loss.item()
+            n_tok = mb.loss_mask.sum().item()
+            if n_tok == 0:
+                continue
+            for k, v in metrics.items():
+                x = float(v)
+                if k.endswith("_min"):
+                    sums[k] = min(sums.get(k, x), x)
+                elif k.endswith("_max"):
+                    sums[k] = max(sums.get(k, x), x)
+                elif k != "pg_loss":
+                    sums[k] = sums.get(k, 0.0) + x * n_tok / max(batch.num_loss_tokens, 1)
+        self.finalize_grads()
+        grad_norm = self.grad_norm()
+        if not math.isfinite(grad_norm):
+            return self._skip(f"non-finite gradient norm {grad_norm}")
+        if self.config.grad_clip and grad_norm > self.config.grad_clip:
+            scale = self.config.grad_clip / (grad_norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.optimizer.step()
+        self.step += 1
+        return {"loss": total, "grad_norm": grad_norm, "skipped": 0.0, **sums, **batch.stats}
+
+    def _skip(self, reason: str) -> dict[str, float]:
+        """Drop this optimizer step's gradient: nothing non-finite may reach AdamW's moments.
+        Every rank sees the same loss (it is computed on every TP rank from the same log-probs)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_nonfinite += 1
+        log.error("optimizer step skipped: %s (%d skipped so far)", reason, self.skipped_nonfinite)
+        return {"loss": float("nan"), "grad_norm": float("nan"), "skipped": 1.0}
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One rollout batch -> `num_minibatches` optimizer steps (as `TorchTrainer.train_step`)."""
+        t0 = time.perf_counter()
+        batches, stats = self.prepare(samples)
+        metrics: dict[str, float] = {}
+        skipped = 0
+        for batch in batches:
+            m = self._update(batch)
+            if m["skipped"]:
+                skipped += 1
+                if not metrics:
+                    metrics = m
+            else:
+                metrics = m
+        metrics.update(stats)
+        metrics["skipped_steps"] = float(skipped)
+        metrics["step"] = float(self.step)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["step_seconds"] = time.perf_counter() - t0
+        return metrics
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
+        """`root/step-NNNNNNNN/`: the model as megatron's distributed checkpoint (`torch_dist`,
+        resharding-capable), each rank's optimizer state, `state.json`; then `root/latest`."""
+        from megatron.core import dist_checkpointing
+
+        root = Path(root)
+        final = root / f"step-{self.step:08d}"
+        # One temporary name for every rank: rank 0 picks it, the others receive it.
+        names = [f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"]
+        dist.broadcast_object_list(names, src=0)
+        tmp = root / names[0]
+        if dist.get_rank() == 0:
+            (tmp / "model").mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self.model.sharded_state_dict(), str(tmp / "model"))
+        torch.save(self.optimizer.state_dict(), tmp / f"optimizer-rank{dist.get_rank():05d}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            state = {
+                "step": self.step,
+                "buffer_state": dict(buffer_state or {}),
+                "config": self.config.to_dict(),
+                "megatron": self.settings.to_dict(),
+                "world_size": dist.get_world_size(),
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+
+            def fill(target: Path) -> None:
+                os.replace(tmp, target)
+
+            atomic_dir(final, fill)
+            latest_tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, root / "latest")
+        dist.barrier()
+        return final
+
+    def load(self, path: str | Path) -> TrainState:
+        """Restore model, optimizer and step from a checkpoint directory (or a root with `latest`)."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        if (path / "latest").exists():
+            resolved = latest_checkpoint(path)
+            if resolved is None:
+                raise CheckpointError(f"{path}/latest points to a missing checkpoint")
+            path = resolved
+        if not (path / "state.json").exists() or not (path / "model").is_dir():
+            raise CheckpointError(f"{path} is not a complete megatron checkpoint (state.json, model/)")
+        raw = json.loads((path / "state.json").read_text())
+        if raw.get("megatron") != self.settings.to_dict() or raw.get("world_size") != dist.get_world_size():
+            raise CheckpointError(
+                f"{path} was saved with {raw.get('megatron')} on {raw.get('world_size')} ranks; this trainer "
+                f"runs {self.settings.to_dict()} on {dist.get_world_size()}: the optimizer state is per rank"
+            )
+        state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path / "model"))
+        self.model.load_state_dict(state, strict=False)
+        opt = path / f"optimizer-rank{dist.get_rank():05d}.pt"
+        self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
+        self.step = int(raw["step"])
+        return TrainState(step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {}))
