@@ -40,7 +40,10 @@ demo-math: venv
 	$(BIN)/python recipes/local_dapo_math.py prepare
 	$(BIN)/python recipes/local_dapo_math.py train
 
+# The Megatron backend's tests run in a second environment (Python 3.12, megatron-core 0.19),
+# built once and cached by `agentrl.train.megatron.venv` (docs/megatron.md).
 test: setup
+	$(BIN)/python -m agentrl.train.megatron.venv
 	$(BIN)/pytest -q
 
 test-fast: venv

@@ -92,8 +92,17 @@ def build_parts(cfg: RunConfig) -> RunParts:
     tok_dir = check_model_source(cfg.engine.tokenizer or cfg.engine.model, "engine.tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
-    engine = build_engine(cfg, trainer.model, tokenizer)
+    if cfg.trainer.backend == "megatron":
+        # Needs Python >= 3.12 and megatron-core (docs/megatron.md); the engine keeps the HF model.
+        from agentrl.train.megatron.trainer import MegatronTrainer
+
+        trainer: Any = MegatronTrainer(
+            policy.config, cfg.trainer, cfg.trainer.megatron, hf_state=policy.state_dict()
+        )
+    else:
+        trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
+        policy = trainer.model
+    engine = build_engine(cfg, policy, tokenizer)
     plugin = get_plugin(cfg.env["name"])
     env = plugin.build(
         plugin.Config.model_validate(cfg.env),

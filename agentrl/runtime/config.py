@@ -10,6 +10,7 @@ run uses, nothing hidden in code.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from agentrl.errors import AgentRLError
 from agentrl.overrides import ConfigError, apply_overrides, load_file
 from agentrl.rollout.manager import RolloutConfig
 from agentrl.train.config import TrainConfig
+from agentrl.train.megatron.settings import MegatronSettings
 
 DEFAULT_ENV = "tbench2"
 
@@ -112,6 +114,16 @@ class CheckpointSettings(_Section):
     resume: bool = Field(False, description="Continue from <out>/checkpoints/latest when it exists.")
 
 
+@dataclass
+class TrainerSettings(TrainConfig):
+    """`TrainConfig` plus the backend that runs it: "torch" (`TorchTrainer`, a transformers model)
+    or "megatron" (`MegatronTrainer`, glm_moe_dsa models on megatron-core, Python >= 3.12; its
+    layout in `megatron`, see docs/megatron.md)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)
+
+
 DEFAULT_BATCH_SIZE = 16
 
 
@@ -130,7 +142,7 @@ class RunConfig(_Section):
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(batch_size=DEFAULT_BATCH_SIZE))
-    trainer: TrainConfig = Field(default_factory=TrainConfig)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     sync: SyncSettings = Field(default_factory=SyncSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)

@@ -49,7 +49,9 @@ _LAYER_RULES = [
     _Rule("self_attention.kv_layernorm.weight", ("self_attn.kv_a_layernorm.weight",), "dup"),
     _Rule("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), "col"),
     _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
-    _Rule("self_attention.core_attention.indexer.linear_wq_b.weight", ("self_attn.indexer.wq_b.weight",), "dup"),
+    _Rule(
+        "self_attention.core_attention.indexer.linear_wq_b.weight", ("self_attn.indexer.wq_b.weight",), "dup"
+    ),
     _Rule("self_attention.core_attention.indexer.linear_wk.weight", ("self_attn.indexer.wk.weight",), "dup"),
     _Rule("self_attention.core_attention.indexer.k_norm.weight", ("self_attn.indexer.k_norm.weight",), "dup"),
     _Rule("self_attention.core_attention.indexer.k_norm.bias", ("self_attn.indexer.k_norm.bias",), "dup"),
@@ -165,11 +167,15 @@ def hf_to_megatron(
                     gate, up = need(prefix + "mlp.experts.gate_up_proj")[expert].chunk(2, dim=0)
                     value = _glu_shard(gate, up, ranks.etp, ranks.etp_size)
                 else:
-                    value = _shard(need(prefix + "mlp.experts.down_proj")[expert], "row", ranks.etp, ranks.etp_size)
+                    value = _shard(
+                        need(prefix + "mlp.experts.down_proj")[expert], "row", ranks.etp, ranks.etp_size
+                    )
             elif rest in _BY_MEGATRON:
                 rule = _BY_MEGATRON[rest]
                 if rule.kind == "glu":
-                    value = _glu_shard(need(prefix + rule.hf[0]), need(prefix + rule.hf[1]), ranks.tp, ranks.tp_size)
+                    value = _glu_shard(
+                        need(prefix + rule.hf[0]), need(prefix + rule.hf[1]), ranks.tp, ranks.tp_size
+                    )
                 else:
                     value = _shard(need(prefix + rule.hf[0]), rule.kind, ranks.tp, ranks.tp_size)
             else:

@@ -38,13 +38,27 @@ def _no_jit_fuser() -> None:
     jit.jit_fuser = lambda fn: fn
 
 
+def require_megatron() -> None:
+    """Fail with the way out when megatron-core (Python >= 3.12) is not importable here."""
+    try:
+        import megatron.core.transformer.experimental_attention_variant.dsa  # noqa: F401
+    except ImportError as exc:
+        raise ModelConfigError(
+            f"the megatron backend needs megatron-core 0.19 on Python >= 3.12 ({exc}): build its "
+            "environment with `python -m agentrl.train.megatron.venv` and run with that interpreter "
+            "(docs/megatron.md)"
+        ) from None
+
+
 def cpu_shims() -> None:
     """What megatron-core needs to run without CUDA: `torch.cuda.current_device` answers (the
-    indexer-loss tracker and the RNG tracker ask), and the RNG tracker in its inference mode (the
-    CUDA one needs a device)."""
+    indexer-loss tracker and the RNG tracker ask), `torch.cuda.synchronize` is a no-op (the
+    `torch_dist` checkpoint writer calls it), and the RNG tracker in its inference mode (the CUDA
+    one needs a device)."""
     if torch.cuda.is_available():
         return
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda device=None: None
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

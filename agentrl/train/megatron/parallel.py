@@ -40,9 +40,7 @@ def initialize(settings: MegatronSettings, *, seed: int = 0) -> None:
         dist.init_process_group(backend)
     world = dist.get_world_size()
     if world % settings.world_size:
-        raise ValueError(
-            f"world size {world} is not a multiple of tp x pp x cp = {settings.world_size}"
-        )
+        raise ValueError(f"world size {world} is not a multiple of tp x pp x cp = {settings.world_size}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,10 +38,10 @@ import torch.distributed as dist
 from agentrl.algo import grpo_loss, vocab_parallel_logprobs
 from agentrl.sample import Sample
 from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, episode_chunks
-from agentrl.train.checkpoint import CheckpointError, TrainState, atomic_dir, latest_checkpoint
+from agentrl.train.checkpoint import CheckpointError, TrainState, latest_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.megatron import convert, parallel
-from agentrl.train.megatron.model import build_model, layout_of
+from agentrl.train.megatron.model import build_model, layout_of, require_megatron
 from agentrl.train.megatron.settings import MegatronSettings
 from agentrl.train.torch_backend import bucket_named_tensors
 
@@ -62,7 +63,9 @@ class PackedRows:
         self.lengths = [int(n) for n in lengths]
         self.num_rows = mb.num_rows
         self.input_ids = torch.cat(ids)[None]
-        self.position_ids = torch.cat([torch.arange(n, device=mb.input_ids.device) for n in self.lengths])[None]
+        self.position_ids = torch.cat([torch.arange(n, device=mb.input_ids.device) for n in self.lengths])[
+            None
+        ]
         cu = torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
         self.cu_seqlens = cu.to(mb.input_ids.device)
         self.width = mb.input_ids.shape[1]
@@ -112,6 +115,7 @@ class MegatronTrainer:
         *,
         hf_state: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        require_megatron()
         self.hf_config = hf_config
         self.config = config
         self.settings = settings or MegatronSettings()
@@ -123,13 +127,19 @@ class MegatronTrainer:
         if hf_config.vocab_size % self.settings.tp:
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
         if config.loss.kl_coef:
-            raise NotImplementedError("kl_coef > 0 needs a reference model: not wired in the megatron backend yet")
+            raise NotImplementedError(
+                "kl_coef > 0 needs a reference model: not wired in the megatron backend yet"
+            )
         parallel.initialize(self.settings, seed=config.seed)
         torch.manual_seed(config.seed)
         self.layout = layout_of(hf_config, self.settings)
         self.model = build_model(hf_config, self.settings)
         self.stage_layers = convert.stage_layers(self.layout, 0)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self.model.to(self.device)
         if hf_state is not None:
             self.load_hf(hf_state)
@@ -151,7 +161,10 @@ class MegatronTrainer:
         """Replace the weights with full HF tensors (each rank keeps its shard)."""
         with torch.no_grad():
             convert.load_hf_into(
-                hf_state, self.model, stage_layers=self.stage_layers, num_experts=self.hf_config.n_routed_experts
+                hf_state,
+                self.model,
+                stage_layers=self.stage_layers,
+                num_experts=self.hf_config.n_routed_experts,
             )
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,7 +183,9 @@ class MegatronTrainer:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def logprobs(self, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logprobs(
+        self, mb: MicroBatch, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token log-probs [R, L] of a micro-batch (column 0 and padding are 0), and entropy."""
         packed = PackedRows(mb, multiple=self.tp_size)
         targets = packed.targets()
@@ -251,7 +266,7 @@ class MegatronTrainer:
         if self.tp_size == 1:
             return
         summed, averaged = [], []
-        for name, p in self.model.named_parameters():
+        for p in self.model.parameters():
             if p.grad is None:
                 continue
             if getattr(p, "average_gradients_across_tp_domain", False):
@@ -393,11 +408,15 @@ class MegatronTrainer:
                 "world_size": dist.get_world_size(),
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
-
-            def fill(target: Path) -> None:
-                os.replace(tmp, target)
-
-            atomic_dir(final, fill)
+            # Renamed into place only when complete (as agentrl.train.checkpoint does): a crash
+            # mid-write never leaves a checkpoint that a resume would pick up.
+            if final.exists():
+                old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
             latest_tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
             latest_tmp.write_text(final.name)
             os.replace(latest_tmp, root / "latest")
@@ -427,4 +446,6 @@ class MegatronTrainer:
         opt = path / f"optimizer-rank{dist.get_rank():05d}.pt"
         self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
         self.step = int(raw["step"])
-        return TrainState(step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {}))
+        return TrainState(
+            step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {})
+        )

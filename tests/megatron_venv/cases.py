@@ -1,0 +1,466 @@
+"""Cases run inside the Megatron environment (Python 3.12, megatron-core 0.19), one per process
+(or per torchrun job): `python cases.py CASE --out RESULT.json --tmp DIR [options]`.
+
+Each case measures and writes numbers; the assertions live in `tests/test_megatron.py`. The model is
+a tiny `glm_moe_dsa`: 4 layers (1 dense + 3 MoE with 4 experts top-2 and a shared expert), MLA,
+DSA with index top-k 4 and index sharing (layers 1, 2, 4 compute, layer 3 reuses layer 2's).
+Its indexer has 8 heads: with a random init and only 2 heads, all heads' ReLU scores are often
+exactly 0 for several keys, and top-k ties then break differently in HF and megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.sample import Sample
+from agentrl.train.batch import build_batch, with_advantages
+from agentrl.train.config import TrainConfig
+
+
+def tiny_config(**changes: Any) -> Any:
+    from transformers import GlmMoeDsaConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=4,
+        index_head_dim=16,
+        index_n_heads=8,
+        index_topk_freq=2,
+        index_skip_topk_offset=2,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kw.update(changes)
+    return GlmMoeDsaConfig(**kw)
+
+
+def tiny_hf(seed: int = 0, **changes: Any) -> Any:
+    """The HF model with every weight non-trivial: norms off 1, router and expert bias random."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    hf = GlmMoeDsaForCausalLM(tiny_config(**changes)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("gate.weight"):
+                p.normal_(0, 0.3)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    return hf
+
+
+def samples(seed: int = 1, vocab: int = 128) -> list[Sample]:
+    """Two GRPO groups of two single-segment episodes, of different lengths, advantages set."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (p, r) in enumerate([(5, 7), (3, 9), (6, 4), (8, 8)]):
+        toks = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        lps = (-torch.rand(r, generator=g) * 4).tolist()
+        out.append(
+            Sample(
+                prompt_id="a" if i < 2 else "b",
+                tokens=toks,
+                prompt_length=p,
+                loss_mask=[1] * r,
+                rollout_logprobs=lps,
+                reward=float(i % 2),
+                sample_index=i,
+            )
+        )
+    return with_advantages(out)
+
+
+def trainer(hf: Any, *, tp: int = 1, lr: float = 1e-3, **settings: Any) -> Any:
+    from agentrl.train.megatron.settings import MegatronSettings
+    from agentrl.train.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer(
+        hf.config,
+        TrainConfig(lr=lr, max_tokens_per_micro_batch=64, weight_decay=0.0),
+        MegatronSettings(tp=tp, **settings),
+        hf_state=hf.state_dict(),
+    )
+
+
+def hf_grads(tr: Any) -> dict[str, torch.Tensor]:
+    """The trainer's current gradients in HF names and shapes (gathered like the weights)."""
+    params = [p for p in tr.model.parameters() if p.grad is not None]
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    try:
+        return {k: v.clone() for k, v in tr.hf_weights()}
+    finally:
+        for p, d in zip(params, saved, strict=True):
+            p.data = d
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+# --- cases ------------------------------------------------------------------------------------
+
+
+def case_build(args: argparse.Namespace) -> dict[str, Any]:
+    """Builds, forward and backward; which layers own indexer weights; every weight trains when the
+    indexer loss is on."""
+    hf = tiny_hf()
+    t0 = time.perf_counter()
+    tr = trainer(hf, dsa_indexer_loss_coeff=0.01)
+    build_s = time.perf_counter() - t0
+    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+    tr.model.train()
+    logp, ent = tr.logprobs(batch.micro_batches[0], with_entropy=True)
+    loss = -(logp * batch.micro_batches[0].loss_mask).sum() / batch.micro_batches[0].loss_mask.sum()
+    loss.backward()
+    names = [n for n, _ in tr.model.named_parameters()]
+    no_grad = [
+        n for n, p in tr.model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
+    ]
+    indexer_layers = sorted({int(n.split(".")[2]) + 1 for n in names if ".indexer." in n})
+    step = tr.train_step(samples())
+    return {
+        "build_seconds": build_s,
+        "loss": float(loss),
+        "entropy_mean": float(ent[batch.micro_batches[0].loss_mask > 0].mean()),
+        "megatron_params": sum(p.numel() for p in tr.model.parameters()),
+        "hf_params": sum(p.numel() for p in hf.parameters()),
+        "params_without_grad": no_grad,
+        "indexer_layers": indexer_layers,
+        "hf_indexer_types": list(hf.config.indexer_types),
+        "train_step": {k: step[k] for k in ("loss", "grad_norm", "skipped", "step")},
+    }
+
+
+def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
+    """Packed (THD) log-probs and entropy against GlmMoeDsaForCausalLM row by row (fp32), and the
+    HF -> megatron -> HF round trip."""
+    hf = tiny_hf()
+    tr = trainer(hf)
+    tr.model.eval()
+    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+    lp_diff = ent_diff = 0.0
+    rows = 0
+    with torch.no_grad():
+        for mb in batch.micro_batches:
+            logp, ent = tr.logprobs(mb, with_entropy=True)
+            for r in range(mb.num_rows):
+                n = int(mb.attention_mask[r].sum())
+                ids = mb.input_ids[r : r + 1, :n]
+                ref = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+                ref_lp = ref.gather(1, ids[0, 1:, None])[:, 0]
+                ref_ent = -(ref.exp() * ref).sum(-1)
+                lp_diff = max(lp_diff, float((logp[r, 1:n] - ref_lp).abs().max()))
+                ent_diff = max(ent_diff, float((ent[r, 1:n] - ref_ent).abs().max()))
+                rows += 1
+    hf_state = hf.state_dict()
+    back = dict(tr.hf_weights())
+    exact = set(back) == set(hf_state) and all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    return {
+        "rows": rows,
+        "packed_rows_per_micro_batch": [mb.num_rows for mb in batch.micro_batches],
+        "logprob_max_abs_diff": lp_diff,
+        "entropy_max_abs_diff": ent_diff,
+        "round_trip_exact": exact,
+        "hf_tensors": len(hf_state),
+        "exported_tensors": len(back),
+        "missing": sorted(set(hf_state) - set(back)),
+        "extra": sorted(set(back) - set(hf_state)),
+    }
+
+
+def case_grads(args: argparse.Namespace) -> dict[str, Any]:
+    """One GRPO step at this TP size: old log-probs, loss, gradient norm, the gradients and the
+    updated weights in HF layout. With --save, stores them (the TP=1 reference); with
+    --reference, reports the largest differences from it."""
+    hf = tiny_hf()
+    tr = trainer(hf, tp=args.tp)
+    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+    tr.model.eval()
+    with torch.no_grad():
+        logp = torch.cat([tr.logprobs(mb)[0].flatten() for mb in batch.micro_batches])
+    metrics = tr.train_step(samples())
+    result = {
+        "logp": logp,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "grads": hf_grads(tr),
+        "weights": {k: v.clone() for k, v in tr.hf_weights()},
+    }
+    out: dict[str, Any] = {"tp": args.tp, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    if args.save and dist.get_rank() == 0:
+        torch.save(result, args.save)
+    if args.reference:
+        ref = torch.load(args.reference, weights_only=True)
+        out.update(
+            logprob_max_abs_diff=float((result["logp"] - ref["logp"]).abs().max()),
+            loss_abs_diff=abs(result["loss"] - ref["loss"]),
+            grad_norm_abs_diff=abs(result["grad_norm"] - ref["grad_norm"]),
+            grad_max_abs_diff=max_diff(result["grads"], ref["grads"]),
+            grad_max_abs=max(float(g.abs().max()) for g in ref["grads"].values()),
+            weight_max_abs_diff=max_diff(result["weights"], ref["weights"]),
+        )
+    return out
+
+
+def case_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    """torch_dist save after one step, load into a fresh trainer, both take the same next step."""
+    hf = tiny_hf()
+    root = Path(args.tmp) / "ckpt"
+    a = trainer(hf)
+    a.train_step(samples(1))
+    path = a.save(root, buffer_state={"step": 1, "rollout": {"cursor": 3}})
+    saved = {k: v.clone() for k, v in a.hf_weights()}
+    b = trainer(tiny_hf(seed=7))  # other initial weights: the load must replace all of them
+    state = b.load(root)
+    loaded = {k: v.clone() for k, v in b.hf_weights()}
+    ma = a.train_step(samples(2))
+    mb = b.train_step(samples(2))
+    after_a = dict(a.hf_weights())
+    after_b = dict(b.hf_weights())
+    return {
+        "path": str(path),
+        "files": sorted(p.name for p in Path(path).iterdir()),
+        "latest": (root / "latest").read_text(),
+        "state_step": state.step,
+        "buffer_state": state.buffer_state,
+        "loaded_max_abs_diff": max_diff(saved, loaded),
+        "next_step_loss": [ma["loss"], mb["loss"]],
+        "after_next_step_max_abs_diff": max_diff(after_a, after_b),
+        "steps": [a.step, b.step],
+    }
+
+
+def case_split(args: argparse.Namespace) -> dict[str, Any]:
+    """A pipeline split whose second stage starts on a sharing layer is refused before anything is
+    built (no process group exists here); megatron-core's own check agrees on both splits."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        _validate_dsa_index_share_pipeline_split,
+    )
+
+    from agentrl.train.megatron.model import build_model, transformer_config
+    from agentrl.train.megatron.plan import PipelineSplitError
+    from agentrl.train.megatron.settings import MegatronSettings
+
+    cfg = tiny_config()
+    out: dict[str, Any] = {"dist_initialized": dist.is_initialized()}
+    for label, first in (("bad", 2), ("good", 3)):
+        settings = MegatronSettings(pp=2, first_stage_layers=first, last_stage_layers=4 - first)
+        try:
+            build_model(cfg, settings)
+            ours = None
+        except PipelineSplitError as exc:
+            ours = str(exc)
+        except Exception as exc:  # the good split gets past the check and needs process groups
+            ours = f"passed the check, then {type(exc).__name__}"
+        mcfg = transformer_config(cfg, MegatronSettings())
+        try:
+            _validate_dsa_index_share_pipeline_split(mcfg, range(first, 4))
+            theirs = None
+        except RuntimeError as exc:
+            theirs = str(exc)
+        out[label] = {"ours": ours, "megatron": theirs}
+    out["dist_initialized_after"] = dist.is_initialized()
+    return out
+
+
+def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
+    """One GRPO step of `agentrl.runtime.train` with trainer.backend=megatron on the tiny
+    glm_moe_dsa model (agentrl.models.tiny), rollouts from an `agentrl engine serve` process, and
+    a weight sync to it; then the engine's log-probs of a sampled episode against the trainer's."""
+    import urllib.request
+
+    from agentrl.models.tiny import tiny_model_dir
+    from agentrl.runtime import RunConfig, close_parts, resolve, train
+    from agentrl.runtime.build import build_parts
+
+    model = Path(tiny_model_dir())
+    port = int(args.port)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", str(model), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"engine serve did not start: {server.stdout.read()[-3000:]}"
+                    ) from None
+                time.sleep(0.5)
+        tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
+        cfg = resolve(
+            RunConfig,
+            defaults={
+                "out": str(Path(args.tmp) / "run"),
+                "steps": 1,
+                "env": {
+                    "name": "tbench2",
+                    "tasks": str(tasks),
+                    "max_solution_chars": 64,
+                    "backend": "fake",
+                    "action_format": "fenced-bash",
+                    "agent": {
+                        "max_turns": 1,
+                        "max_new_tokens": 12,
+                        "min_turn_tokens": 4,
+                        "max_total_tokens": 2048,
+                    },
+                },
+                "engine": {"model": str(model), "kind": "sglang", "urls": [url]},
+                "rollout": {
+                    "batch_size": 4,
+                    "n_samples_per_prompt": 2,
+                    "max_in_flight": 4,
+                    "max_staleness": 1,
+                },
+                "trainer": {"backend": "megatron", "lr": 1e-3},
+                "sync": {"transport": args.transport},
+                "eval": {"before": False, "after": False},
+            },
+        )
+        parts = build_parts(cfg)
+        # A random-init model never solves a task: alternate rewards so groups carry signal.
+        parts.env.provider.grader = lambda sb: float(int(sb.sandbox_id.rsplit("-", 1)[-1]) % 2)
+        try:
+            result = asyncio.run(train(cfg, parts))
+            rows = [json.loads(line) for line in (cfg.out_dir / "metrics.jsonl").read_text().splitlines()]
+            record = sorted((cfg.out_dir / "records").glob("*.jsonl"))[0]
+            tokens = _episode_tokens(record)
+            body = json.dumps(
+                {
+                    "input_ids": tokens,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                }
+            ).encode()
+            req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                meta = json.loads(resp.read())["meta_info"]
+            engine_lp = torch.tensor([e[0] for e in meta["input_token_logprobs"]][1:])
+            sample = Sample(
+                prompt_id="x",
+                tokens=tokens,
+                prompt_length=1,
+                loss_mask=[1] * (len(tokens) - 1),
+                rollout_logprobs=[0.0] * (len(tokens) - 1),
+                reward=1.0,
+                advantage=0.0,
+            )
+            mb = build_batch([sample], max_tokens_per_micro_batch=10**6).micro_batches[0]
+            parts.trainer.model.eval()
+            with torch.no_grad():
+                trainer_lp = parts.trainer.logprobs(mb)[0][0, 1:]
+            version = meta["weight_version"]  # the version that served this request
+            from transformers import AutoModelForCausalLM
+
+            initial = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+            with torch.no_grad():
+                ids = torch.tensor([tokens])
+                initial_lp = torch.log_softmax(initial(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[
+                    :, 0
+                ]
+        finally:
+            asyncio.run(close_parts(parts))
+        return {
+            "steps": result.steps,
+            "trainer": rows[0]["extra"]["trainer"],
+            "version": rows[0]["extra"]["version"],
+            "engine_version": version,
+            "tokens": len(tokens),
+            "engine_vs_trainer_max_abs_diff": float((engine_lp - trainer_lp).abs().max()),
+            "engine_vs_initial_max_abs_diff": float((engine_lp - initial_lp).abs().max()),
+            "mismatch_kl": rows[0]["extra"]["trainer"].get("mismatch_kl"),
+        }
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _episode_tokens(record: Path) -> list[int]:
+    """The token ids of the first sample in an episode record (prompt + response)."""
+    for line in record.read_text().splitlines():
+        row = json.loads(line)
+        for key in ("samples", "segments"):
+            for s in row.get(key) or []:
+                if isinstance(s, dict) and s.get("tokens"):
+                    return list(s["tokens"])
+        if row.get("tokens"):
+            return list(row["tokens"])
+    raise RuntimeError(f"no tokens in {record}")
+
+
+CASES = {
+    "build": case_build,
+    "hf_parity": case_hf_parity,
+    "grads": case_grads,
+    "checkpoint": case_checkpoint,
+    "split": case_split,
+    "runtime": case_runtime,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tmp", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--save")
+    parser.add_argument("--reference")
+    parser.add_argument("--port", default="0")
+    parser.add_argument("--transport", default="tensor")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
+    result = CASES[args.case](args)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The Megatron trainer backend (glm_moe_dsa on megatron-core 0.19) on CPU over gloo.
+
+The layout rules and the run-config registration run here, in the main (3.11) environment. The
+rest needs megatron-core, i.e. Python >= 3.12: each `slow` test runs one case of
+`tests/megatron_venv/cases.py` in that environment (built once, cached; `make test` builds it
+first) and asserts on the numbers it reports. The model is a tiny glm_moe_dsa: 4 layers (1 dense +
+3 MoE with a shared expert), MLA, DSA top-k 4 with index sharing (layer 3 reuses layer 2's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentrl.runtime.config import RunConfig, resolve
+from agentrl.train.megatron.plan import (
+    PipelineSplitError,
+    check_pipeline_split,
+    computing_layers,
+    megatron_index_sharing,
+    pipeline_layout,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def glm52_shaped(layers: int = 78, freq: int = 4, offset: int = 3) -> object:
+    """GLM-5.2's layer pattern (3 dense, DSA index freq 4) on a config small enough to build."""
+    return transformers.GlmMoeDsaConfig(
+        num_hidden_layers=layers,
+        first_k_dense_replace=3,
+        index_topk_freq=freq,
+        index_skip_topk_offset=offset,
+        vocab_size=64,
+        hidden_size=32,
+    )
+
+
+def test_glm52_computing_layers_come_from_the_hf_pattern() -> None:
+    cfg = glm52_shaped()
+    assert computing_layers(cfg)[:6] == [1, 2, 3, 7, 11, 15] and computing_layers(cfg)[-1] == 75
+    # megatron-core's (freq, offset) reproduce HF's pattern exactly (their offset defaults differ).
+    assert megatron_index_sharing(cfg) == (4, 3)
+
+
+def test_the_glm52_recipe_splits_pass_and_an_even_split_is_rejected() -> None:
+    cfg = glm52_shaped()
+    check_pipeline_split(cfg, pipeline_layout(78, 4, first_stage_layers=18, last_stage_layers=20))
+    check_pipeline_split(cfg, pipeline_layout(78, 8, first_stage_layers=14, last_stage_layers=16))
+    with pytest.raises(PipelineSplitError, match=r"starts at layer 40 \(1-indexed\)"):
+        check_pipeline_split(cfg, pipeline_layout(78, 2))
+
+
+def test_a_stage_starting_on_a_sharing_layer_is_rejected_with_its_number() -> None:
+    cfg = glm52_shaped(layers=8, freq=2, offset=2)  # layers 1, 2, 4, 6, 8 compute
+    assert computing_layers(cfg) == [1, 2, 4, 6, 8]
+    with pytest.raises(PipelineSplitError, match=r"stage 1 starts at layer 5 .* indices of layer 4"):
+        check_pipeline_split(cfg, pipeline_layout(8, 2))
+    check_pipeline_split(cfg, pipeline_layout(8, 2, first_stage_layers=3, last_stage_layers=5))
+    # Virtual stages too: 8 layers over 2 ranks x 2 virtual stages start at 1, 3, 5, 7.
+    with pytest.raises(PipelineSplitError, match="starts at layer 3"):
+        check_pipeline_split(cfg, pipeline_layout(8, 2, vpp=2))
+
+
+def test_uneven_split_that_does_not_add_up_is_rejected() -> None:
+    with pytest.raises(PipelineSplitError, match="middle stage"):
+        pipeline_layout(78, 4, first_stage_layers=18, last_stage_layers=21)
+
+
+def test_backend_megatron_is_selectable_in_the_run_config() -> None:
+    cfg = resolve(
+        RunConfig, overrides=["trainer.backend=megatron", "trainer.megatron.tp=2", "trainer.lr=3e-5"]
+    )
+    assert cfg.trainer.backend == "megatron" and cfg.trainer.megatron.tp == 2 and cfg.trainer.lr == 3e-5
+    assert cfg.dump()["trainer"]["megatron"]["tp"] == 2  # --dry-run shows the layout
+    assert resolve(RunConfig).trainer.backend == "torch"
+    with pytest.raises(Exception, match=r"trainer\.megatron\.tpp"):
+        resolve(RunConfig, overrides=["trainer.megatron.tpp=2"])
+
+
+# --- in the Megatron environment (Python 3.12, megatron-core 0.19) --------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tiny_glm_moe_dsa_builds_runs_forward_backward_and_a_grpo_step(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("build", tmp_path)
+    assert r["megatron_params"] == r["hf_params"]
+    # Index sharing is real: only the computing layers own indexer weights.
+    assert r["hf_indexer_types"] == ["full", "full", "shared", "full"] and r["indexer_layers"] == [1, 2, 4]
+    assert r["params_without_grad"] == []  # with the indexer loss on, every weight trains
+    assert r["train_step"]["skipped"] == 0 and r["train_step"]["step"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("hf_parity", tmp_path)
+    assert r["packed_rows_per_micro_batch"] == [4]  # four sequences in one THD row
+    assert r["logprob_max_abs_diff"] <= 1e-4 and r["entropy_max_abs_diff"] <= 1e-4
+    assert r["round_trip_exact"] and r["missing"] == [] and r["extra"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tp2_over_gloo_equals_tp1(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    ref = tmp_path / "tp1.pt"
+    run_case("grads", tmp_path, "--tp", "1", "--save", str(ref))
+    r = run_case("grads", tmp_path, "--tp", "2", "--reference", str(ref), nproc=2)
+    assert r["logprob_max_abs_diff"] <= 1e-5
+    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
+    # Gradients in HF layout, every tensor (a wrong TP reduction shows here, not in the forward).
+    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
+    assert r["weight_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_torch_dist_checkpoint_resumes_to_the_same_next_step(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("checkpoint", tmp_path)
+    assert r["files"] == ["model", "optimizer-rank00000.pt", "state.json"] and r["latest"] == "step-00000001"
+    assert r["state_step"] == 1 and r["buffer_state"] == {"step": 1, "rollout": {"cursor": 3}}
+    assert r["loaded_max_abs_diff"] == 0.0
+    assert r["after_next_step_max_abs_diff"] == 0.0 and r["steps"] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_bad_pipeline_split_is_refused_before_the_model_is_built(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("split", tmp_path)
+    assert not r["dist_initialized"] and not r["dist_initialized_after"]
+    assert "starts at layer 3" in r["bad"]["ours"] and "local layer 3" in r["bad"]["megatron"]
+    assert r["good"]["megatron"] is None and r["good"]["ours"].startswith("passed the check")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(tmp_path: Path) -> None:
+    from tests.megatron_venv import free_port, run_case
+
+    r = run_case("runtime", tmp_path, "--port", str(free_port()), "--transport", "tensor")
+    assert r["steps"] == 1 and r["trainer"]["skipped_steps"] == 0 and r["trainer"]["step"] == 1
+    assert r["version"] == 1 and r["engine_version"] == "1"
+    # Before the step the engine's rollout log-probs were the trainer's (no mismatch) ...
+    assert r["mismatch_kl"] <= 1e-6
+    # ... and after the sync the engine serves the trained weights: its log-probs moved away from
+    # the initial model's and equal the trainer's.
+    assert r["engine_vs_initial_max_abs_diff"] > 1e-3
+    assert r["engine_vs_trainer_max_abs_diff"] <= 1e-4
