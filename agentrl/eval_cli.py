@@ -269,7 +269,7 @@ def resolve(settings: EvalSettings, built: BuiltEngine) -> Resolved:
     if max_total is None:
         max_total = int(context * CHAT_CONTEXT_SHARE) if built.tokenizer is None else context
     max_new = settings.max_new_tokens or max(256, min(DEFAULT_MAX_NEW_TOKENS, context // 2))
-    malformed = settings.max_consecutive_malformed or settings.max_turns
+    malformed = settings.max_consecutive_malformed or settings.max_turns + 1  # never before max_turns
     mode = AgentConfig(terminal=settings.terminal).mode_for(get_format(settings.action_format))
     return Resolved(max_new, max_total, malformed, mode)
 
@@ -743,10 +743,10 @@ def eval_cmd(
         None, "--create-timeout", help="Sandbox start limit (default: the task's)."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved settings and exit."),
-    log_level: str = typer.Option("WARNING", "--log-level"),
 ) -> None:
-    """Evaluate a model on tasks with Harbor's semantics; write a Harbor job directory (ATIF trajectories)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Evaluate a model on tasks with Harbor's semantics; write a Harbor job directory (ATIF trajectories).
+
+    Logging: `agentrl --log-level info eval ...`."""
     settings = EvalSettings(
         tasks=list(tasks),
         engine=engine,
@@ -781,6 +781,15 @@ def eval_cmd(
         summary = asyncio.run(run_eval(settings, dry_run=dry_run))
     except (AgentRLError, FileExistsError, ValueError) as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("torch", "transformers", "tokenizers", "safetensors", "numpy"):
+            raise
+        console.print(
+            f"[red]error:[/red] --engine {engine} needs {exc.name!r}, which is not installed: "
+            "pip install -e '.[local]' (--engine openai needs neither)",
+            soft_wrap=True,
+        )
         raise typer.Exit(2) from None
     if summary is None:
         return

@@ -177,7 +177,7 @@ async def test_the_defaults_are_terminus_2s_and_real_model_sized(tmp_path: Path)
     resolved = resolve(settings, built)
     assert resolved.mode == "tmux" and resolved.max_new_tokens == 8192
     assert resolved.max_total_tokens == int(131072 * 0.85)  # chat engines: estimated token counts
-    assert resolved.max_consecutive_malformed == settings.max_turns == 1_000_000
+    assert resolved.max_consecutive_malformed > settings.max_turns == 1_000_000
     assert harbor_warnings(settings, resolved, built, []) == []
 
 

@@ -35,8 +35,11 @@ def serve_cmd(
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="The model's name in /v1/models (default: the directory's name)."
     ),
-    log_level: str = typer.Option(
-        "INFO", "--log-level", help="INFO logs one line per request (method, path, status, latency)."
+    request_log: bool = typer.Option(
+        True,
+        "--request-log/--no-request-log",
+        help="One INFO line per request (method, path, status, latency; never a prompt), whatever "
+        "`agentrl --log-level` says for the rest.",
     ),
 ) -> None:
     """Serve MODEL with SGLang's /generate, its OpenAI-compatible /v1/models and /v1/chat/completions,
@@ -47,8 +50,19 @@ def serve_cmd(
 
     from agentrl.engine.server import serve
 
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(format=LOG_FORMAT)  # a no-op under `agentrl`, which configured logging
+    if request_log:
+        logging.getLogger("agentrl.engine.server").setLevel(logging.INFO)
 
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ModuleNotFoundError as exc:
+        typer.echo(
+            f"`agentrl engine serve` needs {exc.name!r}, which is not installed: pip install -e '.[local]'",
+            err=True,
+        )
+        raise typer.Exit(2) from None
     dead = None
     with contextlib.suppress(KeyboardInterrupt):
         dead = asyncio.run(

@@ -1,0 +1,103 @@
+"""The job directory `agentrl eval` writes, read by Harbor 0.25 itself: its pydantic models
+(JobConfig, JobResult, TrialConfig, TrialResult, the ATIF `Trajectory`), its task checksum and its
+viewer's HTTP API (`harbor view`), run in Harbor's own Python 3.12 environment (built once and
+cached, as `tests/test_terminus_harbor_diff.py` builds it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentrl.eval_cli import run_eval
+from agentrl.sandbox.fake import FakeSandboxProvider
+from tests.test_eval_cli import IDLE, SOLVE, ScriptedChat, _grader, _settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+# Runs in the harbor venv: `python - JOBS_DIR JOB_NAME`; prints one JSON report.
+HARBOR_CHECK = r"""
+import json, sys, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+from fastapi.testclient import TestClient
+from harbor.models.job.config import JobConfig
+from harbor.models.job.result import JobResult
+from harbor.models.task.task import Task
+from harbor.models.trajectories.trajectory import Trajectory
+from harbor.models.trial.config import TrialConfig
+from harbor.models.trial.result import TrialResult
+from harbor.viewer.server import create_app
+
+jobs, name = Path(sys.argv[1]), sys.argv[2]
+job = jobs / name
+report = {"trials": {}, "evals": {}}
+JobConfig.model_validate(json.loads((job / "config.json").read_text()))
+result = JobResult.model_validate_json((job / "result.json").read_text())
+report["n_total_trials"] = result.n_total_trials
+for key, ev in result.stats.evals.items():
+    report["evals"][key] = {"metrics": ev.metrics, "pass_at_k": ev.pass_at_k, "n_errors": ev.n_errors}
+client = TestClient(create_app(jobs))
+report["viewer_jobs"] = [j["name"] for j in client.get("/api/jobs").json()["items"]]
+report["viewer_config"] = client.get(f"/api/jobs/{name}/config").status_code
+for d in sorted(p for p in job.iterdir() if p.is_dir()):
+    TrialConfig.model_validate_json((d / "config.json").read_text())
+    tr = TrialResult.model_validate_json((d / "result.json").read_text())
+    traj = Trajectory.model_validate_json((d / "agent" / "trajectory.json").read_text())
+    viewed = client.get(f"/api/jobs/{name}/trials/{d.name}/trajectory")
+    report["trials"][d.name] = {
+        "task": tr.task_name,
+        "rewards": tr.verifier_result.rewards if tr.verifier_result else None,
+        "failure_cause": tr.failure_cause.value if tr.failure_cause else None,
+        "reward_valid": tr.reward_valid,
+        "checksum_equal": Task(Path(tr.task_id.path)).checksum == tr.task_checksum,
+        "sources": [s.source for s in traj.steps],
+        "tool_calls": [[c.function_name for c in s.tool_calls or []] for s in traj.steps],
+        "viewer_trial": client.get(f"/api/jobs/{name}/trials/{d.name}").status_code,
+        "viewer_steps": len(viewed.json()["steps"]) if viewed.status_code == 200 else None,
+    }
+print(json.dumps(report, default=str))
+"""
+
+
+def harbor_check(jobs_dir: Path, job_name: str) -> dict[str, Any]:
+    """Harbor's own reading of a job directory (see HARBOR_CHECK)."""
+    from tests.test_terminus_harbor_diff import _harbor_python
+
+    python = _harbor_python()
+    out = subprocess.run(
+        [str(python), "-", str(jobs_dir), job_name],
+        input=HARBOR_CHECK,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def test_harbor_reads_the_job_its_trajectories_and_its_checksums(tmp_path: Path) -> None:
+    replies: dict[str, list[str | int]] = {"hello.txt": [SOLVE], "directories": [IDLE, 503]}
+    async with ScriptedChat(replies) as server:
+        settings = _settings(tmp_path, server.url, n_attempts=2, max_turns=3, max_attempts=1)
+        summary = await run_eval(settings, provider=FakeSandboxProvider(grader=_grader))
+    assert summary is not None and summary["unscored"] == 2
+    report = harbor_check(tmp_path / "jobs", "job")
+    assert report["viewer_jobs"] == ["job"] and report["viewer_config"] == 200
+    assert report["n_total_trials"] == 4
+    (ev,) = report["evals"].values()
+    assert ev["n_errors"] == 2 and ev["metrics"] == [{"mean": 0.5}]
+    trials = report["trials"].values()
+    assert len(trials) == 4
+    for t in trials:
+        assert t["checksum_equal"] and t["viewer_trial"] == 200 and t["viewer_steps"] == len(t["sources"])
+        assert t["sources"][:2] == ["system", "user"] and set(t["sources"][2:]) == {"agent"}
+        if t["task"] == "hello-file":
+            assert t["rewards"] == {"reward": 1.0} and t["failure_cause"] is None
+            assert t["tool_calls"][2] == ["bash_command", "mark_task_complete"]
+        else:
+            # the engine failed: Harbor classifies it as the model provider's failure, no reward
+            assert t["rewards"] is None and t["failure_cause"] == "model_provider_failed"
