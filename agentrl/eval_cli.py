@@ -597,7 +597,7 @@ async def run_eval(
         summary = None
         try:
             summary = await evaluate(
-                runner,  # type: ignore[arg-type]
+                runner,
                 rows,
                 samples_per_row=settings.n_attempts,
                 ks=ks,

@@ -423,12 +423,12 @@ class HarborJob:
                 n_errored += 1
                 ev["exception_stats"].setdefault(o.exception_type, []).append(o.name)
             by_task[key][o.task_name].append(None if not o.rewards else next(iter(o.rewards.values())))
-            for field_name, value in (
+            for field_name, count in (
                 ("n_input_tokens", o.n_input_tokens),
                 ("n_output_tokens", o.n_output_tokens),
             ):
-                if value is not None:
-                    totals[field_name] = (totals[field_name] or 0) + value
+                if count is not None:
+                    totals[field_name] = (totals[field_name] or 0) + count
         if final:
             for key, ev in evals.items():
                 rewards = [r for task in by_task[key].values() for r in task]
@@ -604,7 +604,7 @@ class Trial:
             "environment_setup": {"started_at": _iso(t0), "finished_at": _iso(env_end)} if env_end else None,
             "agent_setup": None,
             "agent_execution": {"started_at": _iso(env_end), "finished_at": _iso(agent_end)}
-            if agent_end
+            if env_end and agent_end
             else None,
             "verifier": (
                 {
