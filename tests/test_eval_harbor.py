@@ -101,3 +101,57 @@ async def test_harbor_reads_the_job_its_trajectories_and_its_checksums(tmp_path:
         else:
             # the engine failed: Harbor classifies it as the model provider's failure, no reward
             assert t["rewards"] is None and t["failure_cause"] == "model_provider_failed"
+
+
+# Runs in the harbor venv: Harbor's own LLM client (LiteLLM, as Terminus-2 calls it with
+# `collect_rollout_details`) against `agentrl engine serve`'s OpenAI endpoint.
+LITELLM_CHECK = r"""
+import asyncio, json, logging, os, sys, warnings
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+warnings.simplefilter("ignore")
+logging.disable(logging.CRITICAL)
+import litellm
+from harbor.llms.lite_llm import LiteLLM
+
+async def main(url):
+    llm = LiteLLM("openai/tiny", api_base=url, collect_rollout_details=True)
+    resp = await litellm.acompletion(
+        model="openai/tiny", api_base=url, api_key="none", max_tokens=8, logprobs=True,
+        messages=[{"role": "user", "content": "List the files."}],
+        extra_body={"return_token_ids": True}, drop_params=True,
+    )
+    prompt_ids, completion_ids = llm._extract_token_ids(resp)
+    print(json.dumps({
+        "finish": resp["choices"][0]["finish_reason"],
+        "logprobs": llm._extract_logprobs(resp),
+        "usage": [resp["usage"].prompt_tokens, resp["usage"].completion_tokens],
+        "token_ids": [prompt_ids, completion_ids],
+    }))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_harbors_llm_client_talks_to_engine_serve() -> None:
+    pytest.importorskip("torch")
+    import asyncio
+
+    from agentrl.engine.local import LocalEngine
+    from agentrl.engine.server import EngineServer
+    from agentrl.models.tiny import load_tiny
+    from tests.test_terminus_harbor_diff import _harbor_python
+
+    python = _harbor_python()
+    model, tok = load_tiny()
+    async with EngineServer(LocalEngine(model, tok), model_path="tiny", port=0) as server:
+        proc = await asyncio.create_subprocess_exec(
+            str(python), "-", f"{server.url}/v1",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(LITELLM_CHECK.encode()), 300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["finish"] == "length" and report["usage"][1] == 8
+    assert len(report["logprobs"]) == 8 and all(lp <= 0 for lp in report["logprobs"])
+    # `return_token_ids` is vLLM's: SGLang 0.5.16 ignores it, and so does its stand-in
+    assert report["token_ids"] == [None, None]
