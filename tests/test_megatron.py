@@ -108,7 +108,7 @@ def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_tp2_over_gloo_equals_tp1(tmp_path: Path) -> None:
+def test_tp2_and_ep2_over_gloo_equal_tp1(tmp_path: Path) -> None:
     from tests.megatron_venv import run_case
 
     ref = tmp_path / "tp1.pt"
@@ -119,6 +119,10 @@ def test_tp2_over_gloo_equals_tp1(tmp_path: Path) -> None:
     # Gradients in HF layout, every tensor (a wrong TP reduction shows here, not in the forward).
     assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
     assert r["weight_max_abs_diff"] <= 1e-5
+    # Experts spread over the two ranks instead (EP=2, expert TP=1): the same step.
+    r = run_case("grads", tmp_path, "--tp", "2", "--ep", "2", "--etp", "1", "--reference", str(ref), nproc=2)
+    assert r["logprob_max_abs_diff"] <= 1e-5 and r["grad_norm_abs_diff"] <= 1e-5
+    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"]) and r["weight_max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.slow

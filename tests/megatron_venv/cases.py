@@ -205,7 +205,7 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
     updated weights in HF layout. With --save, stores them (the TP=1 reference); with
     --reference, reports the largest differences from it."""
     hf = tiny_hf()
-    tr = trainer(hf, tp=args.tp)
+    tr = trainer(hf, tp=args.tp, ep=args.ep, etp=args.etp)
     batch = build_batch(samples(), max_tokens_per_micro_batch=64)
     tr.model.eval()
     with torch.no_grad():
@@ -218,7 +218,13 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
         "grads": hf_grads(tr),
         "weights": {k: v.clone() for k, v in tr.hf_weights()},
     }
-    out: dict[str, Any] = {"tp": args.tp, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    out: dict[str, Any] = {
+        "tp": args.tp,
+        "ep": args.ep,
+        "etp": args.etp,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+    }
     if args.save and dist.get_rank() == 0:
         torch.save(result, args.save)
     if args.reference:
@@ -448,6 +454,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tmp", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--save")
     parser.add_argument("--reference")
     parser.add_argument("--port", default="0")
