@@ -1,7 +1,10 @@
 """Sandbox speed, side by side in one run on real podman containers.
 
 1. Per-command latency: the persistent shell vs one `podman exec` per command (p50, p95, ratio).
-   Goal: p50 <= 5 ms and >= 20x faster.
+   Goal: p50 <= 5 ms and >= 20x faster. Commands run in the agent's shell session (its state
+   restored and saved around each, `agentrl/sandbox/shellstate.py`).
+1b. The terminal beside it: `send_keys` + `capture` on a tmux session in the sandbox, interleaved
+   one for one with session commands in the same container. Goal: round trip p50 <= 10 ms.
 2. Warm-pool acquire (a pre-started, liveness-checked container handed out), p50. Goal <= 20 ms.
 3. Cold start from a cached image (`podman run` + /logs set-up + first command), p50.
 4. Oracle sweep wall time over envs/tbench2/tasks at concurrency 2 (skipped if that is empty).
@@ -57,6 +60,28 @@ async def exec_latency(sb: PodmanSandbox, n: int, fallback: bool) -> list[float]
     return times
 
 
+async def terminal_latency(sb: PodmanSandbox, n: int) -> tuple[list[float], list[float]]:
+    """(send_keys + capture round trips, session commands), one of each in turn."""
+    term = await sb.open_terminal()
+    keys, command = [], []
+    try:
+        for i in range(n):
+            start = time.perf_counter()
+            await term.send_keys(f"echo {i}")
+            await term.capture()  # the echo may land a moment later: typing is not waited for
+            keys.append(time.perf_counter() - start)
+            await term.send_keys("C-u")  # clear the typed line (not timed)
+            start = time.perf_counter()
+            res = await sb.exec(f"echo {i}", timeout=30)
+            command.append(time.perf_counter() - start)
+            assert res.stdout == f"{i}\n", res
+        await term.send_keys("echo typed\n", duration=0.5)
+        assert "\ntyped\n" in await term.capture(), "the terminal did not run what was typed"
+    finally:
+        await term.close()
+    return keys, command
+
+
 async def interleaved(args: argparse.Namespace, task, run_id: str) -> None:  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("baseline_podman", args.baseline_podman)
     assert spec is not None and spec.loader is not None
@@ -107,6 +132,14 @@ async def main(args: argparse.Namespace, tasks: list) -> None:
         print(f"ratio p50 {e50 / s50:.1f}x  p95 {e95 / s95:.1f}x  (goal: shell p50 <= 5 ms, >= 20x)")
         if args.baseline_podman:
             await interleaved(args, task, run_id)
+
+        print("== 1b. terminal: send_keys + capture round trip, interleaved with session commands")
+        async with await provider.create(task, run_id=run_id) as sb:
+            await terminal_latency(sb, 10)  # warm-up
+            keys, command = await terminal_latency(sb, args.commands)
+        k50, k95, c50 = pct(keys, 0.5), pct(keys, 0.95), pct(command, 0.5)
+        print(f"send_keys + capture  n={len(keys):4d}  p50 {ms(k50)}  p95 {ms(k95)}  (goal p50 <= 10 ms)")
+        print(f"command path (same container, interleaved)  p50 {ms(c50)}  (goal p50 <= 2 ms)")
 
         print("== 2. warm-pool acquire (liveness check included)")
         warm = PodmanProvider(cli=args.cli, warm_pool=1)

@@ -18,6 +18,7 @@ import pytest
 
 from agentrl.sandbox.base import ImageBuildError, SandboxTransportError
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, PodmanSandbox, context_hash, reap, run_cli
+from agentrl.sandbox.terminal import TerminalUnavailableError
 from agentrl.tasks import load_task
 from tests.sandbox_contract import SandboxContract
 from tests.terminal_contract import ShellSessionContract, TerminalContract
@@ -307,3 +308,25 @@ async def test_relative_task_paths_build_upload_and_download(tmp_path: Path, mon
         await sb.download("/tmp/payload.txt", Path("back.txt"))
     assert (tmp_path / "back.txt").read_text() == "payload\n"
     assert not (tmp_path / "oom").exists()
+
+
+async def test_a_task_image_without_tmux_gets_it_from_a_layer_or_a_typed_error(tmp_path: Path) -> None:
+    path = copy_task(tmp_path)
+    dockerfile = path / "environment" / "Dockerfile"
+    base = dockerfile.read_text()
+    (path / "environment" / "seed.txt").write_text(f"unique {uuid.uuid4()}\n")  # fresh image tags
+    dockerfile.write_text(base + "RUN dpkg --purge tmux\n")
+    provider = PodmanProvider(cli=CLI)
+    async with await provider.create(load_task(path), run_id="tmux-layer") as sb:
+        term = await sb.open_terminal()  # installed by the layer (the build has Debian's mirror)
+        await term.send_keys("echo layered\n", duration=0.5)
+        assert "\nlayered\n" in await term.capture()
+    dockerfile.write_text(base + "RUN dpkg --purge tmux && rm /usr/bin/apt-get\n")
+    async with await provider.create(load_task(path), run_id="tmux-layer") as sb:
+        with pytest.raises(TerminalUnavailableError, match=r"no tmux.*no package manager"):
+            await sb.open_terminal()
+        assert (await sb.exec("echo commands still work")).exit_code == 0
+    async with await PodmanProvider(cli=CLI, terminal_tools=False).create(load_task(path), run_id="t") as sb:
+        with pytest.raises(TerminalUnavailableError, match="terminal_tools=True"):
+            await sb.open_terminal()
+    await provider.aclose()

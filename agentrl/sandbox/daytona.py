@@ -20,6 +20,9 @@
   tail) and sent back framed by a random nonce, so one `process.exec` round trip returns both
   streams and the exit code. Commands that may outlive `exec_limit_s` (the HTTP request of
   `process.exec`) run the same wrapper through a session command with `run_async` and polling.
+  The agent's commands (no cwd, env or user) share a shell session (`shellstate.py`) kept in a
+  directory of the sandbox that only they read; other commands start clean.
+- Terminal: `open_terminal` runs tmux in the sandbox through the same exec (`terminal.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 No registry for base images is reachable on machines like ours. One Debian bookworm root file
 system, bootstrapped with debootstrap, imported and extended with what task images commonly expect
-(bash, python3 with pip and venv, ca-certificates), is tagged under every base name listed in
+(bash, python3 with pip and venv, ca-certificates; tmux for `open_terminal`, vim-tiny and nano for
+agents that edit interactively), is tagged under every base name listed in
 `sandbox_images/bases.toml`; task builds then run with `--pull=never`. A label carries the hash of
 the recipe so re-running is a no-op until the recipe changes.
 """

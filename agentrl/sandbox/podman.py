@@ -17,15 +17,20 @@
   sandbox reap` find what a dead process left behind; containers are removed on close, on
   cancellation and at exit.
 - Fast exec: commands go through one persistent `bash` per container over a pipe (~2 ms a command
-  instead of ~150 ms for `podman exec`). Each command runs in its own subshell (cwd, env and shell
-  state do not leak between commands, like Harbor's exec), under `timeout`, with stdout and stderr
-  captured to files, bounded head+tail inside the container, and sent back in one length-prefixed
-  frame per command under a fresh random nonce (`_BOOTSTRAP` explains why the agent cannot forge
-  it). A shell that dies between commands is replaced; one that fails during a command is a typed
-  error, never a second run of the command: infrastructure when the container is gone or the
-  host's client died, a `SandboxPolicyError` when the command could have done it. If no shell
-  starts at all, the sandbox falls back to one `podman exec` per command (output streamed and
-  bounded on the host) and says so once.
+  instead of ~150 ms for `podman exec`). Each command runs in its own subshell, under a timeout,
+  with stdout and stderr captured to files, bounded head+tail inside the container, and sent back
+  in one length-prefixed frame per command under a fresh random nonce (`_BOOTSTRAP` explains why
+  the agent cannot forge it). The agent's commands (no cwd, env or user) share a shell session:
+  the subshell restores the state the previous one saved and saves its own on exit
+  (`shellstate.py`); other commands start clean. A shell that dies between commands is replaced
+  (with a new session); one that fails during a command is a typed error, never a second run of
+  the command: infrastructure when the container is gone or the host's client died, a
+  `SandboxPolicyError` when the command could have done it. If no shell starts at all, the sandbox
+  falls back to one `podman exec` per command (output streamed and bounded on the host, no
+  session) and says so once.
+- Terminal: `open_terminal` starts tmux in the container (`terminal.py`), every tmux command a
+  clean command of the persistent shell. Images get tmux from a layer built once per image where
+  it is missing (`terminal_image`).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     SandboxTransportError,
 )
-from agentrl.sandbox.terminal import INSTALL_TMUX, TerminalSession, TmuxTerminal
+from agentrl.sandbox.terminal import INSTALL_TMUX, NO_TMUX, TerminalSession, TmuxTerminal
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -794,7 +799,11 @@ class PodmanSandbox(Sandbox):
         elif note:
             hint = f"installing it when the image was built failed: {note}"
         else:
-            hint = "the offline stand-in base images have it (`make bases`)"
+            hint = (
+                "the layer PodmanProvider adds to install it where it is missing found no package manager "
+                "that could (see the warning when the image was built); the offline stand-in base images "
+                "have it (`make bases`)"
+            )
         term = await TmuxTerminal.start(
             self._terminal_run, width=width, height=height, where=self.sandbox_id, hint=hint
         )
@@ -1318,6 +1327,9 @@ class PodmanProvider(SandboxProvider):
                     )
                     self._terminal_notes[image] = note
                     tag = image
+                elif NO_TMUX in out + err:
+                    self._terminal_notes[tag] = "no package manager of the image could install it"
+                    log.warning("%s has no tmux and none could be installed: no terminal in it", image)
             self._terminal_images[image] = tag
             return tag
 

@@ -62,6 +62,7 @@ SHELLS = frozenset({"bash", "sh", "dash", "zsh", "ksh", "mksh", "fish", "ash", "
 # Installs tmux at image build time where it is missing (POSIX sh, root). A package manager that
 # cannot reach its mirror leaves the image without tmux and says so; the build itself goes on
 # (the command path does not need tmux), and `open_terminal` then raises `TerminalUnavailableError`.
+NO_TMUX = "agentrl: tmux could not be installed in this image"
 INSTALL_TMUX = (
     "if ! command -v tmux >/dev/null 2>&1; then "
     "if command -v apt-get >/dev/null 2>&1; then "
@@ -71,8 +72,7 @@ INSTALL_TMUX = (
     "elif command -v dnf >/dev/null 2>&1; then dnf install -y tmux; "
     "elif command -v yum >/dev/null 2>&1; then yum install -y tmux; "
     "elif command -v microdnf >/dev/null 2>&1; then microdnf install -y tmux; fi; "
-    'command -v tmux >/dev/null 2>&1 || echo "agentrl: tmux could not be installed in this image;'
-    ' the command path works, open_terminal() will not" >&2; '
+    f'command -v tmux >/dev/null 2>&1 || echo "{NO_TMUX}; the command path works, open_terminal() will not" >&2; '
     "fi; true"
 )
 
