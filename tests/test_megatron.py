@@ -162,3 +162,16 @@ def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(tmp_path:
     # the initial model's and equal the trainer's.
     assert r["engine_vs_initial_max_abs_diff"] > 1e-3
     assert r["engine_vs_trainer_max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_two_pipeline_stages_on_a_valid_split_load_run_and_export_their_own_layers(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("pipeline", tmp_path, nproc=2)
+    first, last = r["stages"]
+    assert first["layers"] == [1, 2, 3] and last["layers"] == [4]
+    assert first["indexer_layers"] == [1, 2] and last["indexer_layers"] == [4]  # global layer numbers
+    assert first["exact"] and last["exact"] and r["exported_cover_hf_once"]
+    assert last["logits_max_abs_diff"] <= 1e-4  # stage 0 -> stage 1 equals the HF model

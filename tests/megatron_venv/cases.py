@@ -438,6 +438,60 @@ def _episode_tokens(record: Path) -> list[int]:
     raise RuntimeError(f"no tokens in {record}")
 
 
+def case_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    """Two pipeline stages on a valid split (layers 1-3 | 4; layer 4 computes its own indices):
+    each rank builds and loads only its stage, a forward runs stage 0 -> stage 1 by hand (the
+    training schedule is not wired), and each stage exports its own HF tensors."""
+    from megatron.core import parallel_state as ps
+
+    from agentrl.train.megatron import convert, parallel
+    from agentrl.train.megatron.model import build_model, layout_of
+    from agentrl.train.megatron.settings import MegatronSettings
+
+    hf = tiny_hf()
+    settings = MegatronSettings(pp=2, first_stage_layers=3, last_stage_layers=1)
+    parallel.initialize(settings)
+    stage = ps.get_pipeline_model_parallel_rank()
+    layers = convert.stage_layers(layout_of(hf.config, settings), stage)
+    model = build_model(hf.config, settings)
+    convert.load_hf_into(hf.state_dict(), model, stage_layers=layers, num_experts=4)
+    model.eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(12)[None]
+    indexer_layers = sorted(
+        {layers[int(n.split(".")[2])] + 1 for n, _ in model.named_parameters() if ".indexer." in n}
+    )
+    with torch.no_grad():
+        if stage == 0:
+            hidden = model(ids, pos, None)
+            dist.send(hidden.contiguous(), dst=1)
+            diff = None
+        else:
+            hidden = torch.empty(12, 1, 64)
+            dist.recv(hidden, src=0)
+            model.set_input_tensor(hidden)
+            h = model(ids, pos, None, output_processor=lambda hidden_states, **_: hidden_states)
+            logits = h[:, 0] @ model.output_layer.weight.T
+            diff = float((logits - hf(ids).logits[0]).abs().max())
+        exported = {k: v for k, v in convert.megatron_to_hf(model, stage_layers=layers, num_experts=4)}
+    hf_state = hf.state_dict()
+    mine = {
+        "stage": stage,
+        "layers": [i + 1 for i in layers],
+        "indexer_layers": indexer_layers,
+        "names": sorted(exported),
+        "exact": all(torch.equal(v, hf_state[k]) for k, v in exported.items()),
+        "logits_max_abs_diff": diff,
+    }
+    stages: list[Any] = [None, None]
+    dist.all_gather_object(stages, mine)
+    names = [n for st in stages for n in st["names"]]
+    return {
+        "stages": [{k: v for k, v in st.items() if k != "names"} for st in stages],
+        "exported_cover_hf_once": sorted(names) == sorted(hf_state),
+    }
+
+
 CASES = {
     "build": case_build,
     "hf_parity": case_hf_parity,
@@ -445,6 +499,7 @@ CASES = {
     "checkpoint": case_checkpoint,
     "split": case_split,
     "runtime": case_runtime,
+    "pipeline": case_pipeline,
 }
 
 
