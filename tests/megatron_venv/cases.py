@@ -187,12 +187,21 @@ def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
     hf_state = hf.state_dict()
     back = dict(tr.hf_weights())
     exact = set(back) == set(hf_state) and all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    limit = 64 * 1024
+    buckets = list(tr.export_weights(torch.bfloat16, bucket_bytes=limit))
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+    flat = {k: t for b in buckets for k, t in b}
     return {
         "rows": rows,
         "packed_rows_per_micro_batch": [mb.num_rows for mb in batch.micro_batches],
         "logprob_max_abs_diff": lp_diff,
         "entropy_max_abs_diff": ent_diff,
         "round_trip_exact": exact,
+        "buckets": len(buckets),
+        "buckets_within_limit": all(n <= limit or len(b) == 1 for n, b in zip(sizes, buckets, strict=True)),
+        "bucket_names_and_shapes_are_hf": {k: tuple(t.shape) for k, t in flat.items()}
+        == {k: tuple(t.shape) for k, t in hf_state.items()},
+        "bucket_dtypes": sorted({str(t.dtype) for t in flat.values()}),
         "hf_tensors": len(hf_state),
         "exported_tensors": len(back),
         "missing": sorted(set(hf_state) - set(back)),
