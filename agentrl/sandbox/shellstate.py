@@ -6,28 +6,29 @@ session lives in a state directory inside the sandbox instead: a command first r
 the previous command left there, then runs, and on its way out (bash's EXIT trap: a normal end,
 `exit`, `set -e`) writes its own state for the next one:
 
-- the working directory (`cd`), restored with `builtin cd`;
+- the working directory, restored with `builtin cd`;
 - every variable bash does not own (`declare -p`: exported or not, arrays, attributes), and the
   variables a command unset stay unset;
-- functions (`declare -f`, `export -f` kept), aliases (`alias -p`), shell options (`shopt -p`,
-  `set +o`) and the umask.
+- functions (`declare -f`, `export -f` kept), aliases, shell options (`$SHELLOPTS`, `$BASHOPTS`)
+  and the umask.
 
 Options are restored last, so `set -x` or `set -e` from an earlier command never trips the
 restore itself. `expand_aliases` starts on, as in an interactive shell. Job control (`set -m`) is
 never restored, so a command's background jobs share its process group: they keep running after
-the command ends, and a timeout of a later command does not touch them. Not kept: traps, the directory
-stack (`pushd`), `jobs`/`fg` bookkeeping (each command is its own shell; the jobs themselves live
-on), resource limits and the positional parameters.
+the command ends, and a timeout of a later command does not touch them. Not kept: traps, the
+directory stack (`pushd`), `jobs`/`fg` bookkeeping (each command is its own shell; the jobs
+themselves live on), resource limits, positional parameters, variables declared without a value.
 
-A command that is killed (its timeout, a cancellation, `kill -9 $$`) writes nothing, so the state
-stays what it was before it. Whether a command uses the session at all is the caller's choice: the
-backends restore it only for `exec` calls without `cwd`, `env` and `user` (the agent's commands),
-and `stop_processes` (the verifier's first step) starts a new, empty session, so the verifier's
-commands and `tests/test.sh` never see an alias, function, variable or `BASH_ENV` the agent left.
-A command that sets its own EXIT trap replaces the one that saves its state: its changes are lost.
+A command that is killed (its timeout, say) writes nothing, so the state stays what it was before
+it; a backend whose own shell dies (podman's, on a cancellation) starts a new session. Whether a
+command uses the session at all is the caller's choice: the backends restore it only for `exec`
+calls without `cwd`, `env` and `user` (the agent's commands), and `stop_processes` (the verifier's
+first step) starts a new, empty session, so the verifier's commands and `tests/test.sh` never see
+an alias, function, variable or `BASH_ENV` the agent left. A command that sets its own EXIT trap
+replaces the one that saves its state: its changes are lost.
 
 Everything here is bash builtins (no process is forked on the command path): `compgen`, `mapfile`
-and `declare` over small files in the state directory.
+and `declare` over small files in the state directory. `docs/terminal.md` has the rules in full.
 """
 
 from __future__ import annotations
