@@ -78,8 +78,9 @@ INSTALL_TMUX = (
 
 
 class TerminalUnavailableError(InputError):
-    """The sandbox cannot host a terminal (no tmux in its image, a backend without terminals).
-    A property of the task's image, not of the policy: the episode is unscored, never retried."""
+    """The sandbox cannot host a terminal (no tmux in its image, a tmux that does not start, a
+    backend without terminals). A property of the task's image, not of the policy: the episode is
+    unscored, never retried. Open terminals before the agent's first action."""
 
 
 class TerminalClosedError(SandboxPolicyError):
@@ -200,10 +201,9 @@ class TmuxTerminal(TerminalSession):
             f"{{ {term._tmux} set-option -g history-limit {HISTORY_LIMIT} >/dev/null 2>&1; true; }}"
         )
         res = await run(start, TMUX_TIMEOUT_S)
-        if res.exit_code != 0:
-            raise TerminalClosedError(
-                f"{where}: starting tmux failed (exit {res.exit_code}): {printable(res.stderr.strip()[-500:])}",
-                cause="terminal_start",
+        if res.exit_code != 0:  # before the agent's first keystroke: the image's doing
+            raise TerminalUnavailableError(
+                f"{where}: starting tmux failed (exit {res.exit_code}): {printable(res.stderr.strip()[-500:])}"
             )
         return term
 
