@@ -99,6 +99,11 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.params_dtype]
     n_group = int(getattr(hf_config, "n_group", 1) or 1)
     recompute: dict[str, Any] = {}
+    if settings.recompute != "none" and not torch.cuda.is_available():
+        raise ModelConfigError(
+            f"recompute={settings.recompute!r} needs CUDA (megatron's activation checkpointing saves the "
+            "CUDA RNG state): use recompute='none' on a CPU"
+        )
     if settings.recompute != "none":
         recompute = {
             "recompute_granularity": settings.recompute,
