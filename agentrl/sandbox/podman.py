@@ -257,6 +257,7 @@ __ar_grab() {
   fi
 }
 __ar_pre() {
+  exec {__ar_fd}>&-  # the watchdogs' FIFO is this shell's, not the command's (nor its jobs')
   if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
   if [ -n "$__ar_cwd" ]; then cd -- "$__ar_cwd" || return 1; fi
   [ "$__ar_m" = s ] || eval "$__ar_x"
