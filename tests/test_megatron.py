@@ -153,10 +153,22 @@ def test_a_bad_pipeline_split_is_refused_before_the_model_is_built(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
+def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(
+    tmp_path: Path, transport: str
+) -> None:
     from tests.megatron_venv import free_port, run_case
 
-    r = run_case("runtime", tmp_path, "--port", str(free_port()), "--transport", "tensor")
+    r = run_case(
+        "runtime",
+        tmp_path,
+        "--port",
+        str(free_port()),
+        "--transport",
+        transport,
+        "--sync-port",
+        str(free_port()),
+    )
     assert r["steps"] == 1 and r["trainer"]["skipped_steps"] == 0 and r["trainer"]["step"] == 1
     assert r["version"] == 1 and r["engine_version"] == "1"
     # Before the step the engine's rollout log-probs were the trainer's (no mismatch) ...

@@ -368,7 +368,7 @@ def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
                     "max_staleness": 1,
                 },
                 "trainer": {"backend": "megatron", "lr": 1e-3},
-                "sync": {"transport": args.transport},
+                "sync": {"transport": args.transport, "master_port": int(args.sync_port or 29555)},
                 "eval": {"before": False, "after": False},
             },
         )
@@ -524,6 +524,7 @@ def main() -> None:
     parser.add_argument("--reference")
     parser.add_argument("--port", default="0")
     parser.add_argument("--transport", default="tensor")
+    parser.add_argument("--sync-port")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
     result = CASES[args.case](args)
