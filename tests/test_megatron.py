@@ -190,3 +190,13 @@ def test_two_pipeline_stages_on_a_valid_split_load_run_and_export_their_own_laye
     assert first["indexer_layers"] == [1, 2] and last["indexer_layers"] == [4]  # global layer numbers
     assert first["exact"] and last["exact"] and r["exported_cover_hf_once"]
     assert last["logits_max_abs_diff"] <= 1e-4  # stage 0 -> stage 1 equals the HF model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_kl_term_is_measured_against_a_frozen_copy_of_the_initial_weights(tmp_path: Path) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("kl", tmp_path)
+    assert r["kl"][0] == 0.0 and r["kl"][1] > 0  # the policy starts as its reference, then leaves it
+    assert r["reference_moved"] == 0.0 and r["policy_moved"] > 0

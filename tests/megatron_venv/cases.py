@@ -501,6 +501,33 @@ def case_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def case_kl(args: argparse.Namespace) -> dict[str, Any]:
+    """GRPO with a KL term to a frozen copy of the initial weights: 0 on the first step (the
+    policy is the reference), positive after it; the reference does not move."""
+    from agentrl.algo import LossConfig
+    from agentrl.train.megatron.trainer import MegatronTrainer
+
+    hf = tiny_hf()
+    tr = MegatronTrainer(
+        hf.config,
+        TrainConfig(lr=1e-3, max_tokens_per_micro_batch=64, loss=LossConfig(kl_coef=0.1)),
+        hf_state=hf.state_dict(),
+    )
+
+    def weights(model: Any) -> dict[str, torch.Tensor]:
+        return {
+            k: v.clone()
+            for k, v in model.state_dict().items()
+            if torch.is_tensor(v) and v.is_floating_point()
+        }
+
+    before = weights(tr.ref_model)
+    kl = [tr.train_step(samples())["kl"] for _ in range(2)]
+    moved = max_diff(weights(tr.ref_model), before)
+    policy_moved = max_diff(weights(tr.model), before)
+    return {"kl": kl, "reference_moved": moved, "policy_moved": policy_moved}
+
+
 CASES = {
     "build": case_build,
     "hf_parity": case_hf_parity,
@@ -509,6 +536,7 @@ CASES = {
     "split": case_split,
     "runtime": case_runtime,
     "pipeline": case_pipeline,
+    "kl": case_kl,
 }
 
 

@@ -126,10 +126,6 @@ class MegatronTrainer:
             )
         if hf_config.vocab_size % self.settings.tp:
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
-        if config.loss.kl_coef:
-            raise NotImplementedError(
-                "kl_coef > 0 needs a reference model: not wired in the megatron backend yet"
-            )
         parallel.initialize(self.settings, seed=config.seed)
         torch.manual_seed(config.seed)
         self.layout = layout_of(hf_config, self.settings)
@@ -143,6 +139,12 @@ class MegatronTrainer:
         self.model.to(self.device)
         if hf_state is not None:
             self.load_hf(hf_state)
+        # The KL term's reference: a frozen copy of the initial weights, sharded like the policy.
+        self.ref_model: Any = None
+        if config.loss.kl_coef:
+            self.ref_model = build_model(hf_config, self.settings).to(self.device)
+            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.eval().requires_grad_(False)
         self.tp_group = parallel.tp_group()
         self.tp_size = dist.get_world_size(self.tp_group)
         self.optimizer = torch.optim.AdamW(
@@ -184,9 +186,10 @@ class MegatronTrainer:
     # -- forward ---------------------------------------------------------------------------------
 
     def logprobs(
-        self, mb: MicroBatch, *, with_entropy: bool = False
+        self, mb: MicroBatch, *, model: Any = None, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token log-probs [R, L] of a micro-batch (column 0 and padding are 0), and entropy."""
+        """Token log-probs [R, L] of a micro-batch under `model` (default: the policy); column 0
+        and padding are 0. Entropy, when asked, is aligned the same way."""
         packed = PackedRows(mb, multiple=self.tp_size)
         targets = packed.targets()
         temperature = self.config.temperature
@@ -211,7 +214,7 @@ class MegatronTrainer:
                 with_entropy=with_entropy,
             )
 
-        logp, ent = self.model(
+        logp, ent = (model if model is not None else self.model)(
             packed.input_ids,
             packed.position_ids,
             None,
@@ -227,6 +230,8 @@ class MegatronTrainer:
             mb = mb.to(self.device)
             batch.micro_batches[i] = mb
             mb.old_logprobs = self.logprobs(mb)[0] * mb.loss_mask
+            if self.ref_model is not None:
+                mb.ref_logprobs = self.logprobs(mb, model=self.ref_model)[0] * mb.loss_mask
 
     def prepare(self, samples: Sequence[Sample]) -> tuple[list[TrainBatch], dict[str, float]]:
         """Filter, split into per-optimizer-step batches of whole episodes, recompute old log-probs."""
@@ -319,6 +324,7 @@ class MegatronTrainer:
                 mb.loss_mask,
                 self.config.loss,
                 entropy=ent,
+                ref_logp=mb.ref_logprobs,
                 num_tokens=batch.num_loss_tokens,
                 num_seqs=batch.num_loss_seqs,
                 token_weights=mb.loss_weights,
