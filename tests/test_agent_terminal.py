@@ -51,6 +51,9 @@ class LineTerminal:
     async def is_idle(self) -> bool:
         return True
 
+    async def is_alive(self) -> bool:
+        return not any(line.endswith("exit") for line in self.lines)
+
     async def close(self) -> None:
         self.closed = True
 
@@ -168,3 +171,42 @@ def test_a_custom_template_is_used_and_checked(tmp_path: Path) -> None:
     bad.write_text("Do {task}")
     with pytest.raises(AgentRLError, match="only use"):
         initial_prompt("X", "S", str(bad))
+
+
+async def test_exit_ends_the_session_and_the_episode_is_still_verified(tmp_path: Path) -> None:
+    """Terminus-2 stops when the agent ends its shell; what it did before is graded."""
+    from agentrl.episode import EpisodeConfig, run_episode
+    from agentrl.sandbox.fake import FakeSandboxProvider
+    from agentrl.tasks import load_task
+    from tests.conftest import BUNDLED_TASKS
+
+    provider = FakeSandboxProvider(grader=lambda sb: 1.0 if "/app/hello.txt" in sb.files else 0.0)
+    provider.on(r"echo .* > /app/hello.txt", lambda sb, cmd, m: sb.files.__setitem__("/app/hello.txt", b"hi"))
+    tok = byte_tokenizer()
+    script = [
+        reply(
+            [
+                {"keystrokes": "echo hi > /app/hello.txt\n", "duration": 0.1},
+                {"keystrokes": "exit\n", "duration": 0.1},
+            ]
+        ),
+        reply([], complete=True),
+    ]
+    result = await run_episode(
+        load_task(BUNDLED_TASKS / "hello-file"),
+        provider=provider,
+        engine=ScriptedEngine(script, tok),
+        renderer=ChatRenderer(tok),
+        config=EpisodeConfig(
+            action_format="terminus-json",
+            agent=AgentConfig(max_turns=4, max_new_tokens=2048, max_total_tokens=65536),
+        ),
+        run_id="exit",
+        record_dir=tmp_path,
+    )
+    assert result.run is not None and result.run.mode == "tmux"
+    assert result.run.end_reason is EndReason.SESSION_ENDED and len(result.run.turns) == 1
+    assert result.episode.reward == 1.0  # graded: the file was written before `exit`
+    sent = [c["keystrokes"] for c in result.run.turns[0].action["commands"]]
+    assert sent == ["echo hi > /app/hello.txt\n", "exit\n"]
+    assert "root@sandbox:" in result.run.initial_state  # the fake terminal's prompt opened the run

@@ -91,6 +91,9 @@ class Actor(Protocol):
     async def initial_state(self) -> str | None:
         """The terminal as the first prompt shows it (None: the command path shows none)."""
 
+    async def alive(self) -> bool:
+        """False once the agent ended its terminal (`exit`): Terminus-2 stops there."""
+
     async def act(self, commands: list[Command], deadline: float | None) -> Batch: ...
 
     async def close(self) -> None: ...
@@ -106,6 +109,9 @@ class CommandActor:
 
     async def initial_state(self) -> str | None:
         return None
+
+    async def alive(self) -> bool:
+        return True
 
     async def act(self, commands: list[Command], deadline: float | None) -> Batch:
         outputs: list[CommandOutput] = []
@@ -137,6 +143,9 @@ class TerminalActor:
 
     async def initial_state(self) -> str | None:
         return await self._incremental()
+
+    async def alive(self) -> bool:
+        return await self.terminal.is_alive()
 
     async def act(self, commands: list[Command], deadline: float | None) -> Batch:
         outputs: list[CommandOutput] = []

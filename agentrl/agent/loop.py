@@ -38,6 +38,7 @@ from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxPolicyError, bound_output
+from agentrl.sandbox.terminal import TerminalClosedError
 
 OBSERVATION_LIMIT_BYTES = 10_000
 TERMINAL_MODES = ("auto", "tmux", "commands")
@@ -52,6 +53,7 @@ class EndReason(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     SANDBOX_ERROR = "sandbox_error"
     SANDBOX_BROKEN = "sandbox_broken"  # the agent's command broke its sandbox: a policy failure
+    SESSION_ENDED = "session_ended"  # terminal path: the agent ended its shell (`exit`, C-d); verified
 
 
 TRUNCATING = {EndReason.MAX_TURNS, EndReason.TOKEN_BUDGET, EndReason.TIMEOUT}
@@ -336,6 +338,9 @@ async def _run_turns(
     policy: SandboxPolicyError | None = None
 
     for index in range(config.max_turns):
+        if not await actor.alive():
+            end = EndReason.SESSION_ENDED  # Terminus-2 stops and verifies what is there
+            break
         max_new = min(config.max_new_tokens, config.max_total_tokens - session.context_len())
         if max_new < config.min_turn_tokens:
             end = EndReason.TOKEN_BUDGET
@@ -381,6 +386,18 @@ async def _run_turns(
             consecutive_malformed = 0
             try:
                 batch = await actor.act(action.commands, deadline)
+            except TerminalClosedError as exc:
+                if exc.cause != "terminal_closed":
+                    raise  # broken, not ended: handled below as a sandbox the agent broke
+                sandbox_s += time.monotonic() - t1
+                end = EndReason.SESSION_ENDED
+                turns.append(
+                    TurnRecord(
+                        index, text, _action_dict(action), outputs, "", versions, t1 - t0,
+                        time.monotonic() - t1, finish,
+                    )
+                )  # fmt: skip
+                break
             except (SandboxError, SandboxPolicyError) as exc:
                 # Infrastructure (the container gone, the host's client dead) vs. what the command
                 # itself could have done to its shell (docs/failures.md): the sandbox decides.
