@@ -109,23 +109,41 @@ def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(tmp_p
     assert r["bucket_dtypes"] == ["torch.bfloat16"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_tp2_and_ep2_over_gloo_equal_tp1(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def one_rank_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One GRPO step of the tiny model on one rank (two micro-batches): the reference layouts
+    are compared with."""
     from tests.megatron_venv import run_case
 
-    ref = tmp_path / "tp1.pt"
-    run_case("grads", tmp_path, "--tp", "1", "--save", str(ref))
-    r = run_case("grads", tmp_path, "--tp", "2", "--reference", str(ref), nproc=2)
+    tmp = tmp_path_factory.mktemp("megatron-ref")
+    run_case("grads", tmp, "--tp", "1", "--save", str(tmp / "tp1.pt"))
+    return tmp / "tp1.pt"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tp", "2"],  # experts TP-sharded too (expert TP = TP)
+        ["--tp", "2", "--ep", "2", "--etp", "1"],  # experts spread over the two ranks instead
+        ["--tp", "1"],  # DP=2: one micro-batch per rank, gradients summed
+        ["--tp", "1", "--ep", "2"],  # DP=2 with experts spread over the data-parallel ranks
+    ],
+    ids=["tp2", "tp2-ep2", "dp2", "dp2-ep2"],
+)
+def test_two_ranks_over_gloo_take_the_same_grpo_step_as_one(
+    tmp_path: Path, one_rank_step: Path, layout: list[str]
+) -> None:
+    from tests.megatron_venv import run_case
+
+    r = run_case("grads", tmp_path, *layout, "--reference", str(one_rank_step), nproc=2)
+    assert r["micro_batches"] == 2 and r["dp"] == (2 if layout[1] == "1" else 1)
     assert r["logprob_max_abs_diff"] <= 1e-5
     assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
-    # Gradients in HF layout, every tensor (a wrong TP reduction shows here, not in the forward).
+    # Gradients in HF layout, every tensor (a wrong TP or DP reduction shows here, not in the forward).
     assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
     assert r["weight_max_abs_diff"] <= 1e-5
-    # Experts spread over the two ranks instead (EP=2, expert TP=1): the same step.
-    r = run_case("grads", tmp_path, "--tp", "2", "--ep", "2", "--etp", "1", "--reference", str(ref), nproc=2)
-    assert r["logprob_max_abs_diff"] <= 1e-5 and r["grad_norm_abs_diff"] <= 1e-5
-    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"]) and r["weight_max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.slow

@@ -99,13 +99,13 @@ def samples(seed: int = 1, vocab: int = 128) -> list[Sample]:
     return with_advantages(out)
 
 
-def trainer(hf: Any, *, tp: int = 1, lr: float = 1e-3, **settings: Any) -> Any:
+def trainer(hf: Any, *, tp: int = 1, lr: float = 1e-3, mb_tokens: int = 64, **settings: Any) -> Any:
     from agentrl.train.megatron.settings import MegatronSettings
     from agentrl.train.megatron.trainer import MegatronTrainer
 
     return MegatronTrainer(
         hf.config,
-        TrainConfig(lr=lr, max_tokens_per_micro_batch=64, weight_decay=0.0),
+        TrainConfig(lr=lr, max_tokens_per_micro_batch=mb_tokens, weight_decay=0.0),
         MegatronSettings(tp=tp, **settings),
         hf_state=hf.state_dict(),
     )
@@ -214,8 +214,9 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
     updated weights in HF layout. With --save, stores them (the TP=1 reference); with
     --reference, reports the largest differences from it."""
     hf = tiny_hf()
-    tr = trainer(hf, tp=args.tp, ep=args.ep, etp=args.etp)
-    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+    # A budget of 32 tokens makes two micro-batches: one per data-parallel rank at DP=2.
+    tr = trainer(hf, tp=args.tp, ep=args.ep, etp=args.etp, mb_tokens=32)
+    batch = build_batch(samples(), max_tokens_per_micro_batch=32)
     tr.model.eval()
     with torch.no_grad():
         logp = torch.cat([tr.logprobs(mb)[0].flatten() for mb in batch.micro_batches])
@@ -227,7 +228,11 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
         "grads": hf_grads(tr),
         "weights": {k: v.clone() for k, v in tr.hf_weights()},
     }
+    from megatron.core import parallel_state as ps
+
     out: dict[str, Any] = {
+        "dp": ps.get_data_parallel_world_size(),
+        "micro_batches": len(batch.micro_batches),
         "tp": args.tp,
         "ep": args.ep,
         "etp": args.etp,

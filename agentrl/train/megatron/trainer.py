@@ -12,11 +12,14 @@ What differs is the model side:
   batch's [rows, length] layout, so the loss sees exactly what the torch backend's sees;
 - token log-probs and entropy come from the vocabulary-parallel LM head
   (`agentrl.algo.vocab_parallel_logprobs`: no [T, V] logits, no gathered vocabulary);
-- gradients of weights that every TP rank holds are reduced as megatron's `finalize_model_grads`
-  does (sum for sequence-parallel ones, mean for the DSA indexer), then AdamW steps.
+- data-parallel ranks (world size / (TP x PP x CP)) share each optimizer step's micro-batches;
+  gradients are summed over them (expert weights over expert-DP ranks), then reduced over TP as
+  megatron's `finalize_model_grads` does (sum for sequence-parallel weights, mean for the DSA
+  indexer), and AdamW steps on every rank's shard (megatron's DDP and distributed optimizer are
+  CUDA-only and not used).
 
-Every rank of the model-parallel group calls the same methods with the same samples (SPMD);
-`export_weights` yields full HF tensors on every rank (only one of them needs to push them).
+Every rank calls the same methods with the same samples (SPMD); `export_weights` yields full HF
+tensors on every rank (only one of them needs to push them).
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ log = logging.getLogger("agentrl.train.megatron")
 
 class PackedRows:
     """A micro-batch's rows packed into one THD row: real tokens only, positions restarting per
-    sequence, `cu_seqlens` at the boundaries (plus a padding sequence so the length divides the
-    TP size, which sequence parallelism needs)."""
+    sequence, `cu_seqlens` at the boundaries, plus a padding sequence up to `length` and to a
+    multiple of `multiple` (the TP size: sequence parallelism splits the row)."""
 
-    def __init__(self, mb: MicroBatch, *, multiple: int = 1) -> None:
+    def __init__(self, mb: MicroBatch, *, multiple: int = 1, length: int = 0) -> None:
         lengths = mb.attention_mask.sum(-1).tolist()
         ids = [mb.input_ids[r, :n] for r, n in enumerate(lengths)]
-        pad = (-sum(lengths)) % multiple
+        pad = max(length - sum(lengths), 0)
+        pad += (-(sum(lengths) + pad)) % multiple
         if pad:
             lengths = [*lengths, pad]
             ids.append(torch.zeros(pad, dtype=mb.input_ids.dtype, device=mb.input_ids.device))
@@ -190,7 +194,7 @@ class MegatronTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token log-probs [R, L] of a micro-batch under `model` (default: the policy); column 0
         and padding are 0. Entropy, when asked, is aligned the same way."""
-        packed = PackedRows(mb, multiple=self.tp_size)
+        packed = PackedRows(mb, multiple=self.tp_size, length=self._common_length(mb))
         targets = packed.targets()
         temperature = self.config.temperature
         group = self.tp_group
@@ -223,6 +227,18 @@ class MegatronTrainer:
         )
         return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
 
+    def _common_length(self, mb: MicroBatch) -> int:
+        """0, or the longest packed micro-batch of this forward over all ranks when experts are
+        spread over data-parallel ranks: megatron's all-gather token dispatcher gathers equal
+        token counts from every expert-parallel rank."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_model_parallel_world_size() == 1 or ps.get_data_parallel_world_size() == 1:
+            return 0
+        n = torch.tensor(int(mb.attention_mask.sum()), device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n)
+
     @torch.no_grad()
     def _fill_old(self, batch: TrainBatch) -> None:
         self.model.eval()
@@ -249,6 +265,7 @@ class MegatronTrainer:
                 max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
                 pad_token_id=0,
             )
+            batch.micro_batches = self._my_share(batch.micro_batches)
             self._fill_old(batch)
             batches.append(batch)
         rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
@@ -262,12 +279,51 @@ class MegatronTrainer:
         }
         return batches, stats
 
+    def _my_share(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """This data-parallel rank's micro-batches (round robin). Every rank gets as many: a rank
+        short of one runs an idle copy with nothing to train (zero masks and weights), because MoE
+        token dispatch over expert-parallel ranks is a collective in every forward and backward.
+        The loss weights are the whole step's, so the DP sum of gradients is the step's gradient."""
+        from megatron.core import parallel_state as ps
+
+        size = ps.get_data_parallel_world_size()
+        if size == 1:
+            return micro_batches
+        rank = ps.get_data_parallel_rank()
+        mine = micro_batches[rank::size]
+        need = -(-len(micro_batches) // size)
+        while len(mine) < need:
+            mine.append(_idle(micro_batches[0]))
+        return mine
+
+    def _everywhere(self, value: torch.Tensor, op: Any) -> torch.Tensor:
+        """`value` reduced over every rank (float64 on the model's device)."""
+        t = value.detach().to(self.device, torch.float64).clone()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(t, op=op)
+        return t
+
     # -- update ----------------------------------------------------------------------------------
 
     def finalize_grads(self) -> None:
-        """What megatron's `finalize_model_grads` does for TP without its DDP wrapper: gradients of
-        weights every TP rank holds are partial under sequence parallelism (summed), and the DSA
-        indexer's are averaged (`average_gradients_across_tp_domain`)."""
+        """What megatron's DDP and `finalize_model_grads` do, without the DDP wrapper: gradients are
+        summed over data-parallel ranks (expert weights over expert-DP ranks: `allreduce=False`),
+        then weights every TP rank holds are reduced over TP: summed under sequence parallelism
+        (partial sums), averaged for the DSA indexer (`average_gradients_across_tp_domain`)."""
+        from megatron.core import parallel_state as ps
+
+        for group, expert in (
+            (ps.get_data_parallel_group(), False),
+            (ps.get_expert_data_parallel_group(), True),
+        ):
+            if dist.get_world_size(group) == 1:
+                continue
+            grads = [
+                p.grad
+                for p in self.model.parameters()
+                if p.grad is not None and (not getattr(p, "allreduce", True)) == expert
+            ]
+            _all_reduce_flat(grads, group)
         if self.tp_size == 1:
             return
         summed, averaged = [], []
@@ -281,31 +337,27 @@ class MegatronTrainer:
         for grads, op in ((summed, dist.ReduceOp.SUM), (averaged, dist.ReduceOp.AVG)):
             if not grads:
                 continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if op == dist.ReduceOp.AVG and dist.get_backend(self.tp_group) == "gloo":
-                dist.all_reduce(flat, group=self.tp_group)  # gloo has no AVG
-                flat /= self.tp_size
-            else:
-                dist.all_reduce(flat, op=op, group=self.tp_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _all_reduce_flat(grads, self.tp_group, mean=op == dist.ReduceOp.AVG)
 
     def grad_norm(self) -> float:
-        """Global L2 norm: TP-sharded weights counted on every rank, replicated ones once."""
+        """Global L2 norm of the (finalized) gradient: TP-sharded weights counted on every rank,
+        TP-replicated ones once, expert weights over the expert model-parallel ranks that hold
+        them (as megatron's clip_grad_norm splits them)."""
         from megatron.core import parallel_state as ps
 
         first = ps.get_tensor_model_parallel_rank() == 0
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            sharded = getattr(p, "tensor_model_parallel", False) or not getattr(p, "allreduce", True)
-            if sharded or first:
-                total += p.grad.double().pow(2).sum()
-        dist.all_reduce(total, group=ps.get_model_parallel_group())
-        return float(total.sqrt())
+            if not getattr(p, "allreduce", True):
+                expert += p.grad.double().pow(2).sum()
+            elif getattr(p, "tensor_model_parallel", False) or first:
+                dense += p.grad.double().pow(2).sum()
+        dist.all_reduce(dense, group=ps.get_model_parallel_group())
+        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((dense + expert).sqrt())
 
     def _update(self, batch: TrainBatch) -> dict[str, float]:
         self.model.train()
@@ -329,7 +381,8 @@ class MegatronTrainer:
                 num_seqs=batch.num_loss_seqs,
                 token_weights=mb.loss_weights,
             )
-            if not torch.isfinite(loss):
+            # Every rank decides together: one skipping a backward would stall the others' collectives.
+            if not bool(self._everywhere(torch.isfinite(loss).double(), dist.ReduceOp.MIN)):
                 return self._skip(f"non-finite loss {loss.item()} in a micro-batch of {mb.num_rows} rows")
             loss.backward()
             total += loss.item()
@@ -344,6 +397,7 @@ class MegatronTrainer:
                     sums[k] = max(sums.get(k, x), x)
                 elif k != "pg_loss":
                     sums[k] = sums.get(k, 0.0) + x * n_tok / max(batch.num_loss_tokens, 1)
+        total, sums = self._reduce_metrics(total, sums)
         self.finalize_grads()
         grad_norm = self.grad_norm()
         if not math.isfinite(grad_norm):
@@ -356,6 +410,34 @@ class MegatronTrainer:
         self.optimizer.step()
         self.step += 1
         return {"loss": total, "grad_norm": grad_norm, "skipped": 0.0, **sums, **batch.stats}
+
+    def _reduce_metrics(self, total: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """The step's loss and metrics over every data-parallel rank's micro-batches (a TP group
+        computes the same values on each of its ranks)."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()
+        size = dist.get_world_size(group)
+        if size == 1:
+            return total, sums
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, sorted(sums), group=group)
+        names = sorted({k for ks in everyone for k in ks})
+        out: dict[str, float] = {}
+        for suffix, op, fill in (
+            ("_min", dist.ReduceOp.MIN, math.inf),
+            ("_max", dist.ReduceOp.MAX, -math.inf),
+            ("", dist.ReduceOp.SUM, 0.0),
+        ):
+            chosen = [k for k in names if k.endswith(suffix) and k not in out]
+            if suffix == "":
+                chosen = [*chosen, "__loss__"]
+            values = torch.tensor(
+                [total if k == "__loss__" else sums.get(k, fill) for k in chosen], dtype=torch.float64
+            ).to(self.device)
+            dist.all_reduce(values, op=op, group=group)
+            out.update(zip(chosen, values.tolist(), strict=True))
+        return out.pop("__loss__"), out
 
     def _skip(self, reason: str) -> dict[str, float]:
         """Drop this optimizer step's gradient: nothing non-finite may reach AdamW's moments.
@@ -455,3 +537,33 @@ class MegatronTrainer:
         return TrainState(
             step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {})
         )
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = False) -> None:
+    """Sum (or average) a list of gradients over `group` in one flat all-reduce."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
+    if mean:
+        flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _idle(mb: MicroBatch) -> MicroBatch:
+    """A copy of `mb` with nothing to train: it runs the same forward and backward (collectives
+    included) and contributes zero to the loss and the gradient."""
+    zero = torch.zeros_like(mb.loss_mask)
+    return MicroBatch(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        loss_mask=zero,
+        rollout_logprobs=zero,
+        advantages=zero,
+        loss_weights=zero,
+        sample_indices=[],
+    )
