@@ -104,6 +104,8 @@ def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(tmp_p
     assert r["packed_rows_per_micro_batch"] == [4]  # four sequences in one THD row
     assert r["logprob_max_abs_diff"] <= 1e-4 and r["entropy_max_abs_diff"] <= 1e-4
     assert r["round_trip_exact"] and r["missing"] == [] and r["extra"] == []
+    # For SGLang: per-expert names, exactly the tensors transformers' save_pretrained writes.
+    assert r["checkpoint_layout_equals_save_pretrained"] and r["checkpoint_tensors"] > r["hf_tensors"]
     # The weight source of every sync transport: HF names and shapes, bounded buckets, cast floats.
     assert r["buckets"] > 1 and r["buckets_within_limit"] and r["bucket_names_and_shapes_are_hf"]
     assert r["bucket_dtypes"] == ["torch.bfloat16"]

@@ -187,6 +187,15 @@ def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
     hf_state = hf.state_dict()
     back = dict(tr.hf_weights())
     exact = set(back) == set(hf_state) and all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    # The checkpoint layout is what transformers' save_pretrained writes (and SGLang loads).
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(Path(args.tmp) / "saved")
+    saved = load_file(str(Path(args.tmp) / "saved" / "model.safetensors"))
+    tr.settings.export_layout = "checkpoint"
+    ckpt = {k: t for b in tr.export_weights() for k, t in b}
+    tr.settings.export_layout = "transformers"
+    checkpoint_exact = set(ckpt) == set(saved) and all(torch.equal(ckpt[k], saved[k]) for k in saved)
     limit = 64 * 1024
     buckets = list(tr.export_weights(torch.bfloat16, bucket_bytes=limit))
     sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
@@ -197,6 +206,8 @@ def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
         "logprob_max_abs_diff": lp_diff,
         "entropy_max_abs_diff": ent_diff,
         "round_trip_exact": exact,
+        "checkpoint_layout_equals_save_pretrained": checkpoint_exact,
+        "checkpoint_tensors": len(saved),
         "buckets": len(buckets),
         "buckets_within_limit": all(n <= limit or len(b) == 1 for n, b in zip(sizes, buckets, strict=True)),
         "bucket_names_and_shapes_are_hf": {k: tuple(t.shape) for k, t in flat.items()}

@@ -292,5 +292,28 @@ def _experts_to_hf(
     yield prefix + "mlp.experts.down_proj", down
 
 
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_layout(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' in-memory names -> the names of HF checkpoint files: the stacked experts
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) become one tensor per expert
+    and projection (`mlp.experts.{e}.gate_proj.weight`, `up_proj.weight`, `down_proj.weight`),
+    as `save_pretrained` writes them and as SGLang's MoE loader expects them."""
+    for name, tensor in named:
+        m = _STACKED.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        prefix, kind = m.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+
+
 def stage_layers(layout: PipelineLayout, stage: int) -> list[int]:
     return list(layout.stages[stage])

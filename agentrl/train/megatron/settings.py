@@ -27,6 +27,9 @@ class MegatronSettings:
     the GLM-5.2 RL recipe.
     `moe_token_dispatcher_type`: "allgather" runs everywhere (CPU included); "alltoall" needs CUDA.
     `params_dtype`: weights and compute dtype ("float32" on CPU, "bfloat16" on GPU).
+    `export_layout`: the names `export_weights` yields. "transformers": the in-memory names of
+    `GlmMoeDsaForCausalLM` (experts stacked), which agentrl's engine server loads; "checkpoint":
+    the names of HF checkpoint files (one tensor per expert and projection), which SGLang loads.
     """
 
     __pydantic_config__ = ConfigDict(extra="forbid")
@@ -44,6 +47,7 @@ class MegatronSettings:
     dsa_indexer_loss_coeff: float | None = None
     moe_token_dispatcher_type: str = "allgather"
     params_dtype: str = "float32"
+    export_layout: str = "transformers"
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,6 +62,8 @@ class MegatronSettings:
             problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}")
         if self.params_dtype not in ("float32", "bfloat16"):
             problems.append(f"params_dtype={self.params_dtype!r}: choose float32 or bfloat16")
+        if self.export_layout not in ("transformers", "checkpoint"):
+            problems.append(f"export_layout={self.export_layout!r}: choose transformers or checkpoint")
         if problems:
             raise ValueError("MegatronSettings: " + "; ".join(problems))
 

@@ -184,8 +184,12 @@ class MegatronTrainer:
     def export_weights(
         self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The weights under their HF names and shapes, in buckets of at most `bucket_bytes`."""
-        return bucket_named_tensors(self.hf_weights(), dtype=dtype, bucket_bytes=bucket_bytes)
+        """The weights under their HF names and shapes (`settings.export_layout`), in buckets of at
+        most `bucket_bytes`, floating tensors cast to `dtype`."""
+        named = self.hf_weights()
+        if self.settings.export_layout == "checkpoint":
+            named = convert.checkpoint_layout(named)
+        return bucket_named_tensors(named, dtype=dtype, bucket_bytes=bucket_bytes)
 
     # -- forward ---------------------------------------------------------------------------------
 
