@@ -544,6 +544,63 @@ def case_kl(args: argparse.Namespace) -> dict[str, Any]:
     return {"kl": kl, "reference_moved": moved, "policy_moved": policy_moved}
 
 
+def case_fp8(args: argparse.Namespace) -> dict[str, Any]:
+    """The FP8 export of the tiny model: names, dtypes, and the HF model's log-probs with the
+    dequantised weights against the original's (what an FP8 engine would compute, roughly)."""
+    from agentrl.train.megatron.fp8 import block_dequantize
+
+    hf = tiny_hf()
+    tr = trainer(hf, export_layout="checkpoint", export_quantization="fp8_block128")
+    out = {k: t for b in tr.export_weights() for k, t in b}
+    fp8 = sorted(k for k, t in out.items() if t.dtype == torch.float8_e4m3fn)
+    restored = {}
+    for k, t in out.items():
+        if k in fp8:
+            restored[k] = block_dequantize(t, out[k.removesuffix("weight") + "weight_scale_inv"])
+        elif not k.endswith("weight_scale_inv"):
+            restored[k] = t.float()
+    from transformers import GlmMoeDsaForCausalLM
+
+    ids = torch.tensor([samples()[0].tokens])
+    deq = GlmMoeDsaForCausalLM(hf.config).eval()
+    missing, unexpected = deq.load_state_dict(_from_checkpoint_names(restored, hf), strict=False)
+    with torch.no_grad():
+        a = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])
+        b = torch.log_softmax(deq(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])
+    return {
+        "fp8_tensors": len(fp8),
+        "scale_tensors": sum(k.endswith("weight_scale_inv") for k in out),
+        "other_dtypes": sorted(
+            {str(t.dtype) for k, t in out.items() if k not in fp8 and "scale_inv" not in k}
+        ),
+        "fp8_names_sample": fp8[:3],
+        "missing": list(missing),
+        "unexpected": list(unexpected),
+        "dequantised_logprob_max_abs_diff": float((a - b).abs().max()),
+    }
+
+
+def _from_checkpoint_names(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors -> transformers' stacked in-memory ones."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for name in hf.state_dict():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name.removesuffix("gate_up_proj")
+            n = hf.config.n_routed_experts
+            out[name] = torch.stack(
+                [
+                    torch.cat([state[f"{p}{e}.gate_proj.weight"], state[f"{p}{e}.up_proj.weight"]])
+                    for e in range(n)
+                ]
+            )
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name.removesuffix("down_proj")
+            out[name] = torch.stack(
+                [state[f"{p}{e}.down_proj.weight"] for e in range(hf.config.n_routed_experts)]
+            )
+    return out
+
+
 CASES = {
     "build": case_build,
     "hf_parity": case_hf_parity,
@@ -553,6 +610,7 @@ CASES = {
     "runtime": case_runtime,
     "pipeline": case_pipeline,
     "kl": case_kl,
+    "fp8": case_fp8,
 }
 
 

@@ -30,6 +30,9 @@ class MegatronSettings:
     `export_layout`: the names `export_weights` yields. "transformers": the in-memory names of
     `GlmMoeDsaForCausalLM` (experts stacked), which agentrl's engine server loads; "checkpoint":
     the names of HF checkpoint files (one tensor per expert and projection), which SGLang loads.
+    `export_quantization`: "fp8_block128" exports the decoder's linear weights block-quantised to
+    FP8 with their `weight_scale_inv` for FP8 rollout engines (`agentrl.train.megatron.fp8`; needs
+    the checkpoint layout); "none" exports every weight as trained (or cast to the sync dtype).
     """
 
     __pydantic_config__ = ConfigDict(extra="forbid")
@@ -48,6 +51,7 @@ class MegatronSettings:
     moe_token_dispatcher_type: str = "allgather"
     params_dtype: str = "float32"
     export_layout: str = "transformers"
+    export_quantization: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -64,6 +68,12 @@ class MegatronSettings:
             problems.append(f"params_dtype={self.params_dtype!r}: choose float32 or bfloat16")
         if self.export_layout not in ("transformers", "checkpoint"):
             problems.append(f"export_layout={self.export_layout!r}: choose transformers or checkpoint")
+        if self.export_quantization not in ("none", "fp8_block128"):
+            problems.append(f"export_quantization={self.export_quantization!r}: choose none or fp8_block128")
+        elif self.export_quantization != "none" and self.export_layout != "checkpoint":
+            problems.append(
+                "export_quantization fp8_block128 needs export_layout='checkpoint' (2-D expert weights)"
+            )
         if problems:
             raise ValueError("MegatronSettings: " + "; ".join(problems))
 

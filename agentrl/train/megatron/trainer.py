@@ -185,10 +185,17 @@ class MegatronTrainer:
         self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The weights under their HF names and shapes (`settings.export_layout`), in buckets of at
-        most `bucket_bytes`, floating tensors cast to `dtype`."""
+        most `bucket_bytes`, floating tensors cast to `dtype`; with `settings.export_quantization`
+        the decoder's linear weights as block FP8 plus their scales (the rest in `dtype`, bf16 by
+        default)."""
         named = self.hf_weights()
         if self.settings.export_layout == "checkpoint":
             named = convert.checkpoint_layout(named)
+        if self.settings.export_quantization == "fp8_block128":
+            from agentrl.train.megatron.fp8 import quantize_named
+
+            named = quantize_named(named, dtype=dtype or torch.bfloat16)
+            dtype = None  # already cast; the fp8 tensors keep their dtype
         return bucket_named_tensors(named, dtype=dtype, bucket_bytes=bucket_bytes)
 
     # -- forward ---------------------------------------------------------------------------------
