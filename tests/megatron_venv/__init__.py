@@ -38,9 +38,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_case(name: str, tmp: Path, *args: str, nproc: int = 1, timeout: float = 900) -> dict[str, Any]:
-    """Run case `name` (in `nproc` processes over gloo) and return its JSON result."""
-    py = python()
+def run_case(
+    name: str, tmp: Path, *args: str, nproc: int = 1, timeout: float = 900, interpreter: str | None = None
+) -> dict[str, Any]:
+    """Run case `name` (in `nproc` processes) and return its JSON result. `interpreter`: a Python
+    that already has megatron-core (the GPU machine's); default: the Megatron environment's."""
+    py = interpreter or python()
     out = tmp / f"{name}-{uuid.uuid4().hex[:6]}.json"
     cmd = [str(py)]
     if nproc > 1:

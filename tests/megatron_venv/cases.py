@@ -601,6 +601,35 @@ def _from_checkpoint_names(state: dict[str, torch.Tensor], hf: Any) -> dict[str,
     return out
 
 
+def case_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """GPU only (never run in CI): bf16 weights, the all-to-all MoE dispatcher and full recompute;
+    packed log-probs against the HF model in bf16, and one GRPO step."""
+    hf = tiny_hf().cuda()
+    tr = trainer(
+        hf.float(),
+        params_dtype="bfloat16",
+        moe_token_dispatcher_type="alltoall",
+        recompute="full",
+    )
+    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+    tr.model.eval()
+    diff = 0.0
+    with torch.no_grad():
+        hf_bf16 = hf.to(torch.bfloat16)
+        for mb in batch.micro_batches:
+            mb = mb.to(tr.device)
+            logp = tr.logprobs(mb)[0]
+            for r in range(mb.num_rows):
+                n = int(mb.attention_mask[r].sum())
+                ids = mb.input_ids[r : r + 1, :n]
+                ref = torch.log_softmax(hf_bf16(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[
+                    :, 0
+                ]
+                diff = max(diff, float((logp[r, 1:n] - ref).abs().max()))
+    step = tr.train_step(samples())
+    return {"logprob_max_abs_diff_bf16": diff, "loss": step["loss"], "skipped": step["skipped"]}
+
+
 CASES = {
     "build": case_build,
     "hf_parity": case_hf_parity,
@@ -611,6 +640,7 @@ CASES = {
     "pipeline": case_pipeline,
     "kl": case_kl,
     "fp8": case_fp8,
+    "gpu": case_gpu,
 }
 
 
