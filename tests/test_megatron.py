@@ -44,6 +44,14 @@ def test_glm52_computing_layers_come_from_the_hf_pattern() -> None:
     assert megatron_index_sharing(cfg) == (4, 3)
 
 
+def test_a_config_without_indexer_types_follows_hfs_frequency_rule() -> None:
+    from types import SimpleNamespace
+
+    old_style = SimpleNamespace(num_hidden_layers=78, index_topk_freq=4, index_skip_topk_offset=3)
+    assert computing_layers(old_style) == computing_layers(glm52_shaped())
+    assert computing_layers(SimpleNamespace(num_hidden_layers=3)) == [1, 2, 3]  # no sharing
+
+
 def test_the_glm52_recipe_splits_pass_and_an_even_split_is_rejected() -> None:
     cfg = glm52_shaped()
     check_pipeline_split(cfg, pipeline_layout(78, 4, first_stage_layers=18, last_stage_layers=20))

@@ -32,7 +32,11 @@ def indexer_types(hf_config: Any) -> list[str]:
     types = getattr(hf_config, "indexer_types", None)
     n = int(hf_config.num_hidden_layers)
     if types is None:
-        return ["full"] * n
+        # A config from before transformers spelled the pattern out: HF's own rule on its fields
+        # (0-indexed layer i computes iff max(i - offset + 1, 0) % freq == 0; offset default 2).
+        freq = max(int(getattr(hf_config, "index_topk_freq", 1) or 1), 1)
+        offset = int(getattr(hf_config, "index_skip_topk_offset", 2))
+        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     types = list(types)
     if len(types) != n or set(types) - {"full", "shared"}:
         raise ModelConfigError(
