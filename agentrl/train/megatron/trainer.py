@@ -175,11 +175,12 @@ class MegatronTrainer:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors (names and shapes of `GlmMoeDsaForCausalLM`), gathered over TP / EP
-        ranks; every rank of the model-parallel group must iterate it to the end together."""
-        with torch.no_grad():
-            yield from convert.megatron_to_hf(
-                self.model, stage_layers=self.stage_layers, num_experts=self.hf_config.n_routed_experts
-            )
+        ranks; every rank of the model-parallel group must iterate it to the end together.
+        (The state dict's tensors are detached: no grad-mode switch that a paused generator
+        would leak into its caller's thread.)"""
+        yield from convert.megatron_to_hf(
+            self.model, stage_layers=self.stage_layers, num_experts=self.hf_config.n_routed_experts
+        )
 
     def export_weights(
         self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
