@@ -123,6 +123,10 @@ def ensure(*, log: bool = True) -> Path:
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    # Environments of earlier requirements are 5.5 GB each and nothing uses them any more.
+    for old in venv.parent.glob("megatron-venv-*"):
+        if old != venv and (old / "ready").exists():
+            shutil.rmtree(old, ignore_errors=True)
     return venv / "bin" / "python"
 
 
