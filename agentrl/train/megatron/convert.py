@@ -122,10 +122,6 @@ def _glu_shard(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> to
     return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
 
 
-def _global_layer(local: int, stage_layers: Sequence[int]) -> int:
-    return stage_layers[local]
-
-
 def hf_to_megatron(
     hf_state: Mapping[str, torch.Tensor],
     model: torch.nn.Module,
@@ -157,7 +153,7 @@ def hf_to_megatron(
             m = _LAYER.match(key)
             if m is None:
                 raise ConversionError(f"no HF source for megatron weight {key}")
-            layer = _global_layer(int(m.group(1)), stage_layers)
+            layer = stage_layers[int(m.group(1))]
             rest = m.group(2)
             prefix = f"model.layers.{layer}."
             e = _EXPERT.match(rest)
@@ -252,7 +248,7 @@ def megatron_to_hf(
         m = _LAYER.match(key)
         if m is None:
             raise ConversionError(f"no HF name for megatron weight {key}")
-        layer = _global_layer(int(m.group(1)), stage_layers)
+        layer = stage_layers[int(m.group(1))]
         rest = m.group(2)
         prefix = f"model.layers.{layer}."
         e = _EXPERT.match(rest)

@@ -12,8 +12,6 @@ and on a GPU without TE. Settings that make the megatron model compute what HF's
 from __future__ import annotations
 
 import copy
-import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -27,20 +25,22 @@ from agentrl.train.megatron.plan import (
 )
 from agentrl.train.megatron.settings import MegatronSettings
 
-# megatron picks its JIT fuser at import: torch.compile costs ~16 s of C++ builds on the first CPU
-# forward for the same numbers, so the plain path is chosen before megatron is imported.
-os.environ.setdefault("NVTE_TORCH_COMPILE", "0")
 
-
-def _no_jit_fuser() -> None:
+def plain_jit_on_cpu() -> None:
+    """On a CPU, megatron's JIT fuser off before its modules are imported: they decorate their
+    fused functions at import with `torch.compile`, which costs ~16 s of C++ builds on the first
+    CPU forward for the same numbers. On a GPU the fuser stays."""
+    if torch.cuda.is_available():
+        return
     import megatron.core.jit as jit
 
-    jit.jit_fuser = lambda fn: fn
+    jit.disable_jit_fuser()
 
 
 def require_megatron() -> None:
     """Fail with the way out when megatron-core (Python >= 3.12) is not importable here."""
     try:
+        plain_jit_on_cpu()
         import megatron.core.transformer.experimental_attention_variant.dsa  # noqa: F401
     except ImportError as exc:
         raise ModelConfigError(
@@ -261,6 +261,9 @@ def layout_of(hf_config: Any, settings: MegatronSettings) -> PipelineLayout:
 def build_model(hf_config: Any, settings: MegatronSettings, *, vp_stage: int | None = None) -> Any:
     """This rank's `GPTModel` (its pipeline stage). Process groups must be initialised
     (`agentrl.train.megatron.parallel.initialize`). The pipeline split is checked first."""
+    layout = layout_of(hf_config, settings)
+    check_pipeline_split(hf_config, layout)
+    require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_layer_with_experimental_attention_variant_spec,
@@ -268,9 +271,6 @@ def build_model(hf_config: Any, settings: MegatronSettings, *, vp_stage: int | N
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layout = layout_of(hf_config, settings)
-    check_pipeline_split(hf_config, layout)
-    _no_jit_fuser()
     config = transformer_config(hf_config, settings)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     pp = settings.pp
@@ -297,7 +297,3 @@ def build_model(hf_config: Any, settings: MegatronSettings, *, vp_stage: int | N
         vp_stage=vp_stage,
     )
     return model
-
-
-def settings_replace(settings: MegatronSettings, **changes: Any) -> MegatronSettings:
-    return dataclasses.replace(settings, **changes)
