@@ -421,7 +421,17 @@ async def _replay_keystrokes(terminal: TerminalActor, turn: dict[str, Any]) -> T
         return TurnReplay(turn["index"], True)
     if _stable((batch.terminal_output, "", None)) == _stable((then, "", None)):
         return TurnReplay(turn["index"], True, "the screen differs only in timings / hashes / dates")
-    return TurnReplay(turn["index"], False, "the screen differs")
+    return TurnReplay(
+        turn["index"], False, "the screen differs: " + _first_difference(then, batch.terminal_output)
+    )
+
+
+def _first_difference(then: str, now: str) -> str:
+    old, new = then.splitlines(), now.splitlines()
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        if a != b:
+            return f"line {i + 1}: recorded {a[:120]!r}, replayed {b[:120]!r}"
+    return f"recorded {len(old)} lines, replayed {len(new)}"
 
 
 class EpisodeRunner:

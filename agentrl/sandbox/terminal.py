@@ -198,7 +198,11 @@ class TmuxTerminal(TerminalSession):
         start = (
             f"mkdir -m 700 {shlex.quote(term._dir)} && export TERM=xterm-256color SHELL=/bin/bash && "
             f"{term._tmux} new-session -d -s {term._target} -x {width} -y {height} 'bash --login' && "
-            f"{{ {term._tmux} set-option -g history-limit {HISTORY_LIMIT} >/dev/null 2>&1; true; }}"
+            f"{{ {term._tmux} set-option -g history-limit {HISTORY_LIMIT} >/dev/null 2>&1; true; }} && "
+            # Wait (up to 5 s) for the shell's first prompt: the first observation then shows the
+            # ready terminal, the same on every run, not whatever a cold shell had printed yet.
+            f"i=0; while [ $i -lt 100 ]; do s=$({term._tmux} capture-pane -p -t {term._target} 2>/dev/null); "
+            '[ -n "${s//[[:space:]]/}" ] && break; sleep 0.05; i=$((i+1)); done; true'
         )
         res = await run(start, TMUX_TIMEOUT_S)
         if res.exit_code != 0:  # before the agent's first keystroke: the image's doing
