@@ -54,6 +54,7 @@ from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteReq
 from agentrl.sandbox.podman import run_cli
 
 FAKE_LABEL = "agentrl-fake-daytona"
+DAEMON_START = "cp \"$(command -v sleep)\" /tmp/.daytona-daemon && exec /tmp/.daytona-daemon infinity"
 
 
 class PodmanRuntime:
@@ -104,7 +105,9 @@ class PodmanRuntime:
             args += ["--user", params.os_user]
         for key, value in (params.env_vars or {}).items():
             args += ["-e", f"{key}={value}"]
-        args += ["--entrypoint", "sleep", tag, "infinity"]
+        # PID 1 stands in for Daytona's toolbox daemon: a binary of its own (a copy of `sleep`), so
+        # the verifier's kill, which spares the daemon's executable, spares nothing else.
+        args += ["--entrypoint", "/bin/sh", tag, "-c", DAEMON_START]
         rc, _, err = await run_cli(self.cli, *args, timeout=120)
         if rc != 0:
             raise DaytonaError(f"Sandbox failed to start: {err[-500:]}")

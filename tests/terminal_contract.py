@@ -233,7 +233,7 @@ class TerminalContract(_Backend):
             assert probe.stdout == "200\n", (probe, ps)
             assert all(
                 line.startswith("T") for line in ps.splitlines() if "tmux" in line or "bash --login" in line
-            )
+            ), ps
         else:
             assert "http.server" not in ps and "tmux" not in ps, ps
 

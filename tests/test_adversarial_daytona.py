@@ -157,11 +157,34 @@ async def test_a_process_that_survives_the_kill_is_seen_from_outside(
             await sb.stop_processes()  # the real kill: nothing survives
             await sb.exec("setsid tail -f /dev/null >/dev/null 2>&1 < /dev/null &", timeout=10)
             monkeypatch.setattr(daytona, "STOP_PROCESSES", "true")  # a kill that did nothing
-            with pytest.raises(
-                SandboxPolicyError, match=r"survived the verifier's kill: \d+ \(tail"
-            ) as info:
+            with pytest.raises(SandboxPolicyError, match=r"survived the verifier's kill: \d+ \(tail") as info:
                 await sb.stop_processes()
             assert info.value.cause == "system_files"
+        finally:
+            await sb.close()
+    finally:
+        await provider.aclose()
+
+
+async def test_a_listening_server_survives_the_kill_and_nothing_else(server: FakeDaytonaServer) -> None:
+    """As on podman: a service the task asks for keeps answering the tests; everything else dies."""
+    provider = DaytonaProvider(client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0)
+    try:
+        sb = await provider.create(load_task(GUARDED), run_id="listener")
+        try:
+            await sb.exec(
+                "setsid python3 -m http.server 8077 --bind 127.0.0.1 >/dev/null 2>&1 < /dev/null & "
+                "setsid tail -f /dev/null >/dev/null 2>&1 < /dev/null &",  # not `sleep`: the fake's PID 1
+                timeout=10,
+            )
+            await sb.exec("sleep 1", timeout=10)
+            await sb.stop_processes()
+            probe = await sb.exec(
+                "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8077/\").status)';"
+                " ps -eo stat=,comm= | grep -v '^Z' | grep -w tail || echo no-tail",
+                timeout=20,
+            )
+            assert probe.stdout.split() == ["200", "no-tail"], probe
         finally:
             await sb.close()
     finally:

@@ -95,8 +95,10 @@ LABEL_TASK = "agentrl.task-id"
 LABEL_LAUNCHER = "agentrl.launcher"
 LABEL_OWNER = "agentrl.owner"
 DEFAULT_LAUNCHER = "agentrl"
-# Kills every process but PID 1, the toolbox daemon's (same executable as PID 1) and this script's
-# own ancestors (the daemon's exec chain). Stopping first, three sweeps, so a fork loop cannot
+# Kills every process but PID 1, the toolbox daemon's (same executable as PID 1), this script's
+# own ancestors (the daemon's exec chain) and servers listening on a TCP port (tasks ask for services
+# their tests talk to; podman keeps them too), which it names on its output. Unix-socket listeners
+# (a terminal's tmux server among them) are not kept. Stopping first, three sweeps, so a fork loop cannot
 # outrun it; the daemon must survive, or the sandbox stops answering.
 STOP_PROCESSES = r"""
 keep=" 1 $$ "; p=$$
@@ -104,10 +106,39 @@ while [ "$p" -gt 1 ] 2>/dev/null; do
   p=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$p/status 2>/dev/null); [ -n "$p" ] || break; keep="$keep$p "
 done
 daemon=$(readlink /proc/1/exe 2>/dev/null)
+listen=" "
+for f in /proc/net/tcp /proc/net/tcp6; do
+  [ -r $f ] || continue
+  while read -r sl local rem st txrx trtm retr uid tmo inode rest; do
+    [ "$st" = "0A" ] && listen="$listen$inode "
+  done < $f
+done
+for e in /proc/[0-9]*; do
+  q=${e#/proc/}
+  case "$keep" in *" $q "*) continue;; esac
+  for fd in $e/fd/*; do
+    l=$(readlink $fd 2>/dev/null) || continue
+    case "$l" in "socket:["*"]") i=${l#socket:[}; i=${i%]}; case "$listen" in *" $i "*)
+      keep="$keep$q "; echo "__agentrl_kept $q"; break;; esac;; esac
+  done
+done
+# A kept server's ancestors (a terminal's shell and tmux) are frozen, not killed: their end would
+# hang up the server's terminal and end it too.
+freeze=" "
+for q in $keep; do
+  a=$q
+  while :; do
+    a=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$a/status 2>/dev/null); [ -n "$a" ] && [ "$a" -gt 1 ] || break
+    case "$keep$freeze" in *" $a "*) break;; esac
+    [ -n "$daemon" ] && [ "$(readlink /proc/$a/exe 2>/dev/null)" = "$daemon" ] && break
+    freeze="$freeze$a "; echo "__agentrl_frozen $a"
+  done
+done
 for sig in STOP STOP STOP KILL KILL; do
   for e in /proc/[0-9]*; do
     q=${e#/proc/}
     case "$keep" in *" $q "*) continue;; esac
+    case "$freeze" in *" $q "*) [ $sig = STOP ] || continue;; esac
     [ -n "$daemon" ] && [ "$(readlink $e/exe 2>/dev/null)" = "$daemon" ] && continue
     kill -$sig $q 2>/dev/null
   done
@@ -276,6 +307,8 @@ class DaytonaSandbox(Sandbox):
         self._keepalive: asyncio.Task[None] | None = None
         self.created_at = time.time()
         self._core: dict[str, str | None] | None = None  # see record_baseline
+        self._core_clean: bool | None = None  # compared after the verifier's kill: unchanged
+        self._started_clock: int | None = None  # the sandbox's clock (epoch s) before the agent ran
         self._infra: dict[str, tuple[str, str]] | None = None
         self._state_dir = _new_state_dir()  # the agent's shell session (shellstate.py)
         self._terminals: list[TmuxTerminal] = []
@@ -570,9 +603,13 @@ class DaytonaSandbox(Sandbox):
         daemon, init, their helpers) and the content of the verifier's core files (`CORE_TOOLS`
         with their libraries and loader, `SHADOW_PATHS`). `core` reuses a record made on another
         sandbox of the same image; the record is returned for that purpose."""
+        probe = await self._exec_clean(
+            ("date +%s; " + CORE_PROBE) if core is None else "date +%s", timeout=120
+        )
+        first, _, rest = probe.stdout.partition("\n")
+        self._started_clock = int(first) if first.strip().isdigit() else None
         if core is None:
-            probe = await self._exec_clean(CORE_PROBE, timeout=120)
-            found = {p for p in probe.stdout.splitlines() if p.startswith("/")}
+            found = {p for p in rest.splitlines() if p.startswith("/")}
             core = await self._digests(sorted(found | set(SHADOW_PATHS)))
         self._core = core
         self._infra = await self._processes()
@@ -636,18 +673,34 @@ class DaytonaSandbox(Sandbox):
     async def stop_processes(self) -> None:
         """Kill what the agent started, then check from outside that it worked: the kill runs the
         sandbox's own shell, so core files changed since the start, or a process of the agent's
-        still alive afterwards, mean the agent subverted it (`tampered`, a policy outcome)."""
-        changed = await self._core_changes()
-        if changed:
-            raise SandboxPolicyError(
-                f"daytona sandbox {self.sandbox_id}: files the verifier runs were replaced: "
-                + ", ".join(changed[:10]),
-                cause="system_files",
-            )
+        still alive afterwards (other than a server listening on a socket, which is kept), mean
+        the agent subverted it (`tampered`, a policy outcome). The core files are compared after
+        the kill, when nothing of the agent's can change them back any more."""
         self._end_terminals()
-        await self._exec_clean(STOP_PROCESSES, timeout=120)
+        try:
+            res = await self._exec_clean(STOP_PROCESSES, timeout=120)
+        except SandboxPolicyError:
+            # The kill's own shell gave no proper reply: a replaced shell says why more precisely.
+            changed = await self._core_changes() if self._core is not None else []
+            if changed:
+                raise SandboxPolicyError(
+                    f"daytona sandbox {self.sandbox_id}: files the verifier runs were replaced: "
+                    + ", ".join(changed[:10]),
+                    cause="system_files",
+                ) from None
+            raise
+        kept = set(re.findall(r"^__agentrl_(?:kept|frozen) (\d+)$", res.stdout, re.MULTILINE))
         self._session_id = None  # its shell was killed with the rest
         self._state_dir = _new_state_dir()  # the verifier never sees the agent's shell session
+        if self._core is not None and self._core_clean is None:
+            changed = await self._core_changes()
+            if changed:
+                raise SandboxPolicyError(
+                    f"daytona sandbox {self.sandbox_id}: files the verifier runs were replaced: "
+                    + ", ".join(changed[:10]),
+                    cause="system_files",
+                )
+            self._core_clean = True  # for tampered_paths: nothing of the agent's runs any more
         if self._infra is None:
             return
         infra_names = {comm for _, comm in self._infra.values()}
@@ -657,7 +710,10 @@ class DaytonaSandbox(Sandbox):
             survivors = {
                 pid: (state, comm)
                 for pid, (state, comm) in live.items()
-                if pid not in self._infra and state not in ("Z", "X") and comm not in infra_names
+                if pid not in self._infra
+                and pid not in kept
+                and state not in ("Z", "X")
+                and comm not in infra_names
             }
             if not survivors:
                 return
@@ -673,10 +729,12 @@ class DaytonaSandbox(Sandbox):
         compared through the file API; with those intact, the sandbox's own `find` can be trusted
         for the rest: files whose status changed since the sandbox was created (`find -newerct`: a
         ctime cannot be set back) under the system prefixes, and suspicious additions anywhere."""
-        changed_core = await self._core_changes()
-        if changed_core:
-            return changed_core
-        since = int(self.created_at) - 120  # slack for a sandbox clock behind the host's
+        if not self._core_clean:
+            changed_core = await self._core_changes()
+            if changed_core:
+                return changed_core
+        # The sandbox's own clock when it started (`record_baseline`), else the host's with slack.
+        since = self._started_clock - 1 if self._started_clock is not None else int(self.created_at) - 120
         prune = " -o ".join(f"-path {p}" for p in ("/proc", "/sys", "/dev", "/run", "/tmp", "/logs"))
         name = f".agentrl-tamper-{uuid.uuid4().hex}"
         # The list travels as a file through the file API: the exec reply passes the sandbox's `cat`.
