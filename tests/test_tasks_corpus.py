@@ -148,3 +148,29 @@ async def test_the_runnable_corpus_tasks_pass_the_oracle(tmp_path: Path) -> None
     assert by_id["corpus-crlf"].ok and by_id["corpus-crlf"].reward == 1.0, by_id["corpus-crlf"].detail
     assert by_id["corpus-healthcheck"].ok, by_id["corpus-healthcheck"].detail
     assert by_id["corpus-sick"].cause == "healthcheck" and "failed 2 times" in by_id["corpus-sick"].detail
+
+
+def test_environment_env_templates_come_from_the_host(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from agentrl.sandbox.daytona import DaytonaProvider
+    from agentrl.sandbox.podman import PodmanProvider
+
+    d = corpus_task(tmp_path, "tmpl")
+    text = (
+        (d / "task.toml")
+        .read_text()
+        .replace(
+            "[environment.env]\n",
+            '[environment.env]\nMODE = "${AGENTRL_CORPUS_MODE:-fallback}"\nKEY = "${AGENTRL_CORPUS_KEY}"\n',
+        )
+    )
+    (d / "task.toml").write_text(text)
+    task = load_task(d)
+    monkeypatch.delenv("AGENTRL_CORPUS_MODE", raising=False)
+    monkeypatch.delenv("AGENTRL_CORPUS_KEY", raising=False)
+    with pytest.raises(TaskFormatError, match="AGENTRL_CORPUS_KEY is not set"):
+        PodmanProvider()._run_args(task, "r", "n")
+    monkeypatch.setenv("AGENTRL_CORPUS_KEY", "k1")
+    args, _ = PodmanProvider()._run_args(task, "r", "n")
+    assert "MODE=fallback" in args and "KEY=k1" in args
+    params = DaytonaProvider(client_factory=lambda: None, trusted_checks=False).params_for(task, "r")  # type: ignore[arg-type,return-value]
+    assert params.env_vars == {"MODE": "fallback", "KEY": "k1"}

@@ -84,6 +84,7 @@ from agentrl.sandbox.base import (
 )
 from agentrl.sandbox.credentials import DaytonaCredentials
 from agentrl.sandbox.terminal import INSTALL_TMUX, TerminalSession, TmuxTerminal
+from agentrl.tasks.config import resolve_env_templates
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -1016,7 +1017,7 @@ class DaytonaProvider(SandboxProvider):
             image=image_for(task),
             resources=self.resources_for(task),
             labels=self.labels_for(task, run_id),
-            env_vars=dict(env.env),
+            env_vars=resolve_env_templates(env.env, str(task.path / "task.toml")),
             os_user=self.os_user,
             auto_stop_interval=self.auto_stop_minutes,
             auto_delete_interval=self.auto_delete_minutes,

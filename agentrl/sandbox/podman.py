@@ -79,6 +79,7 @@ from agentrl.sandbox.base import (
     SandboxTransportError,
 )
 from agentrl.sandbox.terminal import INSTALL_TMUX, NO_TMUX, TerminalSession, TmuxTerminal
+from agentrl.tasks.config import resolve_env_templates
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -1407,7 +1408,9 @@ class PodmanProvider(SandboxProvider):
             args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
         if env.workdir:
             args += ["-w", env.workdir]
-        for k, v in env.env.items():
+        # `${VAR}` / `${VAR:-default}` values come from the host, as in Harbor (an unset one is a
+        # task error that names the variable).
+        for k, v in resolve_env_templates(env.env, str(task.path / "task.toml")).items():
             args += ["-e", f"{k}={v}"]
         return args, env.storage_mb or self.default_storage_mb
 
