@@ -1,4 +1,5 @@
-"""`agentrl sandbox ...`: base images and clean-up of sandboxes a dead process left behind."""
+"""`agentrl sandbox ...`: offline stand-in bases, task-image pruning, and clean-up of sandboxes a
+dead process left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(no_args_is_help=True, help="Local sandboxes: base images, reaping.")
+app = typer.Typer(no_args_is_help=True, help="Local sandboxes: base images, pruning, reaping.")
+bases_app = typer.Typer(no_args_is_help=True, help="Offline stand-in base images.")
+app.add_typer(bases_app, name="bases")
 console = Console()
 
 
@@ -19,10 +22,11 @@ def default_cli() -> str:
 @app.command("build-bases")
 def build_bases_cmd(
     cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
-    force_standins: bool = typer.Option(False, help="Tag stand-ins even over images that exist."),
+    force_standins: bool = typer.Option(False, help="Do not look for the real images at all."),
     pull: bool = typer.Option(True, help="Try pulling real images first where a registry answers."),
 ) -> None:
-    """Make the base images task Dockerfiles start FROM available offline."""
+    """Build the offline stand-in (under localhost/agentrl-base/ only) that task builds use for a
+    known base which is neither local nor pullable."""
     from agentrl.errors import AgentRLError
     from agentrl.sandbox.images import build_bases
 
@@ -35,10 +39,83 @@ def build_bases_cmd(
         raise typer.Exit(1) from None
     table = Table(title="base images")
     table.add_column("name")
-    table.add_column("source")
+    table.add_column("served by")
     for name, source in status.items():
         table.add_row(name, source)
     console.print(table)
+
+
+@bases_app.command("list")
+def bases_list(
+    cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
+) -> None:
+    """The stand-ins that exist, their recipe hash and the repositories they answer for; names an
+    older agentrl tagged on real images are listed as legacy."""
+    from agentrl.sandbox.images import list_standins, load_recipe
+
+    recipe = load_recipe()
+    items = list_standins(cli or default_cli(), recipe)
+    ours = [item for item in items if not item.legacy]
+    legacy = [item for item in items if item.legacy]
+    if not ours:
+        console.print("no stand-ins: `agentrl sandbox build-bases` builds one")
+    for item in ours:
+        state = "current" if item.current else "stale recipe"
+        console.print(f"[bold]{item.name}[/bold]  recipe {item.recipe or '-'} ({state})")
+        if item.serves:
+            repos = ", ".join(r.removeprefix("docker.io/library/") for r in item.serves)
+            console.print(f"  answers for any tag of: {repos}")
+            console.print(f"  {recipe.content}")
+    if legacy:
+        console.print(
+            f"[yellow]{len(legacy)} names an older agentrl tagged on stand-ins (real names now running "
+            "Debian content); `agentrl sandbox bases remove` removes them:[/yellow]"
+        )
+        for item in legacy:
+            console.print(f"  {item.name}  recipe {item.recipe or '-'}")
+
+
+@bases_app.command("remove")
+def bases_remove(
+    cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed."),
+) -> None:
+    """Remove the stand-ins, and the real-name tags older agentrl versions put on them."""
+    from agentrl.sandbox.images import remove_standins
+
+    removed, failed = remove_standins(cli or default_cli(), dry_run=dry_run)
+    for name in removed:
+        console.print(f"{'would remove' if dry_run else 'removed'} {name}")
+    for line in failed:
+        console.print(f"[red]kept[/red] {line}")
+    console.print(f"{len(removed)} {'to remove' if dry_run else 'removed'}, {len(failed)} kept")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def prune(
+    older_than: str | None = typer.Option(None, help="Only images older than this (e.g. 2h, 7d)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed."),
+    cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
+) -> None:
+    """Remove the images agentrl built for tasks (localhost/agentrl-task/*, and their terminal
+    layers localhost/agentrl-terminal/*). Images any container uses are never touched."""
+    import time
+
+    from agentrl.sandbox.images import prune_task_images
+
+    age = parse_duration(older_than) if older_than else None
+    now = time.time()
+    chosen, failed = prune_task_images(cli or default_cli(), older_than_s=age, dry_run=dry_run, now=now)
+    for image in chosen:
+        hours = (now - image.created) / 3600
+        console.print(f"{'would remove' if dry_run else 'removed'} {image.name} ({hours:.1f} h old)")
+    for line in failed:
+        console.print(f"[red]kept[/red] {line}")
+    console.print(f"{len(chosen)} task images {'to remove' if dry_run else 'removed'}")
+    if failed:
+        raise typer.Exit(1)
 
 
 def parse_duration(text: str) -> float:

@@ -1,11 +1,14 @@
-"""Offline stand-in base images (`agentrl sandbox build-bases`).
+"""Offline stand-in base images (`agentrl sandbox build-bases`, `bases list/remove`, `prune`).
 
 No registry for base images is reachable on machines like ours. One Debian bookworm root file
 system, bootstrapped with debootstrap, imported and extended with what task images commonly expect
 (bash, python3 with pip and venv, ca-certificates; tmux for `open_terminal`, vim-tiny and nano for
-agents that edit interactively), is tagged under every base name listed in
-`sandbox_images/bases.toml`; task builds then run with `--pull=never`. A label carries the hash of
-the recipe so re-running is a no-op until the recipe changes.
+agents that edit interactively), is built as `localhost/agentrl-base/<suite>:<recipe hash>`. It
+never takes a real image's name: a task build whose `FROM` names a base that is neither local nor
+pullable has that `FROM` rewritten to the stand-in (`plan_froms`), when the base's repository is one
+`sandbox_images/bases.toml` lists, under any tag, digest pin or registry-mirror spelling
+(`standin_key`). A label carries the hash of the recipe so re-building is a no-op until the recipe
+changes; older agentrl versions tagged real names with it, which `remove_standins` undoes.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.sandbox.base import ImageBuildError
@@ -25,6 +30,14 @@ from agentrl.sandbox.base import ImageBuildError
 BASES_TOML = Path(__file__).resolve().parents[2] / "sandbox_images" / "bases.toml"
 STANDIN_REPO = "localhost/agentrl-base"
 RECIPE_LABEL = "agentrl.base-recipe"
+TASK_IMAGE_REPOS = ("localhost/agentrl-task/", "localhost/agentrl-terminal/")
+# What agentrl before the stand-in namespace left behind (besides the real names it tagged).
+_LEGACY_STANDIN_PREFIXES = ("localhost/agentrl-base:", "localhost/agentrl-base-rootfs:")
+_DOCKER_HUB = {"docker.io", "index.docker.io", "registry-1.docker.io"}
+STANDIN_CONTENT = (
+    "its content is Debian {suite}'s whatever the name says (Python 3.11 under python:3.12 or "
+    "python:3.13, Debian's userland under ubuntu:*)"
+)
 
 # Debian's python is "externally managed" (PEP 668); python:*-slim images are not, and task
 # Dockerfiles `pip install` freely. `python` and `pip` exist in those images too.
@@ -53,6 +66,20 @@ class BaseRecipe:
         blob = json.dumps([self.suite, self.variant, self.mirror, self.packages, _DOCKERFILE], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    @property
+    def standin(self) -> str:
+        """The stand-in's own name; never a real image's."""
+        return f"{STANDIN_REPO}/{self.suite}:{self.digest}"
+
+    @property
+    def repositories(self) -> tuple[str, ...]:
+        """The repositories the stand-in answers for, under any tag: those of `names`."""
+        return tuple(dict.fromkeys(standin_key(n) for n in self.names))
+
+    @property
+    def content(self) -> str:
+        return STANDIN_CONTENT.format(suite=self.suite)
+
 
 def load_recipe(path: Path = BASES_TOML) -> BaseRecipe:
     data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -73,6 +100,105 @@ def qualified(name: str) -> str:
     return f"docker.io/{name}" if "/" in name else f"docker.io/library/{name}"
 
 
+def repository(ref: str) -> str:
+    """`ref` without its tag and digest, fully qualified: `python:3.12@sha256:...` ->
+    `docker.io/library/python`; Docker Hub's other host names count as docker.io."""
+    name = ref.split("@", 1)[0]
+    slash = name.rfind("/")
+    if name.rfind(":") > slash:
+        name = name[: name.rfind(":")]
+    name = qualified(name)
+    host, _, rest = name.partition("/")
+    return f"docker.io/{rest}" if host in _DOCKER_HUB else name
+
+
+def standin_key(ref: str, known: tuple[str, ...] = ()) -> str:
+    """The known repository `ref` names, through a registry mirror too, else its own repository.
+
+    Mirrors keep the upstream path under a prefix of their own: `<mirror>/docker/library/debian`,
+    `mirror.gcr.io/library/ubuntu`, `<mirror>/ghcr.io/laude-institute/t-bench/ubuntu-24-04`: a
+    reference whose path ends with a known repository's path (after its host) names that one."""
+    repo = repository(ref)
+    if repo in known:
+        return repo
+    path = repo.split("/", 1)[1] if "/" in repo else repo
+    for candidate in known:
+        tail = candidate.split("/", 1)[1]
+        if path == tail or path.endswith("/" + tail) or path.endswith("/" + candidate):
+            return candidate
+    return repo
+
+
+def standin_for(ref: str, recipe: BaseRecipe) -> str | None:
+    """The stand-in that serves `ref` (any tag, digest pin or mirror spelling of a known
+    repository), or None."""
+    return recipe.standin if standin_key(ref, recipe.repositories) in recipe.repositories else None
+
+
+# -- Dockerfile FROM lines ------------------------------------------------------------------------
+_FROM = re.compile(
+    r"^(?P<indent>\s*)FROM\s+(?P<flags>(?:--\S+\s+)*)(?P<image>\S+)(?P<rest>(?:\s+AS\s+(?P<alias>\S+))?\s*)$",
+    re.IGNORECASE,
+)
+_GLOBAL_ARG = re.compile(r"^\s*ARG\s+(?P<name>\w+)(?:=(?P<value>\S*))?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class FromLine:
+    """One `FROM` naming an image (not an earlier stage, not `scratch`)."""
+
+    line: int
+    written: str  # as in the Dockerfile
+    image: str  # with the global ARG defaults substituted
+
+
+def from_lines(text: str) -> list[FromLine]:
+    """The `FROM` lines of a Dockerfile that name an image: `FROM <stage>` and `scratch` are
+    skipped; `${ARG}` takes the default of a global `ARG` (one that is still unresolved is
+    skipped, since no one can say which image it names)."""
+    args: dict[str, str] = {}
+    stages: set[str] = set()
+    seen_from = False
+    out: list[FromLine] = []
+    for number, raw in enumerate(text.splitlines()):
+        if not seen_from and (arg := _GLOBAL_ARG.match(raw)) and arg.group("value") is not None:
+            args[arg.group("name")] = arg.group("value").strip("\"'")
+            continue
+        m = _FROM.match(raw)
+        if m is None:
+            continue
+        seen_from = True
+        written = m.group("image")
+        image = re.sub(
+            r"\$\{(\w+)\}|\$(\w+)", lambda v: args.get(v.group(1) or v.group(2), v.group(0)), written
+        )
+        is_stage = image.lower() in stages
+        if m.group("alias"):
+            stages.add(m.group("alias").lower())
+        if is_stage:
+            continue
+        if image.lower() == "scratch" or "$" in image:
+            continue
+        out.append(FromLine(number, written, image))
+    return out
+
+
+def rewrite_froms(text: str, replace: dict[int, str]) -> str:
+    """`text` with the image of each `FROM` on a line in `replace` swapped for the given one.
+    The stage name stays; `--platform` goes, since a stand-in exists for the host's platform only."""
+    lines = text.splitlines(keepends=True)
+    for number, image in replace.items():
+        m = _FROM.match(lines[number].rstrip("\r\n"))
+        assert m is not None, lines[number]
+        ending = lines[number][len(lines[number].rstrip("\r\n")) :]
+        flags = " ".join(f for f in m.group("flags").split() if not f.lower().startswith("--platform"))
+        lines[number] = (
+            f"{m.group('indent')}FROM {flags + ' ' if flags else ''}{image}{m.group('rest')}{ending}"
+        )
+    return "".join(lines)
+
+
+# -- podman -------------------------------------------------------------------------------------
 def _run(cli: str, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([cli, *args], capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -129,6 +255,27 @@ def _pullable(cli: str, name: str) -> bool:
     return _run(cli, "pull", "--quiet", name, check=False, timeout=120).returncode == 0
 
 
+def build_standin(
+    *, cli: str = "podman", recipe: BaseRecipe | None = None, cache: Path | None = None, log=print
+) -> str:  # type: ignore[no-untyped-def]
+    """Build the stand-in (only under its own name) unless it exists with this recipe's label."""
+    recipe = recipe or load_recipe()
+    cache = cache or Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+    standin = recipe.standin
+    if image_label(cli, standin, RECIPE_LABEL) == recipe.digest:
+        return standin
+    tarball = _rootfs_tarball(recipe, cache, log)
+    rootfs = f"{STANDIN_REPO}/rootfs:{recipe.digest}"
+    log(f"importing {tarball.name}")
+    _run(cli, "import", str(tarball), rootfs)
+    with tempfile.TemporaryDirectory(prefix="agentrl-base-") as ctx:
+        (Path(ctx) / "Dockerfile").write_text(
+            _DOCKERFILE.format(rootfs=rootfs, label=RECIPE_LABEL, recipe=recipe.digest)
+        )
+        _run(cli, "build", "--pull=never", "--network=host", "-t", standin, ctx, timeout=1800)
+    return standin
+
+
 def build_bases(
     *,
     cli: str = "podman",
@@ -137,43 +284,155 @@ def build_bases(
     cache: Path | None = None,
     log=print,  # type: ignore[no-untyped-def]
 ) -> dict[str, str]:
-    """Make every base name in the recipe resolvable locally. Returns {name: "present" | "pulled" |
-    "stand-in"}. Idempotent: names already carrying this recipe's label are left alone."""
+    """Build the stand-in and say how each base name in the recipe will be served. Returns
+    {name: "present" | "pulled" | "stand-in"}. Only the stand-in's own name is tagged: a task build
+    rewrites a `FROM` of an unavailable known base to it. `force_standins`: do not look for the real
+    images (`--pull=never` builds then use the stand-in for every name not already present)."""
     recipe = load_recipe()
-    cache = cache or Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+    standin = build_standin(cli=cli, recipe=recipe, cache=cache, log=log)
     status: dict[str, str] = {}
-    todo: list[str] = []
     for name in recipe.names:
-        label = image_label(cli, name, RECIPE_LABEL)
-        if label == recipe.digest:
-            status[name] = "stand-in"
-        elif label is None and image_exists(cli, name) and not force_standins:
+        if image_exists(cli, name) and image_label(cli, name, RECIPE_LABEL) is None:
             status[name] = "present"
         elif not force_standins and try_pull and _pullable(cli, name):
             status[name] = "pulled"
         else:
-            todo.append(name)
-    if not todo:
-        return status
-    standin = f"{STANDIN_REPO}:{recipe.suite}-{recipe.digest}"
-    if image_label(cli, standin, RECIPE_LABEL) != recipe.digest:
-        tarball = _rootfs_tarball(recipe, cache, log)
-        rootfs = f"{STANDIN_REPO}-rootfs:{recipe.digest}"
-        log(f"importing {tarball.name}")
-        _run(cli, "import", str(tarball), rootfs)
-        with tempfile.TemporaryDirectory(prefix="agentrl-base-") as ctx:
-            (Path(ctx) / "Dockerfile").write_text(
-                _DOCKERFILE.format(rootfs=rootfs, label=RECIPE_LABEL, recipe=recipe.digest)
-            )
-            _run(cli, "build", "--pull=never", "--network=host", "-t", standin, ctx, timeout=1800)
-    for name in todo:
-        _run(cli, "tag", standin, name)
-        if qualified(name) != name:
-            _run(cli, "tag", standin, qualified(name))
-        status[name] = "stand-in"
-    log(
-        "NOTE: these base images are offline stand-ins with Debian bookworm's content "
-        "(Python 3.11 even where the name says 3.12 or 3.13, Debian's userland under ubuntu:*). "
-        "Where a registry is reachable, real images are pulled instead (--pull)."
-    )
+            status[name] = "stand-in"
+    if "stand-in" in status.values():
+        log(
+            f"NOTE: {standin} serves the bases marked stand-in (any tag, digest pin or registry-mirror "
+            f"spelling of their repositories): {recipe.content}. Where a registry is reachable, task "
+            "builds use the real images."
+        )
     return status
+
+
+# -- listing and removal --------------------------------------------------------------------------
+@dataclass
+class LocalImage:
+    id: str
+    names: list[str]
+    labels: dict[str, str]
+    created: float
+    containers: int
+
+    @property
+    def recipe(self) -> str | None:
+        return self.labels.get(RECIPE_LABEL)
+
+
+def local_images(cli: str = "podman") -> list[LocalImage]:
+    proc = _run(cli, "images", "--format", "json", timeout=120)
+    out: list[LocalImage] = []
+    seen: set[str] = set()
+    for item in json.loads(proc.stdout or "[]"):
+        if item["Id"] in seen:  # podman lists an image once per name
+            continue
+        seen.add(item["Id"])
+        out.append(
+            LocalImage(
+                id=item["Id"],
+                names=list(item.get("Names") or []),
+                labels=dict(item.get("Labels") or {}),
+                created=float(item.get("Created") or 0),
+                containers=int(item.get("Containers") or 0),
+            )
+        )
+    return out
+
+
+@dataclass
+class StandinImage:
+    name: str
+    id: str
+    recipe: str | None
+    current: bool  # built from today's recipe
+    legacy: bool  # a real name (or old-style name) an older agentrl tagged
+    serves: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _is_ours(name: str) -> bool:
+    return name.startswith(STANDIN_REPO + "/")
+
+
+def list_standins(cli: str = "podman", recipe: BaseRecipe | None = None) -> list[StandinImage]:
+    """Stand-ins under the namespace, and the names older agentrl versions tagged: a real name
+    on a stand-in's image, or on an image carrying the recipe label whose repository is a known
+    base (images merely built FROM a stand-in inherit the label and are not listed)."""
+    recipe = recipe or load_recipe()
+    images = local_images(cli)
+    standin_ids = {
+        i.id for i in images if any(_is_ours(n) or n.startswith(_LEGACY_STANDIN_PREFIXES) for n in i.names)
+    }
+    out = []
+    for image in images:
+        for name in image.names:
+            current = image.recipe == recipe.digest or name == f"{STANDIN_REPO}/rootfs:{recipe.digest}"
+            if _is_ours(name):
+                serves = (
+                    recipe.repositories if current and not name.startswith(f"{STANDIN_REPO}/rootfs:") else ()
+                )
+                out.append(StandinImage(name, image.id, image.recipe, current, False, serves))
+            elif name.startswith(_LEGACY_STANDIN_PREFIXES) or (
+                image.recipe is not None
+                and (image.id in standin_ids or standin_key(name, recipe.repositories) in recipe.repositories)
+            ):
+                out.append(StandinImage(name, image.id, image.recipe, current, True))
+    return out
+
+
+def remove_standins(cli: str = "podman", *, dry_run: bool = False) -> tuple[list[str], list[str]]:
+    """Untag every name `list_standins` finds. Returns (removed, failed with the reason); an image
+    a container still uses is left and reported."""
+    removed, failed = [], []
+    for item in list_standins(cli):
+        if dry_run:
+            removed.append(item.name)
+            continue
+        proc = _run(cli, "rmi", item.name, check=False, timeout=120)
+        if proc.returncode == 0:
+            removed.append(item.name)
+        else:
+            failed.append(f"{item.name}: {(proc.stderr or proc.stdout).strip()[-200:]}")
+    return removed, failed
+
+
+@dataclass
+class TaskImage:
+    name: str
+    id: str
+    created: float
+    in_use: bool
+
+
+def task_images(cli: str = "podman") -> list[TaskImage]:
+    """Images agentrl built for tasks (and their terminal layers)."""
+    return [
+        TaskImage(name, image.id, image.created, image.containers > 0)
+        for image in local_images(cli)
+        for name in image.names
+        if name.startswith(TASK_IMAGE_REPOS)
+    ]
+
+
+def prune_task_images(
+    cli: str = "podman", *, older_than_s: float | None = None, dry_run: bool = False, now: float | None = None
+) -> tuple[list[TaskImage], list[str]]:
+    """Remove task images (older than `older_than_s` when given). An image a container uses, even a
+    stopped one, is never touched. Returns (removed or, with `dry_run`, to be removed; failures)."""
+    now = time.time() if now is None else now
+    chosen = [
+        image
+        for image in task_images(cli)
+        if not image.in_use and (older_than_s is None or now - image.created >= older_than_s)
+    ]
+    if dry_run:
+        return chosen, []
+    removed, failed = [], []
+    for image in chosen:
+        proc = _run(cli, "rmi", image.name, check=False, timeout=120)
+        if proc.returncode == 0:
+            removed.append(image)
+        else:
+            failed.append(f"{image.name}: {(proc.stderr or proc.stdout).strip()[-200:]}")
+    return removed, failed

@@ -2,8 +2,10 @@
 `--cli docker` or `AGENTRL_CONTAINER_CLI=docker`).
 
 - Images: built from the task's `environment/` context, tagged by a content hash of that context,
-  so an unchanged task reuses its image; one build per tag at a time; `--pull=never` when the base
-  image exists locally (offline stand-ins, see `images.py`); the build timeout from task.toml; the
+  so an unchanged task reuses its image; one build per tag at a time; a `FROM` whose base is
+  neither local nor pullable is rewritten to the offline stand-in that serves its repository (in a
+  temporary Dockerfile, never by re-tagging a real name; `images.py`), the rewrite part of the tag,
+  and every build then runs with `--pull=never`; the build timeout from task.toml; the
   host CA bundle handed to pip in build steps (a pip.conf in a read-only mount at /etc/xdg/pip,
   which leaves nothing in the image) so `pip install` works behind TLS-intercepting proxies.
   Mounting the bundle over /etc/ssl/certs/ca-certificates.crt instead breaks every build that
@@ -58,7 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentrl.sandbox import shellstate
+from agentrl.sandbox import images, shellstate
 from agentrl.sandbox.base import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from agentrl.tasks import Task
 
 log = logging.getLogger(__name__)
+_UNRESOLVED_FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*\S*\$", re.IGNORECASE | re.MULTILINE)
 
 LABEL_RUN = "agentrl.run-id"
 LABEL_TASK = "agentrl.task-id"
@@ -196,17 +199,6 @@ def context_hash(directory: Path) -> str:
         h.update(os.readlink(path).encode() if path.is_symlink() else path.read_bytes())
         h.update(b"\0")
     return h.hexdigest()[:16]
-
-
-def _from_images(dockerfile: Path) -> list[str]:
-    images = []
-    for line in dockerfile.read_text(encoding="utf-8", errors="replace").splitlines():
-        parts = line.strip().split()
-        if len(parts) >= 2 and parts[0].upper() == "FROM":
-            args = [p for p in parts[1:] if not p.startswith("--")]
-            if args:
-                images.append(args[0])
-    return images
 
 
 # Defined once per persistent shell. Everything on the per-command path is a bash builtin except
@@ -1260,6 +1252,8 @@ class PodmanProvider(SandboxProvider):
         self._terminal_notes: dict[str, str] = {}  # image -> why its tmux layer is missing
         self._storage_opt: bool | None = None  # whether the storage driver caps a container's size
         self._build_locks: dict[str, asyncio.Lock] = {}
+        self._unpullable: set[str] = set()
+        self._standins_said: set[tuple[str, str]] = set()  # warned once per provider
         self._live: set[str] = set()
         self._pool: dict[str, list[PodmanSandbox]] = {}
         self._pool_tasks: set[asyncio.Task[None]] = set()
@@ -1281,14 +1275,79 @@ class PodmanProvider(SandboxProvider):
             log.info("%s: %s unavailable; building environment/Dockerfile", task.task_id, env.docker_image)
         if task.dockerfile is None:
             raise SandboxCreateError(f"{task.task_id}: no environment/Dockerfile and no docker_image")
-        tag = f"localhost/agentrl-task/{task.task_id.lower()}:{context_hash(task.environment_dir)}"
+        dockerfile = await self._dockerfile_offline(task)
+        key = context_hash(task.environment_dir)
+        if dockerfile is not None:
+            # the rewrite names the stand-in with its recipe hash: a new recipe is a new image
+            key = hashlib.sha256(f"{key}\n{dockerfile}".encode()).hexdigest()[:16]
+        tag = f"localhost/agentrl-task/{task.task_id.lower()}:{key}"
         lock = self._build_locks.setdefault(tag, asyncio.Lock())
         async with lock:
             rc, _, _ = await run_cli(self.cli, "image", "inspect", tag, timeout=60)
             if rc == 0:
                 return tag
-            await self._build(task, tag)
+            await self._build(task, tag, dockerfile)
         return tag
+
+    async def _dockerfile_offline(self, task: Task) -> str | None:
+        """environment/Dockerfile with every `FROM` whose base is neither local nor pullable
+        rewritten to the stand-in serving its repository; None when no line needs it. A stand-in
+        an older agentrl tagged under the real name counts as local only while the stand-in under
+        its own name is missing."""
+        assert task.dockerfile is not None
+        text = task.dockerfile.read_text(encoding="utf-8", errors="replace")
+        recipe = images.load_recipe()
+        replace: dict[int, str] = {}
+        for line in images.from_lines(text):
+            standin = images.standin_for(line.image, recipe)
+            if await self._have_or_pull(line.image) and (
+                standin is None
+                or await self._recipe_label(line.image) is None
+                or not await self._have(standin)
+            ):
+                continue
+            if standin is None:
+                raise ImageBuildError(
+                    f"{task.task_id}: environment/Dockerfile line {line.line + 1}: FROM {line.written} "
+                    "is not present locally, cannot be pulled, and no offline stand-in serves it "
+                    f"(sandbox_images/bases.toml lists {', '.join(recipe.repositories)}): load the "
+                    f"image on this machine (`{self.cli} load` / `{self.cli} pull` where a registry "
+                    "answers), or start FROM a base the stand-ins serve"
+                )
+            if not await self._have(standin):
+                raise ImageBuildError(
+                    f"{task.task_id}: FROM {line.written} is not present locally and cannot be "
+                    f"pulled; its offline stand-in {standin} is not built: run `agentrl sandbox "
+                    "build-bases`"
+                )
+            if (task.task_id, line.written) not in self._standins_said:
+                self._standins_said.add((task.task_id, line.written))
+                log.warning(
+                    "%s: FROM %s is not present locally and cannot be pulled: the stand-in %s answers "
+                    "instead; %s",
+                    task.task_id,
+                    line.written,
+                    standin,
+                    recipe.content,
+                )
+            replace[line.line] = standin
+        return images.rewrite_froms(text, replace) if replace else None
+
+    async def _have(self, image: str) -> bool:
+        return (await run_cli(self.cli, "image", "inspect", image, timeout=60))[0] == 0
+
+    async def _recipe_label(self, image: str) -> str | None:
+        rc, out, _ = await run_cli(
+            self.cli,
+            "image",
+            "inspect",
+            "--format",
+            f'{{{{ index .Config.Labels "{images.RECIPE_LABEL}" }}}}',
+            image,
+            timeout=60,
+        )
+        value = out.strip()
+        return value if rc == 0 and value and value != "<no value>" else None
 
     async def terminal_image(self, image: str, timeout: float = 600.0) -> str:
         """`image` plus a layer that installs tmux where it is missing (`INSTALL_TMUX`), built
@@ -1336,33 +1395,48 @@ class PodmanProvider(SandboxProvider):
             return tag
 
     async def _have_or_pull(self, image: str) -> bool:
+        if image in self._unpullable:
+            return await self._have(image)
         lock = self._build_locks.setdefault(image, asyncio.Lock())
         async with lock:
-            if (await run_cli(self.cli, "image", "inspect", image, timeout=60))[0] == 0:
+            if await self._have(image):
                 return True
             try:
-                return (await run_cli(self.cli, "pull", "--quiet", image, timeout=600))[0] == 0
+                pulled = (await run_cli(self.cli, "pull", "--quiet", image, timeout=600))[0] == 0
             except TimeoutError:
-                return False
+                pulled = False
+            if not pulled:
+                self._unpullable.add(image)  # one try per provider: offline, every try fails
+            return pulled
 
-    async def _build(self, task: Task, tag: str) -> None:
+    async def _build(self, task: Task, tag: str, dockerfile: str | None = None) -> None:
+        """Build `tag` from environment/ with the Dockerfile as written, or `dockerfile` (the
+        rewritten text) from a temporary file next to the unchanged context. Every base is local
+        by now (present, pulled or a stand-in), so nothing is pulled during the build, unless a
+        `FROM` names its image through a build argument no one could resolve beforehand."""
         assert task.dockerfile is not None
-        args = ["build", "--network=host", "-t", tag, "-f", str(Path(task.dockerfile).resolve())]
-        bases = _from_images(task.dockerfile)
-        local = [(await run_cli(self.cli, "image", "inspect", b, timeout=60))[0] == 0 for b in bases]
-        if bases and all(local):
-            # docker never pulls a base it has unless told to; its --pull takes no value.
-            args.append("--pull=never" if self._podman else "--pull=false")
-        if self._ca_dir is not None:
-            args += ["-v", f"{Path(self._ca_dir).resolve()}:{BUILD_PIP_DIR}:ro"]
-        args.append(str(Path(task.environment_dir).resolve()))  # the CLI runs in cli_cwd()
-        timeout = task.config.environment.build_timeout_sec
-        try:
-            rc, out, err = await run_cli(self.cli, *args, timeout=timeout)
-        except TimeoutError:
-            raise ImageBuildError(
-                f"building {task.task_id} took longer than {timeout:.0f}s (build_timeout_sec)"
-            ) from None
+        with tempfile.TemporaryDirectory(prefix="agentrl-dockerfile-") as tmp:
+            path = Path(task.dockerfile).resolve()
+            if dockerfile is not None:
+                path = Path(tmp) / "Dockerfile"
+                path.write_text(dockerfile, encoding="utf-8")
+                ignore = Path(task.environment_dir) / "Dockerfile.dockerignore"
+                if ignore.is_file():
+                    shutil.copyfile(ignore, Path(tmp) / "Dockerfile.dockerignore")
+            args = ["build", "--network=host", "-t", tag, "-f", str(path)]
+            if not _UNRESOLVED_FROM.search(dockerfile or path.read_text(errors="replace")):
+                # docker never pulls a base it has unless told to; its --pull takes no value.
+                args.append("--pull=never" if self._podman else "--pull=false")
+            if self._ca_dir is not None:
+                args += ["-v", f"{Path(self._ca_dir).resolve()}:{BUILD_PIP_DIR}:ro"]
+            args.append(str(Path(task.environment_dir).resolve()))  # the CLI runs in cli_cwd()
+            timeout = task.config.environment.build_timeout_sec
+            try:
+                rc, out, err = await run_cli(self.cli, *args, timeout=timeout)
+            except TimeoutError:
+                raise ImageBuildError(
+                    f"building {task.task_id} took longer than {timeout:.0f}s (build_timeout_sec)"
+                ) from None
         if rc != 0:
             raise ImageBuildError(
                 f"building the image of {task.task_id} failed (exit {rc})", log_tail=(out + err)[-4000:]
