@@ -109,7 +109,9 @@ def repository(ref: str) -> str:
         name = name[: name.rfind(":")]
     name = qualified(name)
     host, _, rest = name.partition("/")
-    return f"docker.io/{rest}" if host in _DOCKER_HUB else name
+    if host not in _DOCKER_HUB:
+        return name
+    return f"docker.io/{rest}" if "/" in rest else f"docker.io/library/{rest}"
 
 
 def standin_key(ref: str, known: tuple[str, ...] = ()) -> str:

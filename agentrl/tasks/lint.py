@@ -2,14 +2,19 @@
 
 Beyond `Task.validate` (the format), lint reports what would fail later, at build or run time:
 `COPY` / `ADD` sources missing from the build context, scripts Harbor would fix silently
-(non-executable `test.sh`, CRLF line ends), a network the agent's commands could reach.
+(non-executable `test.sh`, CRLF line ends), a network the agent's commands could reach, a `FROM`
+that would fail to build offline (neither local nor served by a stand-in base).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -77,11 +82,42 @@ def missing_copy_sources(task: Task) -> list[str]:
     return missing
 
 
+@functools.cache
+def _present_locally(image: str) -> bool:
+    cli = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
+    if shutil.which(cli) is None:
+        return False
+    try:
+        proc = subprocess.run([cli, "image", "inspect", image], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def unservable_bases(task: Task) -> list[str]:
+    """`FROM`s that would fail to build offline: the image is not on this machine and no stand-in
+    base serves its repository (whatever tag, digest or registry mirror names it)."""
+    if task.dockerfile is None:
+        return []
+    from agentrl.sandbox import images  # no container CLI is needed to read the recipe
+
+    recipe = images.load_recipe()
+    text = task.dockerfile.read_text(encoding="utf-8", errors="replace")
+    return [
+        f"unservable base: FROM {line.written} (line {line.line + 1}) would fail to build offline: it "
+        "is not present locally and no stand-in base serves its repository; load the image on the "
+        "build machine or start FROM a base sandbox_images/bases.toml lists"
+        for line in images.from_lines(text)
+        if images.standin_for(line.image, recipe) is None and not _present_locally(line.image)
+    ]
+
+
 def lint_task(task: Task) -> LintResult:
     result = LintResult(task)
     try:
         result.warnings = task.validate()
         result.errors += missing_copy_sources(task)
+        result.warnings += unservable_bases(task)
     except TaskFormatError as exc:
         result.errors.append(str(exc))
     except OSError as exc:
