@@ -51,6 +51,7 @@ from daytona.common.process import ExecutionArtifacts, SessionCommandLogsRespons
 from daytona_toolbox_api_client_async import Command, FileInfo
 from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
 
+from agentrl.sandbox.images import serve_offline
 from agentrl.sandbox.podman import run_cli
 
 FAKE_LABEL = "agentrl-fake-daytona"
@@ -77,7 +78,8 @@ class PodmanRuntime:
             return tag
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            (root / "Dockerfile").write_text(dockerfile)
+            # Daytona pulls real bases; here the offline stand-in answers for them
+            (root / "Dockerfile").write_text(serve_offline(dockerfile, self.cli))
             for ctx in image._context_list:
                 src, dest = Path(ctx.source_path), root / (ctx.archive_path or Path(ctx.source_path).name)
                 dest.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.sandbox.base import ImageBuildError, SandboxTransportError
+from agentrl.sandbox.images import load_recipe
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, PodmanSandbox, context_hash, reap, run_cli
 from agentrl.sandbox.terminal import TerminalUnavailableError
 from agentrl.tasks import load_task
@@ -225,7 +226,8 @@ async def test_docker_image_is_used_directly(tmp_path: Path) -> None:
     toml = (
         (path / "task.toml")
         .read_text()
-        .replace("[environment]\n", '[environment]\ndocker_image = "debian:bookworm-slim"\n')
+        # the stand-in is a local image under its own name (real names are never re-tagged)
+        .replace("[environment]\n", f'[environment]\ndocker_image = "{load_recipe().standin}"\n')
     )
     (path / "task.toml").write_text(toml)
     async with await PodmanProvider(cli=CLI).create(load_task(path), run_id="prebuilt") as sb:

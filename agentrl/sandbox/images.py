@@ -200,6 +200,19 @@ def rewrite_froms(text: str, replace: dict[int, str]) -> str:
     return "".join(lines)
 
 
+def serve_offline(text: str, cli: str = "podman") -> str:
+    """`text` (a Dockerfile) with each `FROM` of a known base that is not local rewritten to the
+    stand-in; for callers that never pull (test fakes of remote builders). The provider's own
+    build also tries a pull first and fails clearly on an unknown base (`PodmanProvider`)."""
+    recipe = load_recipe()
+    replace = {
+        line.line: standin
+        for line in from_lines(text)
+        if (standin := standin_for(line.image, recipe)) is not None and not image_exists(cli, line.image)
+    }
+    return rewrite_froms(text, replace) if replace else text
+
+
 # -- podman -------------------------------------------------------------------------------------
 def _run(cli: str, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([cli, *args], capture_output=True, text=True, timeout=timeout)
