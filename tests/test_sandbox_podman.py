@@ -185,10 +185,10 @@ async def test_image_is_reused_and_built_once_under_concurrency(tmp_path: Path) 
     builds = 0
     real_build = provider._build
 
-    async def counting_build(t, tag):  # type: ignore[no-untyped-def]
+    async def counting_build(t, tag, dockerfile=None):  # type: ignore[no-untyped-def]
         nonlocal builds
         builds += 1
-        await real_build(t, tag)
+        await real_build(t, tag, dockerfile)
 
     provider._build = counting_build  # type: ignore[method-assign]
     try:
