@@ -32,6 +32,13 @@ CASES = [(t, "tmux") for t in TASKS] + [
 ]
 
 
+# Replayed: the command path, the interactive task, and tasks with multi-line and long outputs.
+REPLAYED = {(i, "commands") for i in ("hello-file", "port-service", "c-build-fix")} | {
+    (i, "tmux")
+    for i in ("setup-wizard", "count-lines", "csv-transform", "git-recover-file", "log-status-report")
+}
+
+
 def config_for(terminal: str) -> EpisodeConfig:
     return EpisodeConfig(
         action_format="terminus-json",
@@ -58,6 +65,8 @@ async def test_scripted_solution_scores_one_and_replays(task, terminal: str, tmp
         )
         assert result.verify is not None and result.verify.reward == 1.0, result.verify
         assert result.samples[0].end_reason == "task_complete"
+        if (task.task_id, terminal) not in REPLAYED:
+            return  # every solution scores; replay (a second sandbox) on a sample keeps the suite short
         report = await replay_episode(result.record_path, provider=provider, run_id="scripted-replay")
         assert report.replayed_reward == 1.0 and report.reward_matches
         assert report.outputs_match, [t.detail for t in report.turns if not t.matched]
