@@ -55,7 +55,7 @@ from agentrl.sandbox.images import serve_offline
 from agentrl.sandbox.podman import run_cli
 
 FAKE_LABEL = "agentrl-fake-daytona"
-DAEMON_START = "cp \"$(command -v sleep)\" /tmp/.daytona-daemon && exec /tmp/.daytona-daemon infinity"
+DAEMON_START = 'cp "$(command -v sleep)" /tmp/.daytona-daemon && exec /tmp/.daytona-daemon infinity'
 
 
 class PodmanRuntime:
