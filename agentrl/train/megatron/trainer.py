@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.algo import grpo_loss, vocab_parallel_logprobs
+from agentrl.overrides import ConfigError
 from agentrl.sample import Sample
 from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, episode_chunks
 from agentrl.train.checkpoint import CheckpointError, TrainState, latest_checkpoint
@@ -124,9 +125,10 @@ class MegatronTrainer:
         self.config = config
         self.settings = settings or MegatronSettings()
         if self.settings.pp > 1:
-            raise NotImplementedError(
-                "pipeline parallelism is built and checked (the DSA split rule, the weight mapping) but "
-                "its training schedule is CUDA-only and not wired yet: use pp=1"
+            raise ConfigError(
+                f"trainer.megatron.pp={self.settings.pp}: the Megatron trainer trains with pp=1 only; "
+                "pipeline splits are checked (the DSA rule) and exported, but their training schedule "
+                "is not wired yet (docs/megatron.md): use tp / ep / data parallelism"
             )
         if hf_config.vocab_size % self.settings.tp:
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
