@@ -43,7 +43,10 @@ class FlakyAgentEngine(Engine):
     async def generate(
         self, input_ids, sampling: SamplingParams, *, session_id: str | None = None
     ) -> Generation:  # type: ignore[no-untyped-def]
-        await asyncio.wait_for(self._open.wait(), 30)
+        # Re-checked after waking: a pause may have closed the gate again between the wake-up and
+        # this turn to run, and it must not see this generation as idle.
+        while not self._open.is_set():
+            await asyncio.wait_for(self._open.wait(), 30)
         if self.burst_left or self.rng.random() < self.burst_rate:
             self.burst_left = self.burst_left - 1 if self.burst_left else self.burst_len
             self.rejected += 1
@@ -91,6 +94,9 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
 
     provider.grader = grade
     engine = FlakyAgentEngine(tok, burst_rate=0.01, burst_len=5, seed=3)
+    # One outage for certain at the start: which concurrent episode draws the random ones depends on
+    # scheduling, so on some runs none came.
+    engine.burst_left = 3
     runner = EpisodeRunner(
         provider=provider,
         engine=engine,
