@@ -35,7 +35,7 @@ from agentrl.agent.acting import (
 from agentrl.agent.actions import ActionFormat, ParsedAction, TerminusJSONFormat, limit_terminal_output
 from agentrl.agent.prompts import initial_prompt
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
-from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
+from agentrl.engine.base import Engine, EngineError, SamplingParams, generate_to_end
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import Sandbox, SandboxError, SandboxPolicyError, bound_output
 from agentrl.sandbox.terminal import TerminalClosedError
@@ -152,43 +152,23 @@ class _TokenSession:
         return self.traj.context_len()
 
     async def generate(self, sampling: SamplingParams, deadline: float | None) -> tuple[str, str, list[int]]:
-        ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        finish = "abort"
-        # Partial rollouts: an aborted generation (weight update) keeps its tokens and the turn
-        # continues from them on the new weights; each piece records its weight version.
-        while finish == "abort":
-            left = sampling.max_new_tokens - len(ids)
-            if left <= 0:
-                finish = "length"
-                break
-            piece = SamplingParams(**{**sampling.__dict__, "max_new_tokens": left})
-            wait = self.engine_timeout_s
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-            try:
-                gen = await asyncio.wait_for(
-                    self.engine.generate(self.traj.context_ids() + ids, piece, session_id=self.session_id),
-                    wait,
-                )
-            except EngineAborted:
-                continue
-            ids += gen.output_ids
-            logps += gen.logprobs
-            versions.append(gen.weight_version)
-            self.version_mismatches += int(gen.version_mismatch)
-            finish = gen.finish_reason
-        return self.traj.add_generation(ids, logps, versions), finish, versions
+        out = await generate_to_end(
+            self.engine,
+            self.traj.context_ids(),
+            sampling,
+            session_id=self.session_id,
+            timeout_s=self.engine_timeout_s,
+            deadline=deadline,
+        )
+        self.version_mismatches += out.version_mismatches
+        return (
+            self.traj.add_generation(out.output_ids, out.logprobs, out.versions),
+            out.finish_reason,
+            out.versions,
+        )
 
     def reply_text(self, text: str) -> str:
-        """The reply as a model API would return it: without the stop token the engine decoded
-        (a parser would take it for text after the reply's JSON)."""
-        for eos in self.traj.renderer.eos_ids:
-            tok = self.traj.renderer.decode([eos])
-            if tok and text.endswith(tok):
-                return text[: -len(tok)]
-        return text
+        return self.traj.renderer.without_eos(text)
 
     def add_observation(self, text: str, observation: str) -> None:
         self.traj.add_observation(text, observation)
@@ -215,10 +195,17 @@ class _ChatSession:
         return self.chars // 4  # a rough token estimate; the API enforces the real limit
 
     async def generate(self, sampling: SamplingParams, deadline: float | None) -> tuple[str, str, list[int]]:
-        wait = self.engine_timeout_s
-        if deadline is not None:
-            wait = min(wait, deadline - time.monotonic())
-        text, finish = await asyncio.wait_for(self.engine.chat(self.messages, sampling), wait)
+        wait, by_deadline = self.engine_timeout_s, False
+        if deadline is not None and deadline - time.monotonic() < wait:
+            wait, by_deadline = deadline - time.monotonic(), True
+        try:
+            text, finish = await asyncio.wait_for(self.engine.chat(self.messages, sampling), wait)
+        except TimeoutError:
+            if by_deadline:
+                raise
+            raise EngineError(
+                f"no answer within {self.engine_timeout_s:g}s", cause="engine_timeout"
+            ) from None
         self.chars += len(text)
         return text, finish, []
 

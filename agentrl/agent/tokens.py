@@ -143,6 +143,15 @@ class ChatRenderer:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def without_eos(self, text: str) -> str:
+        """The reply as a model API returns it: without the stop token's text the engine decoded
+        (a parser would otherwise read it as text after the reply)."""
+        for eos in self.eos_ids:
+            tok = self.decode([eos])
+            if tok and text.endswith(tok):
+                return text[: -len(tok)]
+        return text
+
     def between_turns(self, generated_text: str, observation: str) -> str:
         """Text that closes the assistant turn, carries the observation and opens the next turn.
 
@@ -218,12 +227,7 @@ class TokenTrajectory:
 
     def add_observation(self, generated_text: str, observation: str) -> None:
         """Close the assistant turn, append the observation and the next generation prompt."""
-        content = generated_text
-        for eos in self.renderer.eos_ids:
-            tok = self.renderer.decode([eos])
-            if tok and content.endswith(tok):
-                content = content[: -len(tok)]
-        self.messages.append({"role": "assistant", "content": content})
+        self.messages.append({"role": "assistant", "content": self.renderer.without_eos(generated_text)})
         self.messages.append({"role": self.renderer.observation_role, "content": observation})
         between = self.renderer.between_turns(generated_text, observation)
         expected = seg_text = self.current.text + between

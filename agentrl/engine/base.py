@@ -16,7 +16,9 @@ never flushes unless asked, and the rollout manager flushes only after an `abort
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from agentrl.errors import InfraError
@@ -191,3 +193,68 @@ class Engine(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027
         """Release connections."""
+
+
+@dataclass
+class Continued:
+    """A response generated to its end across aborted pieces (partial rollouts): the tokens and
+    log-probs of every piece, each piece's weight version, the final finish reason, and how many
+    pieces a fleet answered under an unexpected weight version."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    version_mismatches: int = 0
+
+
+async def generate_to_end(
+    engine: Engine,
+    context_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    session_id: str | None,
+    timeout_s: float,
+    deadline: float | None = None,
+) -> Continued:
+    """Generate one response to its end. A piece aborted for a weight update keeps its tokens and
+    the response continues from them on the new weights, each piece with its weight version.
+
+    Each piece waits at most `timeout_s`; past it the engine has failed (`EngineError`, cause
+    "engine_timeout": an infrastructure failure, never a scored outcome). `deadline` (a
+    `time.monotonic()` value) is the caller's own wall clock: when it ends first, `TimeoutError` is
+    raised, which the caller scores as its own time limit."""
+    ids: list[int] = []
+    logps: list[float] = []
+    versions: list[int] = []
+    mismatches = 0
+    finish = "abort"
+    while finish == "abort":
+        left = sampling.max_new_tokens - len(ids)
+        if left <= 0:
+            finish = "length"
+            break
+        wait, by_deadline = timeout_s, False
+        if deadline is not None and deadline - time.monotonic() < wait:
+            wait, by_deadline = deadline - time.monotonic(), True
+        if wait <= 0:
+            raise TimeoutError("the wall-clock deadline passed")
+        try:
+            gen = await asyncio.wait_for(
+                engine.generate(
+                    context_ids + ids, replace(sampling, max_new_tokens=left), session_id=session_id
+                ),
+                wait,
+            )
+        except EngineAborted:
+            continue
+        except TimeoutError:
+            if by_deadline:
+                raise
+            raise EngineError(f"no generation within {timeout_s:g}s", cause="engine_timeout") from None
+        ids += gen.output_ids
+        logps += gen.logprobs
+        versions.append(gen.weight_version)
+        mismatches += int(gen.version_mismatch)
+        finish = gen.finish_reason
+    return Continued(ids, logps, versions, finish, mismatches)

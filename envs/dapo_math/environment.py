@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
+from agentrl.engine.base import Engine, SamplingParams, generate_to_end
 from agentrl.environments import EnvContext, EnvironmentPluginError, Split
 from agentrl.sample import Episode, Sample, Status
 from envs.dapo_math.answer import ANSWER_WINDOW_CHARS, extract_answer
@@ -90,38 +90,6 @@ class MathRunner:
             temperature=ctx.temperature, top_p=ctx.top_p, top_k=ctx.top_k, max_new_tokens=budget, seed=seed
         )
 
-    async def _generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str
-    ) -> tuple[list[int], list[float], list[int], str]:
-        """Generate to the end; an aborted piece (a weight update) keeps its tokens and the response
-        continues from them on the new weights (partial rollout), each piece with its version."""
-        ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        finish = "abort"
-        while finish == "abort":
-            left = sampling.max_new_tokens - len(ids)
-            if left <= 0:
-                finish = "length"
-                break
-            piece = SamplingParams(**{**sampling.__dict__, "max_new_tokens": left})
-            try:
-                gen = await asyncio.wait_for(
-                    self.engine.generate(prompt_ids + ids, piece, session_id=session_id),
-                    self.config.engine_timeout_s,
-                )
-            except EngineAborted:
-                continue
-            except TimeoutError:
-                raise EngineError(
-                    f"no generation within {self.config.engine_timeout_s:g}s", cause="engine_timeout"
-                ) from None
-            ids += gen.output_ids
-            logps += gen.logprobs
-            versions.append(gen.weight_version)
-            finish = gen.finish_reason
-        return ids, logps, versions, finish
-
     def _reward(self, verdict: Verdict, response_len: int, *, eval: bool) -> tuple[float, float]:
         """(reward, overlong penalty) as the DAPO recipe computes them."""
         c = self.config
@@ -153,6 +121,7 @@ class MathRunner:
         sampling = self._sampling(eval=eval, seed=seed)
         session_id = f"{self.run_id}:{group_id}:{sample_index}:{attempt}"
         tok = self.env.context.tokenizer
+        mismatches = 0
         if tok is None:  # a text-only API engine: evaluation only, nothing to train
             text, finish = await asyncio.wait_for(
                 self.engine.chat(row["prompt"], sampling),  # type: ignore[attr-defined]
@@ -164,7 +133,15 @@ class MathRunner:
             prompt_ids: list[int] = []
         else:
             prompt_ids = self.env.prompt_ids(row)
-            ids, logps, versions, finish = await self._generate(prompt_ids, sampling, session_id)
+            out = await generate_to_end(
+                self.engine,
+                prompt_ids,
+                sampling,
+                session_id=session_id,
+                timeout_s=self.config.engine_timeout_s,
+            )
+            ids, logps, versions, finish = out.output_ids, out.logprobs, out.versions, out.finish_reason
+            mismatches = out.version_mismatches
             text = tok.decode(ids, skip_special_tokens=True)
         t_gen = time.monotonic()
         answer, verdict = await self._score(text, gold)
@@ -210,6 +187,7 @@ class MathRunner:
                 "acc": float(verdict.correct),
                 "overlong_penalty": penalty,
                 "response_tokens": len(ids),
+                "version_mismatches": mismatches,
             },
         )
 

@@ -23,11 +23,9 @@ Rows: `task_ids` (tbench2) or `rows_file` (text: JSONL rows with the reset argum
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
-from agentrl.engine.base import Engine, EngineAborted, EngineError, SamplingParams
+from agentrl.engine.base import Engine, SamplingParams, generate_to_end
 from agentrl.environments import EnvContext, EnvironmentPluginError, Split
 from agentrl.errors import InputError
 from agentrl.rows import read_jsonl
@@ -316,36 +314,6 @@ class RemoteTextRunner:
             )
         return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
-    async def _generate(
-        self, traj: TokenTrajectory, sampling: SamplingParams, session_id: str
-    ) -> tuple[str, str, list[int]]:
-        """One turn to the end; an aborted piece (a weight update) is continued on the new
-        weights, each piece with its version (partial rollouts)."""
-        ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        finish = "abort"
-        wait = self.config.agent.engine_timeout_s
-        while finish == "abort":
-            left = sampling.max_new_tokens - len(ids)
-            if left <= 0:
-                finish = "length"
-                break
-            piece = replace(sampling, max_new_tokens=left)
-            try:
-                gen = await asyncio.wait_for(
-                    self.engine.generate(traj.context_ids() + ids, piece, session_id=session_id), wait
-                )
-            except EngineAborted:
-                continue
-            except TimeoutError:
-                raise EngineError(f"no generation within {wait:g}s", cause="engine_timeout") from None
-            ids += gen.output_ids
-            logps += gen.logprobs
-            versions.append(gen.weight_version)
-            finish = gen.finish_reason
-        return traj.add_generation(ids, logps, versions), finish, versions
-
     async def run(
         self,
         row: dict[str, Any],
@@ -379,7 +347,7 @@ class RemoteTextRunner:
             ]
             traj = TokenTrajectory(self.renderer, messages, check_prefix=agent.check_prefix)
             engine_s = env_s = 0.0
-            turns = 0
+            turns = mismatches = 0
             for _ in range(agent.max_turns):
                 max_new = min(agent.max_new_tokens, agent.max_total_tokens - traj.context_len())
                 if max_new < agent.min_turn_tokens:
@@ -389,18 +357,25 @@ class RemoteTextRunner:
                     end = "timeout"
                     break
                 t1 = time.monotonic()
-                text, _, turn_versions = await self._generate(
-                    traj, self.env.sampling(max_new, seed), session_id
-                )
-                versions += turn_versions
+                try:
+                    out = await generate_to_end(
+                        self.engine,
+                        traj.context_ids(),
+                        self.env.sampling(max_new, seed),
+                        session_id=session_id,
+                        timeout_s=agent.engine_timeout_s,
+                        deadline=deadline,
+                    )
+                except TimeoutError:
+                    end = "timeout"
+                    break
+                text = traj.add_generation(out.output_ids, out.logprobs, out.versions)
+                versions += out.versions
+                mismatches += out.version_mismatches
                 t2 = time.monotonic()
                 engine_s += t2 - t1
                 turns += 1
-                reply = text
-                for eos in self.renderer.eos_ids:
-                    tok = self.renderer.decode([eos])
-                    if tok and reply.endswith(tok):
-                        reply = reply[: -len(tok)]
+                reply = self.renderer.without_eos(text)
                 try:
                     result = await session.step(
                         {**c.action_extra, c.action_field: reply}, timeout_s=c.step_timeout_s
@@ -447,7 +422,7 @@ class RemoteTextRunner:
             sample_index=sample_index,
             attempt=attempt,
             timings=timings,
-            metadata={"step_rewards": rewards, "turns": turns},
+            metadata={"step_rewards": rewards, "turns": turns, "version_mismatches": mismatches},
         )
 
 
