@@ -44,7 +44,7 @@ demo-math: venv
 # built once and cached by `agentrl.train.megatron.venv` (docs/megatron.md).
 test: setup
 	$(BIN)/python -m agentrl.train.megatron.venv
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=30
 
 test-fast: venv
 	$(BIN)/pytest -q -m "not container and not slow"
