@@ -117,22 +117,15 @@ def oracle(
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(
-        TextColumn("oracle"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),
-        console=console, transient=True,
-    )  # fmt: skip
-    bar = progress.add_task("", total=len(tasks))
-
-    def done(result) -> None:  # type: ignore[no-untyped-def]
-        progress.update(
-            bar, advance=1, description=_safe(f"{result.task_id}: {'ok' if result.ok else result.cause}")
-        )
+    from agentrl.progress import progress_bar
 
     try:
         provider = make_provider(backend)
-        with progress:
+        with progress_bar("oracle", total=len(tasks)) as bar:
+
+            def done(result) -> None:  # type: ignore[no-untyped-def]
+                bar.advance(note=f"{result.task_id}: {'ok' if result.ok else result.cause}")
+
             results = asyncio.run(
                 run_oracle(
                     provider,

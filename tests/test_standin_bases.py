@@ -225,34 +225,44 @@ def _names(cli: str) -> set[str]:
 @pytest.mark.container
 def test_list_and_remove_find_legacy_real_name_tags_and_spare_derived_images(private_podman, tmp_path):
     cli = private_podman
-    label = f"LABEL {images.RECIPE_LABEL}={RECIPE.digest}\n"
+    label = f'LABEL {images.RECIPE_LABEL}={RECIPE.digest}\nCMD ["bash"]\n'
     _build(cli, RECIPE.standin, "FROM scratch\n" + label, tmp_path)
     subprocess.run([cli, "tag", RECIPE.standin, "python:3.12-slim"], check=True)  # what old agentrl did
-    _build(
+    _build(  # an old recipe's stand-in, left under a real name only: its recipe's own last layers
         cli,
         "docker.io/library/debian:bookworm-slim",
-        "FROM scratch\nLABEL agentrl.base-recipe=old\n",
+        f'FROM scratch\nLABEL {images.RECIPE_LABEL}=old\nCMD ["bash"]\n',
         tmp_path,
     )
     _build(
         cli, "localhost/acme/tool:1", f"FROM {RECIPE.standin}\nLABEL x=1\n", tmp_path
     )  # inherits the label
+    _build(  # built FROM a stand-in under a known repository's name: the label, not the layers
+        cli, "docker.io/library/python:3.10-custom", f"FROM {RECIPE.standin}\nENV A=1\n", tmp_path
+    )
     _build(
         cli, "docker.io/library/python:3.9", "FROM scratch\nLABEL real=1\n", tmp_path
     )  # a real, unlabelled one
 
     listed = {item.name: item for item in images.list_standins(cli)}
-    assert listed[RECIPE.standin].serves == RECIPE.repositories and not listed[RECIPE.standin].legacy
+    assert listed[RECIPE.standin].serves == RECIPE.root.repositories and not listed[RECIPE.standin].legacy
     (old_tag,) = [n for n in listed if n.endswith("/python:3.12-slim")]  # podman puts it under localhost/
     assert listed[old_tag].legacy
     assert listed["docker.io/library/debian:bookworm-slim"].legacy
-    assert "localhost/acme/tool:1" not in listed and "docker.io/library/python:3.9" not in listed
+    spared = {"localhost/acme/tool:1", "docker.io/library/python:3.9", "docker.io/library/python:3.10-custom"}
+    assert not spared & set(listed)
+
+    would, _ = images.remove_standins(cli, legacy_only=True, dry_run=True)
+    assert set(would) == {old_tag, "docker.io/library/debian:bookworm-slim"}
+    removed, failed = images.remove_standins(cli, legacy_only=True)
+    assert failed == [] and set(removed) == set(would)
+    assert _names(cli) == spared | {RECIPE.standin}
 
     would, _ = images.remove_standins(cli, dry_run=True)
-    assert set(would) == set(listed) and RECIPE.standin in _names(cli)
+    assert would == [RECIPE.standin]
     removed, failed = images.remove_standins(cli)
-    assert failed == [] and set(removed) == set(listed)
-    assert _names(cli) == {"localhost/acme/tool:1", "docker.io/library/python:3.9"}
+    assert failed == [] and removed == [RECIPE.standin]
+    assert _names(cli) == spared
 
 
 @container

@@ -24,15 +24,23 @@ def build_bases_cmd(
     cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
     force_standins: bool = typer.Option(False, help="Do not look for the real images at all."),
     pull: bool = typer.Option(True, help="Try pulling real images first where a registry answers."),
+    family: list[str] = typer.Option(
+        None, "--family", help="Also build this language stand-in now (node, golang, rust, gcc)."
+    ),
 ) -> None:
     """Build the offline stand-in (under localhost/agentrl-base/ only) that task builds use for a
-    known base which is neither local nor pullable."""
+    known base which is neither local nor pullable. Language stand-ins (node, golang, rust, gcc)
+    are built when a task first needs one, or now with --family."""
     from agentrl.errors import AgentRLError
     from agentrl.sandbox.images import build_bases
 
     try:
         status = build_bases(
-            cli=cli or default_cli(), force_standins=force_standins, try_pull=pull, log=console.print
+            cli=cli or default_cli(),
+            force_standins=force_standins,
+            try_pull=pull,
+            families=tuple(family or ()),
+            log=console.print,
         )
     except AgentRLError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -49,27 +57,38 @@ def build_bases_cmd(
 def bases_list(
     cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
 ) -> None:
-    """The stand-ins that exist, their recipe hash and the repositories they answer for; names an
-    older agentrl tagged on real images are listed as legacy."""
+    """The stand-ins that exist, their recipe hash and the repositories they answer for (and what
+    they really contain); the families not built yet; names an older agentrl tagged on real
+    image names are listed as legacy."""
     from agentrl.sandbox.images import list_standins, load_recipe
 
-    recipe = load_recipe()
-    items = list_standins(cli or default_cli(), recipe)
+    catalog = load_recipe()
+    items = list_standins(cli or default_cli(), catalog)
     ours = [item for item in items if not item.legacy]
     legacy = [item for item in items if item.legacy]
     if not ours:
         console.print("no stand-ins: `agentrl sandbox build-bases` builds one")
+    built = set()
     for item in ours:
         state = "current" if item.current else "stale recipe"
         console.print(f"[bold]{item.name}[/bold]  recipe {item.recipe or '-'} ({state})")
-        if item.serves:
+        family = next((f for f in catalog.families if f.standin == item.name), None)
+        if item.serves and family is not None:
+            built.add(family.family)
             repos = ", ".join(r.removeprefix("docker.io/library/") for r in item.serves)
             console.print(f"  answers for any tag of: {repos}")
-            console.print(f"  {recipe.content}")
+            console.print(f"  {family.content}")
+    for family in catalog.families:
+        if family.family not in built:
+            repos = ", ".join(r.removeprefix("docker.io/library/") for r in family.repositories)
+            console.print(
+                f"[dim]{family.standin}  not built: built when a task needs it (any tag of {repos}),"
+                f" or `agentrl sandbox build-bases{' --family ' + family.family.split('-', 1)[1] if family.parent else ''}`[/dim]"
+            )
     if legacy:
         console.print(
-            f"[yellow]{len(legacy)} names an older agentrl tagged on stand-ins (real names now running "
-            "Debian content); `agentrl sandbox bases remove` removes them:[/yellow]"
+            f"[yellow]{len(legacy)} names an older agentrl tagged on its stand-ins (real names now "
+            "running Debian content); `agentrl sandbox bases remove --legacy` removes them:[/yellow]"
         )
         for item in legacy:
             console.print(f"  {item.name}  recipe {item.recipe or '-'}")
@@ -78,12 +97,20 @@ def bases_list(
 @bases_app.command("remove")
 def bases_remove(
     cli: str = typer.Option(None, help="Container CLI (default: $AGENTRL_CONTAINER_CLI or podman)."),
+    legacy: bool = typer.Option(
+        False,
+        "--legacy",
+        help="Only the real-name tags (python:3.13-slim, ...) older agentrl versions put on its "
+        "stand-ins; provably ours (the stand-in's image or its recipe label and layers), never an "
+        "image you pulled.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed."),
 ) -> None:
-    """Remove the stand-ins, and the real-name tags older agentrl versions put on them."""
+    """Remove the stand-ins and the real-name tags older agentrl versions put on them (--legacy:
+    only those tags)."""
     from agentrl.sandbox.images import remove_standins
 
-    removed, failed = remove_standins(cli or default_cli(), dry_run=dry_run)
+    removed, failed = remove_standins(cli or default_cli(), legacy_only=legacy, dry_run=dry_run)
     for name in removed:
         console.print(f"{'would remove' if dry_run else 'removed'} {name}")
     for line in failed:

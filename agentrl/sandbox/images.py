@@ -15,17 +15,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.sandbox.base import ImageBuildError
+
+
+class StandinError(ImageBuildError):
+    """A stand-in family that does not exist, or could not be built."""
+
 
 BASES_TOML = Path(__file__).resolve().parents[2] / "sandbox_images" / "bases.toml"
 STANDIN_REPO = "localhost/agentrl-base"
@@ -51,25 +58,55 @@ RUN rm -f /usr/lib/python3*/EXTERNALLY-MANAGED \\
 LABEL {label}={recipe}
 CMD ["bash"]
 """
+# A language family: the root stand-in plus Debian's packages of that language.
+_FAMILY_DOCKERFILE = """\
+FROM {parent}
+RUN apt-get update && apt-get install -y --no-install-recommends {packages} \\
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
+LABEL {label}={recipe}
+CMD ["bash"]
+"""
 
 
 @dataclass(frozen=True)
 class BaseRecipe:
+    """One family of stand-ins. The root family is a bootstrapped Debian root file system; every
+    other family is the root plus Debian packages (`parent`), built only when a task needs it."""
+
     suite: str
     variant: str
     mirror: str
     packages: tuple[str, ...]
     names: tuple[str, ...]
+    family: str = "bookworm"
+    parent: BaseRecipe | None = None
+    has: str = ""  # what the language really is, in words: "Node.js 18 (Debian's nodejs, npm)"
+
+    @property
+    def dockerfile(self) -> str:
+        if self.parent is None:
+            return _DOCKERFILE
+        return _FAMILY_DOCKERFILE.format(
+            parent=self.parent.standin,
+            packages=" ".join(self.packages),
+            label=RECIPE_LABEL,
+            recipe="{recipe}",
+        )
 
     @property
     def digest(self) -> str:
-        blob = json.dumps([self.suite, self.variant, self.mirror, self.packages, _DOCKERFILE], sort_keys=True)
+        if self.parent is None:  # unchanged since the first recipe: a built root stays valid
+            blob = json.dumps(
+                [self.suite, self.variant, self.mirror, self.packages, _DOCKERFILE], sort_keys=True
+            )
+        else:
+            blob = json.dumps([self.parent.digest, self.family, self.packages, self.dockerfile])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property
     def standin(self) -> str:
         """The stand-in's own name; never a real image's."""
-        return f"{STANDIN_REPO}/{self.suite}:{self.digest}"
+        return f"{STANDIN_REPO}/{self.family}:{self.digest}"
 
     @property
     def repositories(self) -> tuple[str, ...]:
@@ -78,18 +115,81 @@ class BaseRecipe:
 
     @property
     def content(self) -> str:
-        return STANDIN_CONTENT.format(suite=self.suite)
+        if self.parent is None:
+            return STANDIN_CONTENT.format(suite=self.suite)
+        return f"its content is Debian {self.suite}'s whatever the tag says: {self.has}"
 
 
-def load_recipe(path: Path = BASES_TOML) -> BaseRecipe:
+@dataclass(frozen=True)
+class BaseCatalog:
+    """Every stand-in family of `sandbox_images/bases.toml`. Reads like the root family (its
+    `standin`, `digest`, `names`) for callers that know one stand-in; `repositories` are those of
+    every family, and `standin_for` picks the family of a reference."""
+
+    root: BaseRecipe
+    families: tuple[BaseRecipe, ...]  # the root first
+
+    @property
+    def standin(self) -> str:
+        return self.root.standin
+
+    @property
+    def digest(self) -> str:
+        return self.root.digest
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.root.names
+
+    @property
+    def repositories(self) -> tuple[str, ...]:
+        return tuple(r for family in self.families for r in family.repositories)
+
+    @property
+    def content(self) -> str:
+        extra = "; ".join(f"{f.family}: {f.has}" for f in self.families[1:])
+        return self.root.content + (f"; the language stand-ins have {extra}" if extra else "")
+
+    def family_for(self, ref: str) -> BaseRecipe | None:
+        key = standin_key(ref, self.repositories)
+        return next((f for f in self.families if key in f.repositories), None)
+
+    def family(self, name: str) -> BaseRecipe:
+        for f in self.families:
+            if f.family == name:
+                return f
+        known = ", ".join(f.family for f in self.families)
+        raise StandinError(f"no stand-in family {name!r}: sandbox_images/bases.toml has {known}")
+
+
+def load_recipe(path: Path | None = None) -> BaseCatalog:
+    """The stand-in families: `sandbox_images/bases.toml`, or the file `AGENTRL_BASES_TOML` names
+    (families of your own: the same root, more `[families.*]`)."""
+    path = path or Path(os.environ.get("AGENTRL_BASES_TOML") or BASES_TOML)
     data = tomllib.loads(path.read_text(encoding="utf-8"))
-    return BaseRecipe(
+    root = BaseRecipe(
         suite=data["suite"],
         variant=data["variant"],
         mirror=data["mirror"],
         packages=tuple(data["packages"]),
         names=tuple(data["names"]),
+        family=data["suite"],
     )
+    families = [root]
+    for name, spec in (data.get("families") or {}).items():
+        families.append(
+            BaseRecipe(
+                suite=root.suite,
+                variant=root.variant,
+                mirror=root.mirror,
+                packages=tuple(spec["packages"]),
+                names=tuple(spec["names"]),
+                family=f"{root.suite}-{name}",
+                parent=root,
+                has=spec["has"],
+            )
+        )
+    return BaseCatalog(root, tuple(families))
 
 
 def qualified(name: str) -> str:
@@ -131,9 +231,12 @@ def standin_key(ref: str, known: tuple[str, ...] = ()) -> str:
     return repo
 
 
-def standin_for(ref: str, recipe: BaseRecipe) -> str | None:
+def standin_for(ref: str, recipe: BaseCatalog | BaseRecipe) -> str | None:
     """The stand-in that serves `ref` (any tag, digest pin or mirror spelling of a known
     repository), or None."""
+    if isinstance(recipe, BaseCatalog):
+        family = recipe.family_for(ref)
+        return family.standin if family is not None else None
     return recipe.standin if standin_key(ref, recipe.repositories) in recipe.repositories else None
 
 
@@ -273,22 +376,75 @@ def _pullable(cli: str, name: str) -> bool:
 def build_standin(
     *, cli: str = "podman", recipe: BaseRecipe | None = None, cache: Path | None = None, log=print
 ) -> str:  # type: ignore[no-untyped-def]
-    """Build the stand-in (only under its own name) unless it exists with this recipe's label."""
-    recipe = recipe or load_recipe()
+    """Build the stand-in of `recipe` (default: the root family; a language family builds the
+    root first) only under its own name, unless it exists with this recipe's label."""
+    from agentrl.progress import progress_bar
+
+    recipe = recipe or load_recipe().root
     cache = cache or Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
     standin = recipe.standin
     if image_label(cli, standin, RECIPE_LABEL) == recipe.digest:
         return standin
-    tarball = _rootfs_tarball(recipe, cache, log)
-    rootfs = f"{STANDIN_REPO}/rootfs:{recipe.digest}"
-    log(f"importing {tarball.name}")
-    _run(cli, "import", str(tarball), rootfs)
-    with tempfile.TemporaryDirectory(prefix="agentrl-base-") as ctx:
-        (Path(ctx) / "Dockerfile").write_text(
-            _DOCKERFILE.format(rootfs=rootfs, label=RECIPE_LABEL, recipe=recipe.digest)
+    if recipe.parent is not None:
+        build_standin(cli=cli, recipe=recipe.parent, cache=cache, log=log)
+        log(f"building {standin}: {recipe.parent.standin} + Debian's {', '.join(recipe.packages)}")
+        with progress_bar(f"build {recipe.family}", total=None):
+            _build_context(cli, standin, recipe.dockerfile.format(recipe=recipe.digest))
+        return standin
+    with progress_bar(f"build {recipe.family}", total=3) as bar:
+        bar.note("debootstrap")
+        tarball = _rootfs_tarball(recipe, cache, log)
+        bar.advance(note="import")
+        rootfs = f"{STANDIN_REPO}/rootfs:{recipe.digest}"
+        log(f"importing {tarball.name}")
+        _run(cli, "import", str(tarball), rootfs)
+        bar.advance(note="podman build")
+        _build_context(
+            cli, standin, _DOCKERFILE.format(rootfs=rootfs, label=RECIPE_LABEL, recipe=recipe.digest)
         )
-        _run(cli, "build", "--pull=never", "--network=host", "-t", standin, ctx, timeout=1800)
+        bar.advance()
     return standin
+
+
+def _build_context(cli: str, tag: str, dockerfile: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="agentrl-base-") as ctx:
+        (Path(ctx) / "Dockerfile").write_text(dockerfile)
+        _run(cli, "build", "--pull=never", "--network=host", "-t", tag, ctx, timeout=1800)
+
+
+_build_lock = threading.Lock()  # one stand-in build at a time, in this process
+_unpullable: set[tuple[str, str]] = set()
+
+
+def ensure_standins(
+    dockerfile: str,
+    *,
+    cli: str = "podman",
+    log=None,  # type: ignore[no-untyped-def]
+) -> list[str]:
+    """Build the stand-in families a Dockerfile needs, and only those: a family whose stand-in is
+    missing is built when a `FROM` it serves names an image that is neither local nor pullable.
+    Returns the stand-ins built. Blocking (run it in a thread from async code)."""
+    catalog = load_recipe()
+    built = []
+    for line in from_lines(dockerfile):
+        family = catalog.family_for(line.image)
+        if family is None or image_exists(cli, family.standin) or image_exists(cli, line.image):
+            continue
+        if (cli, line.image) not in _unpullable:
+            if _pullable(cli, line.image):
+                continue
+            _unpullable.add((cli, line.image))
+        with _build_lock:
+            if image_exists(cli, family.standin):
+                continue
+            say = log or logging.getLogger(__name__).warning
+            say(
+                f"FROM {line.written} is neither local nor pullable: building the stand-in "
+                f"{family.standin} ({family.content})"
+            )
+            built.append(build_standin(cli=cli, recipe=family, log=log or (lambda _: None)))
+    return built
 
 
 def build_bases(
@@ -296,29 +452,42 @@ def build_bases(
     cli: str = "podman",
     force_standins: bool = False,
     try_pull: bool = True,
+    families: tuple[str, ...] = (),
     cache: Path | None = None,
     log=print,  # type: ignore[no-untyped-def]
 ) -> dict[str, str]:
-    """Build the stand-in and say how each base name in the recipe will be served. Returns
-    {name: "present" | "pulled" | "stand-in"}. Only the stand-in's own name is tagged: a task build
-    rewrites a `FROM` of an unavailable known base to it. `force_standins`: do not look for the real
-    images (`--pull=never` builds then use the stand-in for every name not already present)."""
-    recipe = load_recipe()
-    standin = build_standin(cli=cli, recipe=recipe, cache=cache, log=log)
+    """Build the root stand-in (and the language `families` asked for; task builds build any
+    other one when a task needs it) and say how each base name in their recipes will be served.
+    Returns {name: "present" | "pulled" | "stand-in"}. Only the stand-ins' own names are tagged:
+    a task build rewrites a `FROM` of an unavailable known base to one. `force_standins`: do not
+    look for the real images (`--pull=never` builds then use a stand-in for every name not
+    already present)."""
+    catalog = load_recipe()
+    chosen = [
+        catalog.root,
+        *(
+            catalog.family(f if f.startswith(catalog.root.suite + "-") else f"{catalog.root.suite}-{f}")
+            for f in families
+        ),
+    ]
     status: dict[str, str] = {}
-    for name in recipe.names:
-        if image_exists(cli, name) and image_label(cli, name, RECIPE_LABEL) is None:
-            status[name] = "present"
-        elif not force_standins and try_pull and _pullable(cli, name):
-            status[name] = "pulled"
-        else:
-            status[name] = "stand-in"
-    if "stand-in" in status.values():
-        log(
-            f"NOTE: {standin} serves the bases marked stand-in (any tag, digest pin or registry-mirror "
-            f"spelling of their repositories): {recipe.content}. Where a registry is reachable, task "
-            "builds use the real images."
-        )
+    for recipe in dict.fromkeys(chosen):
+        standin = build_standin(cli=cli, recipe=recipe, cache=cache, log=log)
+        served = []
+        for name in recipe.names:
+            if image_exists(cli, name) and image_label(cli, name, RECIPE_LABEL) is None:
+                status[name] = "present"
+            elif not force_standins and try_pull and _pullable(cli, name):
+                status[name] = "pulled"
+            else:
+                status[name] = "stand-in"
+                served.append(name)
+        if served:
+            log(
+                f"NOTE: {standin} serves the bases marked stand-in (any tag, digest pin or "
+                f"registry-mirror spelling of their repositories): {recipe.content}. Where a "
+                "registry is reachable, task builds use the real images."
+            )
     return status
 
 
@@ -370,11 +539,27 @@ def _is_ours(name: str) -> bool:
     return name.startswith(STANDIN_REPO + "/")
 
 
-def list_standins(cli: str = "podman", recipe: BaseRecipe | None = None) -> list[StandinImage]:
-    """Stand-ins under the namespace, and the names older agentrl versions tagged: a real name
-    on a stand-in's image, or on an image carrying the recipe label whose repository is a known
-    base (images merely built FROM a stand-in inherit the label and are not listed)."""
-    recipe = recipe or load_recipe()
+def _recipe_tail(cli: str, image: LocalImage) -> bool:
+    """Whether `image` is a stand-in itself, not one merely built FROM it (which inherits the
+    label): its two newest layers are every stand-in recipe's last lines, `LABEL
+    agentrl.base-recipe=<its label>` then `CMD ["bash"]`."""
+    proc = _run(cli, "history", "--no-trunc", "--format", "{{.CreatedBy}}", image.id, check=False, timeout=60)
+    steps = [line.strip() for line in proc.stdout.splitlines() if line.strip()][:2]
+    return (
+        proc.returncode == 0
+        and len(steps) == 2
+        and steps[0].endswith('CMD ["bash"]')
+        and steps[1].endswith(f"LABEL {RECIPE_LABEL}={image.recipe}")
+    )
+
+
+def list_standins(cli: str = "podman", recipe: BaseCatalog | None = None) -> list[StandinImage]:
+    """Stand-ins under the namespace, and the names older agentrl versions tagged (legacy): a
+    real name on a stand-in's image, or on an image that is provably a stand-in (the recipe label
+    and the recipe's own last layers, `_recipe_tail`) whose repository is a known base. An image
+    merely built FROM a stand-in, or a real image anyone pulled, is never listed."""
+    catalog = recipe or load_recipe()
+    by_digest = {f.digest: f for f in catalog.families}
     images = local_images(cli)
     standin_ids = {
         i.id for i in images if any(_is_ours(n) or n.startswith(_LEGACY_STANDIN_PREFIXES) for n in i.names)
@@ -382,25 +567,36 @@ def list_standins(cli: str = "podman", recipe: BaseRecipe | None = None) -> list
     out = []
     for image in images:
         for name in image.names:
-            current = image.recipe == recipe.digest or name == f"{STANDIN_REPO}/rootfs:{recipe.digest}"
+            family = by_digest.get(image.recipe or "")
+            rootfs = name == f"{STANDIN_REPO}/rootfs:{catalog.root.digest}"
+            current = family is not None or rootfs
             if _is_ours(name):
-                serves = (
-                    recipe.repositories if current and not name.startswith(f"{STANDIN_REPO}/rootfs:") else ()
-                )
+                serves = family.repositories if family is not None and not rootfs else ()
                 out.append(StandinImage(name, image.id, image.recipe, current, False, serves))
             elif name.startswith(_LEGACY_STANDIN_PREFIXES) or (
                 image.recipe is not None
-                and (image.id in standin_ids or standin_key(name, recipe.repositories) in recipe.repositories)
+                and (
+                    image.id in standin_ids
+                    or (
+                        standin_key(name, catalog.repositories) in catalog.repositories
+                        and _recipe_tail(cli, image)
+                    )
+                )
             ):
                 out.append(StandinImage(name, image.id, image.recipe, current, True))
     return out
 
 
-def remove_standins(cli: str = "podman", *, dry_run: bool = False) -> tuple[list[str], list[str]]:
-    """Untag every name `list_standins` finds. Returns (removed, failed with the reason); an image
-    a container still uses is left and reported."""
+def remove_standins(
+    cli: str = "podman", *, legacy_only: bool = False, dry_run: bool = False
+) -> tuple[list[str], list[str]]:
+    """Untag every name `list_standins` finds (`legacy_only`: only the names older agentrl
+    versions left). Returns (removed, failed with the reason); an image a container still uses
+    is left and reported."""
     removed, failed = [], []
     for item in list_standins(cli):
+        if legacy_only and not item.legacy:
+            continue
         if dry_run:
             removed.append(item.name)
             continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any
 
 from agentrl.errors import AgentRLError
@@ -12,9 +14,7 @@ BACKENDS = ("podman", "docker", "daytona", "fake")
 
 def make_provider(backend: str, **options: Any) -> SandboxProvider:
     if backend in ("podman", "docker"):
-        from agentrl.sandbox.podman import PodmanProvider
-
-        return PodmanProvider(cli=options.pop("cli", backend), **options)
+        return _lazy_bases_provider()(cli=options.pop("cli", backend), **options)
     if backend == "fake":
         from agentrl.sandbox.fake import FakeSandboxProvider
 
@@ -28,3 +28,24 @@ def make_provider(backend: str, **options: Any) -> SandboxProvider:
             ) from None
         return DaytonaProvider(**options)
     raise AgentRLError(f"unknown sandbox backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+@functools.cache
+def _lazy_bases_provider() -> type[SandboxProvider]:
+    """PodmanProvider that first builds the stand-in families a task's `FROM`s need (a language
+    family is built only when a task asks for it; `agentrl sandbox build-bases` builds the root)."""
+    from agentrl.sandbox import images
+    from agentrl.sandbox.podman import PodmanProvider
+    from agentrl.tasks import Task
+
+    class LazyBasesPodmanProvider(PodmanProvider):
+        async def image_for(self, task: Task) -> str:
+            image = task.config.environment.docker_image
+            if task.dockerfile is not None and not (
+                image and await asyncio.to_thread(images.image_exists, self.cli, image)
+            ):
+                text = task.dockerfile.read_text(encoding="utf-8", errors="replace")
+                await asyncio.to_thread(images.ensure_standins, text, cli=self.cli)
+            return await super().image_for(task)
+
+    return LazyBasesPodmanProvider
