@@ -1,0 +1,173 @@
+"""The shape of a `glm_moe_dsa` model as the planner needs it: layer kinds, DSA computing layers and
+parameter counts by how they are sharded, read from a Hugging Face `config.json` (a dict).
+
+Pure Python: no transformers, no torch. The DSA rule itself is the Megatron backend's
+(`agentrl.train.megatron.plan.indexer_types`), applied to the config, never a list written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import SimpleNamespace
+from typing import Any
+
+from agentrl.train.megatron.plan import ModelConfigError, computing_layers, indexer_types
+
+# GLM-5.2 (`zai-org/GLM-5.2`): the fields of its config.json that the planner reads. Source:
+# shared/reference/glm52.md (78 layers, 3 dense, MLA 64 heads, 256 experts top-8, vocabulary
+# 154,880, RoPE base 8e6, DSA index_topk_freq 4 with the 3 dense layers computing) and transformers'
+# GlmMoeDsaConfig defaults for the GLM-5 family (head dims, indexer heads). `prepare` replaces it
+# with the downloaded config.json and validates that one.
+GLM52_CONFIG: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 154880,
+    "hidden_size": 6144,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 78,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 64,
+    "q_lora_rank": 2048,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "index_topk": 2048,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "index_head_dim": 128,
+    "index_n_heads": 32,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 202752,
+    "rope_theta": 8000000.0,
+}
+
+# The pruned smoke-test variant (`GLM-5.2_5layer`): 3 dense + 2 MoE layers, no MTP layer.
+GLM52_5LAYER_CONFIG: dict[str, Any] = {**GLM52_CONFIG, "num_hidden_layers": 5, "num_nextn_predict_layers": 0}
+
+MODELS: dict[str, dict[str, Any]] = {
+    "GLM-5.2": GLM52_CONFIG,
+    "GLM-5.2_5layer": GLM52_5LAYER_CONFIG,
+}
+HF_REPOS = {"GLM-5.2": "zai-org/GLM-5.2", "GLM-5.2_5layer": "zai-org/GLM-5.2_5layer"}
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one decoder layer by sharding: `tp` split over tensor-parallel ranks, `dup`
+    the same on every TP rank (norms, MLA down-projections, indexer, router), `expert` the routed
+    experts (split over expert-parallel x expert-TP ranks)."""
+
+    tp: int
+    dup: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.tp + self.dup + self.expert
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A `glm_moe_dsa` model's shape, from its HF config dict."""
+
+    name: str
+    config: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def named(cls, name: str) -> ModelSpec:
+        if name not in MODELS:
+            raise ModelConfigError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+        return cls(name, dict(MODELS[name]))
+
+    def __getattr__(self, key: str) -> Any:  # config fields as attributes (plan.py reads them so)
+        config = self.__dict__.get("config", {})
+        if key in config:
+            return config[key]
+        raise AttributeError(key)
+
+    @property
+    def namespace(self) -> SimpleNamespace:
+        return SimpleNamespace(**self.config)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @cached_property
+    def indexer_types(self) -> list[str]:
+        return indexer_types(self.namespace)
+
+    @property
+    def computing_layers(self) -> list[int]:
+        """1-indexed layers that compute their own DSA top-k (the rest reuse the last one's)."""
+        return computing_layers(self.namespace)
+
+    @cached_property
+    def moe_layers(self) -> list[bool]:
+        k = int(self.config.get("first_k_dense_replace", 0))
+        return [i >= k for i in range(self.num_layers)]
+
+    @property
+    def mtp_layers(self) -> int:
+        return int(self.config.get("num_nextn_predict_layers", 0) or 0)
+
+    def layer_params(self, i: int) -> LayerParams:
+        """Layer `i` (0-indexed)."""
+        c = self.config
+        h, heads = c["hidden_size"], c["num_attention_heads"]
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        tp = (
+            c["q_lora_rank"] * heads * qk  # q_b_proj
+            + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])  # kv_b_proj
+            + heads * c["v_head_dim"] * h  # o_proj
+        )
+        dup = (
+            2 * h  # input / post-attention norms
+            + h * c["q_lora_rank"]
+            + c["q_lora_rank"]  # q_a_proj, q_a_layernorm
+            + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
+            + c["kv_lora_rank"]  # kv_a_proj_with_mqa, kv_a_layernorm
+        )
+        if self.indexer_types[i] == "full":
+            ih, idim = c["index_n_heads"], c["index_head_dim"]
+            dup += c["q_lora_rank"] * ih * idim + h * idim + 2 * idim + h * ih
+        expert = 0
+        if self.moe_layers[i]:
+            n, ffn = c["n_routed_experts"], c["moe_intermediate_size"]
+            dup += n * h + n  # router weight and expert bias
+            tp += c.get("n_shared_experts", 0) * 3 * h * ffn
+            expert = n * 3 * h * ffn
+        else:
+            tp += 3 * h * c["intermediate_size"]
+        return LayerParams(tp=tp, dup=dup, expert=expert)
+
+    @property
+    def embedding_params(self) -> int:
+        return int(self.config["vocab_size"]) * int(self.config["hidden_size"])
+
+    def total_params(self, *, with_mtp: bool = True) -> int:
+        """Every weight: decoder layers, embeddings, LM head, final norm (and the MTP layers, each
+        one MoE decoder layer plus its projection and norms, when `with_mtp`)."""
+        h = int(self.config["hidden_size"])
+        total = (
+            sum(self.layer_params(i).total for i in range(self.num_layers)) + 2 * self.embedding_params + h
+        )
+        if with_mtp and self.mtp_layers:
+            moe = self.layer_params(self.num_layers - 1)
+            total += self.mtp_layers * (moe.total + 2 * h * h + 3 * h)
+        return total
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (top-k of the routed experts), without MTP."""
+        c = self.config
+        total = self.total_params(with_mtp=False)
+        per_expert = 3 * c["hidden_size"] * c["moe_intermediate_size"]
+        idle = c["n_routed_experts"] - c["num_experts_per_tok"]
+        return total - sum(self.moe_layers) * idle * per_expert
