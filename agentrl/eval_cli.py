@@ -435,6 +435,8 @@ async def run_eval(
     from agentrl.episode import EpisodeConfig
     from agentrl.evaluation import evaluate
     from agentrl.harbor_job import AGENT_NAME, HarborJob
+    from agentrl.oracle import build_images
+    from agentrl.progress import progress_bar
     from agentrl.tasks.dataset import task_row
 
     if settings.n_attempts < 1:
@@ -596,17 +598,28 @@ async def run_eval(
             rows.append(row)
         summary = None
         try:
-            summary = await evaluate(
-                runner,
-                rows,
-                samples_per_row=settings.n_attempts,
-                ks=ks,
-                seed_base=settings.seed,
-                concurrency=settings.n_concurrent,
-                max_attempts=settings.max_attempts,
-                label=built.label,
-                max_unscored_fraction=1.0,  # reported below; the job directory is written either way
-            )
+            with progress_bar("images", total=len(task_set.tasks)) as bar:
+                await build_images(
+                    provider,
+                    task_set.tasks,
+                    concurrency=settings.n_concurrent,
+                    on_built=lambda task, error: bar.advance(
+                        note=f"{task.task_id}: {'ok' if error is None else 'failed'}"
+                    ),
+                )
+            with progress_bar("episodes", total=n_total) as bar:
+                summary = await evaluate(
+                    runner,
+                    rows,
+                    samples_per_row=settings.n_attempts,
+                    ks=ks,
+                    seed_base=settings.seed,
+                    concurrency=settings.n_concurrent,
+                    max_attempts=settings.max_attempts,
+                    label=built.label,
+                    max_unscored_fraction=1.0,  # reported below; the job directory is written either way
+                    on_done=bar.advance,
+                )
         finally:
             out = None
             if summary is not None:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,9 +141,12 @@ async def evaluate(
     pass_threshold: float = 1.0,
     label: str = "eval",
     max_unscored_fraction: float = 0.5,
+    on_done: Callable[[], None] | None = None,
 ) -> EvalSummary:
     """Run `samples_per_row` episodes of every row (seed `seed_base + i` for the i-th) through the
     environment's runner (its eval settings) and score them.
+
+    `on_done` is called as each episode ends, scored or not (progress).
 
     Raises `EvalError` when more than `max_unscored_fraction` of the episodes stay unscored: a pass
     rate over the few that ran would say more about the infrastructure than the model.
@@ -163,6 +166,13 @@ async def evaluate(
     failures: Counter[str] = Counter()
 
     async def one(rid: str, row: dict[str, Any], i: int) -> None:
+        try:
+            await scored(rid, row, i)
+        finally:
+            if on_done is not None:
+                on_done()
+
+    async def scored(rid: str, row: dict[str, Any], i: int) -> None:
         cause = "none"
         async with sem:
             for attempt in range(max_attempts):

@@ -87,6 +87,45 @@ async def oracle_one(
     return OracleResult(task.task_id, expected, result.reward, seconds, cause, detail)
 
 
+async def build_images(
+    provider: SandboxProvider,
+    tasks: list[Task],
+    *,
+    concurrency: int = 2,
+    on_built: Callable[[Task, BaseException | None], None] | None = None,
+) -> dict[str, BaseException]:
+    """Build (or find) the image of every task ahead of its sandboxes, so a long build shows as
+    such (`on_built` is called per task: progress) rather than as a slow first episode. Only
+    providers that build locally (`image_for`, and `terminal_image` for the tmux layer) do
+    anything. Tasks that fail `validate()` are skipped: nothing is built for them. A failure is
+    returned per task id, not raised: the task's episode meets it again and reports its cause."""
+    image_for = getattr(provider, "image_for", None)
+    terminal_image = getattr(provider, "terminal_image", None)
+    failed: dict[str, BaseException] = {}
+    if image_for is None:
+        return failed
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(task: Task) -> None:
+        error: BaseException | None = None
+        try:
+            task.validate()
+        except AgentRLError:
+            return
+        async with gate:
+            try:
+                image = await image_for(task)
+                if terminal_image is not None:
+                    await terminal_image(image, task.config.environment.build_timeout_sec)
+            except AgentRLError as exc:
+                error = failed[task.task_id] = exc
+        if on_built is not None:
+            on_built(task, error)
+
+    await asyncio.gather(*(one(t) for t in tasks))
+    return failed
+
+
 async def run_oracle(
     provider: SandboxProvider,
     tasks: list[Task],

@@ -57,25 +57,44 @@ def _inert(text: str) -> str:
     return escape("".join(c if c.isprintable() else "?" for c in text))[:120]
 
 
+_active: list[Any] = []  # the Progress on screen: a bar opened inside another is a row of it
+
+
 @contextlib.contextmanager
 def progress_bar(label: str, total: float | None, *, enabled: bool | None = None) -> Iterator[Bar]:
     """A bar `label [====    ] 3/8 0:00:12 <note>` on stderr for the duration of the block;
-    `total` None draws a pulsing bar (work of unknown length). It disappears when the block ends."""
+    `total` None draws a pulsing bar (work of unknown length). It disappears when the block ends.
+    A bar opened while another is shown (an eval inside a training run) is a second row."""
     if not (progress_enabled() if enabled is None else enabled):
         yield Bar()
+        return
+    if _active:
+        progress = _active[-1]
+        task = progress.add_task("", total=total, label=_inert(label))
+        try:
+            yield Bar(progress, task)
+        finally:
+            progress.remove_task(task)
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(file=sys.stderr, force_terminal=True if os.environ.get(ENV) else None)
-    columns: list[Any] = [TextColumn(_inert(label)), BarColumn()]
-    if total is not None:
-        columns.append(MofNCompleteColumn())
-    columns += [TimeElapsedColumn(), TextColumn("{task.description}")]
+    columns: list[Any] = [
+        TextColumn("{task.fields[label]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    ]
     # What the command prints to stdout goes above the bar when both share a terminal; piped, it
     # passes untouched (a redirect would send it to stderr).
     shared = bool(getattr(sys.stdout, "isatty", None) and sys.stdout.isatty())
     progress = Progress(*columns, console=console, transient=True, redirect_stdout=shared)
-    task = progress.add_task("", total=total)
+    task = progress.add_task("", total=total, label=_inert(label))
     with progress:
-        yield Bar(progress, task)
+        _active.append(progress)
+        try:
+            yield Bar(progress, task)
+        finally:
+            _active.pop()

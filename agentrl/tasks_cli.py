@@ -117,25 +117,36 @@ def oracle(
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
+    from agentrl.oracle import build_images
     from agentrl.progress import progress_bar
 
-    try:
-        provider = make_provider(backend)
+    async def sweep() -> list:
+        with progress_bar("images", total=len(tasks)) as bar:
+            await build_images(
+                provider,
+                tasks,
+                concurrency=concurrency,
+                on_built=lambda task, error: bar.advance(
+                    note=f"{task.task_id}: {'ok' if error is None else 'failed'}"
+                ),
+            )
         with progress_bar("oracle", total=len(tasks)) as bar:
 
             def done(result) -> None:  # type: ignore[no-untyped-def]
                 bar.advance(note=f"{result.task_id}: {'ok' if result.ok else result.cause}")
 
-            results = asyncio.run(
-                run_oracle(
-                    provider,
-                    tasks,
-                    run_id=run_id,
-                    solution=not no_solution,
-                    concurrency=concurrency,
-                    on_done=done,
-                )
+            return await run_oracle(
+                provider,
+                tasks,
+                run_id=run_id,
+                solution=not no_solution,
+                concurrency=concurrency,
+                on_done=done,
             )
+
+    try:
+        provider = make_provider(backend)
+        results = asyncio.run(sweep())
     except AgentRLError as exc:
         console.print(f"[red]error:[/red] {_safe(str(exc))}")
         raise typer.Exit(2) from None

@@ -40,8 +40,11 @@ def alternate_rewards(parts) -> None:  # type: ignore[no-untyped-def]
     parts.env.provider.grader = lambda sb: float(int(sb.sandbox_id.rsplit("-", 1)[-1]) % 2)
 
 
-async def test_train_checkpoints_and_resumes_where_it_stopped(tmp_path: Path) -> None:
+async def test_train_checkpoints_and_resumes_where_it_stopped(tmp_path: Path, monkeypatch, capsys) -> None:
     from agentrl.models.tiny import tiny_model_dir
+    from tests.test_progress import _has_bar, _plain
+
+    monkeypatch.setenv("AGENTRL_PROGRESS", "1")  # the bars, forced: on stderr, never in the run's files
 
     model = Path(tiny_model_dir())
     cfg = config(tmp_path, model)
@@ -62,6 +65,11 @@ async def test_train_checkpoints_and_resumes_where_it_stopped(tmp_path: Path) ->
     assert json.loads((out / "config.json").read_text())["rollout"]["batch_size"] == 4
     assert (out / "checkpoints" / "latest").exists() and (out / "reward.png").is_file()
     assert parts.env.provider.live_sandboxes() == 0
+    shown, err = capsys.readouterr()
+    assert "train" in _plain(err) and "2/2" in _plain(err) and "eval before" in _plain(err)
+    assert not _has_bar(shown)
+    for name in ("run.log", "metrics.jsonl", "evals.json", "config.json"):
+        assert not _has_bar((out / name).read_text()), name
 
     cfg2 = config(tmp_path, model, "steps=3", "checkpoint.resume=true")
     parts2 = build_parts(cfg2)

@@ -29,6 +29,7 @@ from agentrl.dashboard.sinks import open_sinks
 from agentrl.engine.base import Engine
 from agentrl.environments import Environment
 from agentrl.evaluation import EvalSummary, evaluate
+from agentrl.progress import progress_bar
 from agentrl.rollout.manager import RolloutManager
 from agentrl.rollout.metrics import MetricsTracker, StepMetrics
 from agentrl.runtime.config import RunConfig
@@ -77,18 +78,21 @@ async def run_eval(
 ) -> dict[str, Any]:
     """pass@k of the engine's current weights on the environment's eval rows."""
     runner = parts.env.runner(parts.engine, run_id=f"eval-{label}", record_dir=None)
-    summary: EvalSummary = await evaluate(
-        runner,
-        parts.env.rows("eval"),
-        samples_per_row=cfg.eval.samples_per_row,
-        ks=cfg.eval.ks,
-        seed_base=cfg.seed * 1000,
-        concurrency=cfg.eval.concurrency,
-        max_attempts=cfg.eval.max_attempts,
-        pass_threshold=cfg.rollout.pass_threshold,
-        max_unscored_fraction=cfg.eval.max_unscored_fraction,
-        label=label,
-    )
+    rows = parts.env.rows("eval")
+    with progress_bar(f"eval {label}", total=len(rows) * cfg.eval.samples_per_row) as bar:
+        summary: EvalSummary = await evaluate(
+            runner,
+            rows,
+            samples_per_row=cfg.eval.samples_per_row,
+            ks=cfg.eval.ks,
+            seed_base=cfg.seed * 1000,
+            concurrency=cfg.eval.concurrency,
+            max_attempts=cfg.eval.max_attempts,
+            pass_threshold=cfg.rollout.pass_threshold,
+            max_unscored_fraction=cfg.eval.max_unscored_fraction,
+            label=label,
+            on_done=bar.advance,
+        )
     result = {**summary.to_dict(), "step": step, "weight_version": parts.engine.weight_version}
     _report(
         reporter,
@@ -187,34 +191,42 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
     step = start_step
     async with manager:
         tracker = MetricsTracker(manager, metrics_path)
-        for step in range(start_step + 1, cfg.steps + 1):
-            groups = await manager.get_batch(timeout=cfg.batch_timeout_s)
-            consumed_at = parts.engine.weight_version
-            samples = training_samples(
-                [g.episodes for g in groups], normalize_std=cfg.trainer.normalize_adv_std
-            )
-            stats = await asyncio.to_thread(parts.trainer.train_step, samples) if samples else {}
-            version = await sync_weights(cfg, parts, manager)
-            m = tracker.step(
-                step, groups, consumed_at_version=consumed_at, extra={"trainer": stats, "version": version}
-            )
-            sinks.log(evals, step=step, metrics=m)
-            prune_records(record_dir, cfg.records_keep)
-            _report(
-                reporter,
-                f"step {step}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f} (all {m.rollout_pass_rate:.2f})"
-                f"  loss {stats.get('loss', 0.0):+.4f}  grad_norm {stats.get('grad_norm', 0.0):.3f}"
-                f"  skipped {int(stats.get('skipped_steps', 0))}  infra {sum(m.failures_by_cause.values())}"
-                f"  {m.wall_s:.1f}s",
-            )
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
-                parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                async with manager.paused():
-                    evals.append(
-                        await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter)
+        with progress_bar("train", total=cfg.steps) as bar:
+            bar.advance(start_step)
+            for step in range(start_step + 1, cfg.steps + 1):
+                groups = await manager.get_batch(timeout=cfg.batch_timeout_s)
+                consumed_at = parts.engine.weight_version
+                samples = training_samples(
+                    [g.episodes for g in groups], normalize_std=cfg.trainer.normalize_adv_std
+                )
+                stats = await asyncio.to_thread(parts.trainer.train_step, samples) if samples else {}
+                version = await sync_weights(cfg, parts, manager)
+                m = tracker.step(
+                    step,
+                    groups,
+                    consumed_at_version=consumed_at,
+                    extra={"trainer": stats, "version": version},
+                )
+                sinks.log(evals, step=step, metrics=m)
+                prune_records(record_dir, cfg.records_keep)
+                bar.advance(note=f"reward {m.reward_mean:.3f}, pass {m.pass_rate:.2f}")
+                _report(
+                    reporter,
+                    f"step {step}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f} (all {m.rollout_pass_rate:.2f})"
+                    f"  loss {stats.get('loss', 0.0):+.4f}  grad_norm {stats.get('grad_norm', 0.0):.3f}"
+                    f"  skipped {int(stats.get('skipped_steps', 0))}  infra {sum(m.failures_by_cause.values())}"
+                    f"  {m.wall_s:.1f}s",
+                )
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
+                    parts.trainer.save(
+                        ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()}
                     )
-                evals_path.write_text(json.dumps(evals, indent=1))
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                    async with manager.paused():
+                        evals.append(
+                            await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter)
+                        )
+                    evals_path.write_text(json.dumps(evals, indent=1))
         parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
         history = tracker.history
     if cfg.eval.after:
