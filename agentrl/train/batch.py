@@ -11,8 +11,9 @@ other. Memory of a padded micro-batch is rows x longest row, so that is what the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -268,3 +269,82 @@ def with_advantages(samples: Sequence[Sample], *, normalize_std: bool = True) ->
     """Loose samples -> the trainable ones with per-episode GRPO advantages set (train-only replays
     of dumped samples, probes, tests); rollouts go through `training_samples` directly."""
     return training_samples(groups_from_samples(samples), normalize_std=normalize_std)
+
+
+# --- the optimizer-step loop every trainer backend shares ------------------------------------------
+
+
+def step_batches(
+    samples: Sequence[Sample],
+    *,
+    num_minibatches: int,
+    aggregation: Aggregation,
+    max_tokens_per_micro_batch: int,
+    pad_token_id: int,
+) -> tuple[list[TrainBatch], dict[str, float]]:
+    """A rollout batch -> one `TrainBatch` of whole episodes per optimizer step, and the rollout
+    batch's statistics. Samples that cannot train (infra failures, no reward) are dropped and
+    counted; none left is an error."""
+    trainable = [s for s in samples if s.trainable]
+    if not trainable:
+        raise ValueError(
+            f"none of the {len(samples)} samples can train (infra failures or missing rewards): "
+            "check the rollout's failure counts"
+        )
+    batches = [
+        build_batch(
+            [trainable[i] for i in chunk],
+            aggregation=aggregation,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            pad_token_id=pad_token_id,
+        )
+        for chunk in episode_chunks(trainable, num_minibatches)
+    ]
+    rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
+    adv = torch.tensor([float(s.advantage or 0.0) for s in trainable])
+    stats = {
+        "num_samples": float(len(trainable)),
+        "num_episodes": float(len({s.episode_id for s in trainable})),
+        "num_dropped": float(len(samples) - len(trainable)),
+        "reward_mean": rewards.mean().item(),
+        "adv_abs_mean": adv.abs().mean().item(),
+    }
+    return batches, stats
+
+
+def add_loss_metrics(
+    sums: dict[str, float], metrics: dict[str, Any], n_tokens: float, step_tokens: int
+) -> None:
+    """Fold one micro-batch's loss metrics into the step's: `_min` / `_max` metrics by min / max,
+    the rest token-weighted (a metric of the step is its mean over the step's loss tokens);
+    `pg_loss` is left out (the step's loss is the sum of the micro-batches' losses)."""
+    if n_tokens == 0:
+        return
+    for k, v in metrics.items():
+        x = float(v)
+        if k.endswith("_min"):
+            sums[k] = min(sums.get(k, x), x)
+        elif k.endswith("_max"):
+            sums[k] = max(sums.get(k, x), x)
+        elif k != "pg_loss":
+            sums[k] = sums.get(k, 0.0) + x * n_tokens / max(step_tokens, 1)
+
+
+def run_steps(
+    batches: Sequence[TrainBatch], update: Callable[[TrainBatch], dict[str, float]], stats: dict[str, float]
+) -> dict[str, float]:
+    """Run `update` (one optimizer step, `skipped` = 1.0 when it dropped a non-finite step) on each
+    batch. Returns the last completed step's metrics (a skipped one's when none completed), the
+    rollout statistics and `skipped_steps`."""
+    metrics: dict[str, float] = {}
+    skipped = 0
+    for batch in batches:
+        m = update(batch)
+        if m["skipped"]:
+            skipped += 1
+            if not metrics:
+                metrics = m
+        else:
+            metrics = m
+    metrics = {**metrics, **stats, "skipped_steps": float(skipped)}
+    return metrics

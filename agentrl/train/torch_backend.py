@@ -26,7 +26,7 @@ import torch
 
 from agentrl.algo import grpo_loss
 from agentrl.sample import Sample
-from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, episode_chunks
+from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.forward import model_logprobs
@@ -116,31 +116,15 @@ class TorchTrainer:
 
     def prepare(self, samples: Sequence[Sample]) -> tuple[list[TrainBatch], dict[str, float]]:
         """Filter, split into per-optimizer-step batches of whole episodes, recompute old log-probs."""
-        trainable = [s for s in samples if s.trainable]
-        if not trainable:
-            raise ValueError(
-                f"none of the {len(samples)} samples can train (infra failures or missing rewards): "
-                "check the rollout's failure counts"
-            )
-        batches = []
-        for chunk in episode_chunks(trainable, self.config.num_minibatches):
-            batch = build_batch(
-                [trainable[i] for i in chunk],
-                aggregation=self.config.loss.aggregation,
-                max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
-                pad_token_id=self.pad_token_id,
-            )
+        batches, stats = step_batches(
+            samples,
+            num_minibatches=self.config.num_minibatches,
+            aggregation=self.config.loss.aggregation,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+            pad_token_id=self.pad_token_id,
+        )
+        for batch in batches:
             self._fill_old(batch)
-            batches.append(batch)
-        rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
-        adv = torch.tensor([float(s.advantage or 0.0) for s in trainable])
-        stats = {
-            "num_samples": float(len(trainable)),
-            "num_episodes": float(len({s.episode_id for s in trainable})),
-            "num_dropped": float(len(samples) - len(trainable)),
-            "reward_mean": rewards.mean().item(),
-            "adv_abs_mean": adv.abs().mean().item(),
-        }
         return batches, stats
 
     def _update(self, batch: TrainBatch) -> dict[str, float]:
@@ -169,18 +153,7 @@ class TorchTrainer:
                 return self._skip(f"non-finite loss {loss.item()} in a micro-batch of {mb.num_rows} rows")
             loss.backward()
             total += loss.item()
-            n_tok = mb.loss_mask.sum().item()
-            if n_tok == 0:
-                continue
-            for k, v in metrics.items():
-                x = float(v)
-                if k.endswith("_min"):
-                    sums[k] = min(sums.get(k, x), x)
-                elif k.endswith("_max"):
-                    sums[k] = max(sums.get(k, x), x)
-                elif k != "pg_loss":
-                    # Token-weighted, so a metric of the step is its mean over the step's tokens.
-                    sums[k] = sums.get(k, 0.0) + x * n_tok / max(batch.num_loss_tokens, 1)
+            add_loss_metrics(sums, metrics, mb.loss_mask.sum().item(), batch.num_loss_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if not math.isfinite(float(grad_norm)):
             return self._skip(f"non-finite gradient norm {float(grad_norm)}")
@@ -200,18 +173,7 @@ class TorchTrainer:
         completed one plus totals; `skipped_steps` counts optimizer steps dropped as non-finite."""
         t0 = time.perf_counter()
         batches, stats = self.prepare(samples)
-        metrics: dict[str, float] = {}
-        skipped = 0
-        for batch in batches:
-            m = self._update(batch)
-            if m["skipped"]:
-                skipped += 1
-                if not metrics:
-                    metrics = m
-            else:
-                metrics = m
-        metrics.update(stats)
-        metrics["skipped_steps"] = float(skipped)
+        metrics = run_steps(batches, self._update, stats)
         metrics["step"] = float(self.step)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["step_seconds"] = time.perf_counter() - t0

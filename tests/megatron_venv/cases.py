@@ -113,7 +113,7 @@ def trainer(hf: Any, *, tp: int = 1, lr: float = 1e-3, mb_tokens: int = 64, **se
 
 def hf_grads(tr: Any) -> dict[str, torch.Tensor]:
     """The trainer's current gradients in HF names and shapes (gathered like the weights)."""
-    params = [p for p in tr.model.parameters() if p.grad is not None]
+    params = [p for chunk in tr.chunks for p in chunk.parameters() if p.grad is not None]
     saved = [p.data for p in params]
     for p in params:
         p.data = p.grad
@@ -224,9 +224,19 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
     """One GRPO step at this TP size: old log-probs, loss, gradient norm, the gradients and the
     updated weights in HF layout. With --save, stores them (the TP=1 reference); with
     --reference, reports the largest differences from it."""
-    hf = tiny_hf()
+    hf = tiny_hf(**_shape(args))
     # A budget of 32 tokens makes two micro-batches: one per data-parallel rank at DP=2.
-    tr = trainer(hf, tp=args.tp, ep=args.ep, etp=args.etp, mb_tokens=32)
+    tr = trainer(
+        hf,
+        tp=args.tp,
+        ep=args.ep,
+        etp=args.etp,
+        mb_tokens=32,
+        pp=args.pp,
+        vpp=args.vpp,
+        first_stage_layers=args.first,
+        last_stage_layers=args.last,
+    )
     batch = build_batch(samples(), max_tokens_per_micro_batch=32)
     tr.model.eval()
     with torch.no_grad():
@@ -245,6 +255,9 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
         "dp": ps.get_data_parallel_world_size(),
         "micro_batches": len(batch.micro_batches),
         "tp": args.tp,
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "chunks": len(tr.chunks),
+        "stage_layers": [[i + 1 for i in c.agentrl_stage_layers] for c in tr.chunks],
         "ep": args.ep,
         "etp": args.etp,
         "loss": metrics["loss"],
@@ -263,6 +276,14 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
             weight_max_abs_diff=max_diff(result["weights"], ref["weights"]),
         )
     return out
+
+
+def _shape(args: argparse.Namespace) -> dict[str, Any]:
+    """--layers 8: eight layers whose odd layers compute their DSA indices and even ones reuse
+    them (HF offset 1, frequency 2), so two-layer virtual stages all start on a computing layer."""
+    if args.layers == 4:
+        return {}
+    return {"num_hidden_layers": args.layers, "index_skip_topk_offset": 1}
 
 
 def case_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
@@ -652,6 +673,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--etp", type=int, default=None)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--first", type=int, default=None)
+    parser.add_argument("--last", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--save")
     parser.add_argument("--reference")
     parser.add_argument("--port", default="0")

@@ -11,10 +11,12 @@ and on a GPU without TE. Settings that make the megatron model compute what HF's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from agentrl.train.megatron.plan import (
     ModelConfigError,
@@ -62,6 +64,29 @@ def cpu_shims() -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Tensors megatron asks for on "cuda" are made on the CPU instead."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def schedule_device_shim() -> contextlib.AbstractContextManager[Any]:
+    """Around megatron's pipeline schedules on a CPU. They run over gloo as they are except for
+    one line each: their token counter is made with `device="cuda"`
+    (`pipeline_parallel/schedules.py` in 0.19.2: line 749 `forward_backward_no_pipelining`,
+    1121 `..._with_interleaving`, 2292 `..._without_interleaving`:
+    `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`). This mode makes
+    factory calls that name the "cuda" device make CPU tensors; on a GPU it is not used."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _CudaFactoriesOnCpu()
 
 
 def check_hf_config(hf_config: Any) -> None:

@@ -27,6 +27,13 @@ class MegatronSettings:
     the GLM-5.2 RL recipe.
     `moe_token_dispatcher_type`: "allgather" runs everywhere (CPU included); "alltoall" needs CUDA.
     `params_dtype`: weights and compute dtype ("float32" on CPU, "bfloat16" on GPU).
+    `ddp`: how gradients are reduced and the optimizer steps. "megatron": megatron-core's
+    `DistributedDataParallel` (contiguous fp32 gradient buffers) and `get_megatron_optimizer`
+    (CUDA only: its buffers and the fused Adam live on the GPU); "local": the trainer's own
+    flat all-reduces over the same process groups and torch AdamW (what runs on a CPU over gloo);
+    "auto": megatron on CUDA, local otherwise. `distributed_optimizer` shards the optimizer state
+    over data-parallel ranks (megatron only); `optimizer_cpu_offload` keeps it and the Adam step
+    on the CPU (megatron only, needs the distributed optimizer).
     `export_layout`: the names `export_weights` yields. "transformers": the in-memory names of
     `GlmMoeDsaForCausalLM` (experts stacked), which agentrl's engine server loads; "checkpoint":
     the names of HF checkpoint files (one tensor per expert and projection), which SGLang loads.
@@ -50,6 +57,9 @@ class MegatronSettings:
     dsa_indexer_loss_coeff: float | None = None
     moe_token_dispatcher_type: str = "allgather"
     params_dtype: str = "float32"
+    ddp: str = "auto"
+    distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
     export_layout: str = "transformers"
     export_quantization: str = "none"
 
@@ -66,6 +76,12 @@ class MegatronSettings:
             problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}")
         if self.params_dtype not in ("float32", "bfloat16"):
             problems.append(f"params_dtype={self.params_dtype!r}: choose float32 or bfloat16")
+        if self.ddp not in ("auto", "megatron", "local"):
+            problems.append(f"ddp={self.ddp!r}: choose auto, megatron or local")
+        if self.optimizer_cpu_offload and (self.ddp == "local" or not self.distributed_optimizer):
+            problems.append(
+                "optimizer_cpu_offload needs ddp='megatron' (or auto on CUDA) and distributed_optimizer"
+            )
         if self.export_layout not in ("transformers", "checkpoint"):
             problems.append(f"export_layout={self.export_layout!r}: choose transformers or checkpoint")
         if self.export_quantization not in ("none", "fp8_block128"):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from agentrl.algo import grpo_loss, vocab_parallel_logprobs
 from agentrl.overrides import ConfigError
 from agentrl.sample import Sample
-from agentrl.train.batch import MicroBatch, TrainBatch, build_batch, episode_chunks
+from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
 from agentrl.train.checkpoint import CheckpointError, TrainState, latest_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.megatron import convert, parallel
@@ -106,10 +106,12 @@ class PackedRows:
 
 
 class MegatronTrainer:
-    """Owns this rank's model shard, its optimizer and the step counter.
+    """Owns this rank's model shard (its pipeline stage's chunks), its optimizer and the step counter.
 
     `hf_config`: a transformers `GlmMoeDsaConfig`; `hf_state`: the initial weights as HF tensors
     (full, on every rank; each rank keeps its shard), or None to keep megatron's initialisation.
+    `self.model` is this rank's first (usually only) model chunk; `self.chunks` all of them (one per
+    virtual pipeline stage), unwrapped.
     """
 
     def __init__(
@@ -124,65 +126,165 @@ class MegatronTrainer:
         self.hf_config = hf_config
         self.config = config
         self.settings = settings or MegatronSettings()
-        if self.settings.pp > 1:
+        if self.settings.cp > 1:
             raise ConfigError(
-                f"trainer.megatron.pp={self.settings.pp}: the Megatron trainer trains with pp=1 only; "
-                "pipeline splits are checked (the DSA rule) and exported, but their training schedule "
-                "is not wired yet (docs/megatron.md): use tp / ep / data parallelism"
+                f"trainer.megatron.cp={self.settings.cp}: context parallelism is not wired in this trainer. "
+                "megatron-core 0.19.2 has packed-THD DSA under all-gather CP "
+                "(transformer/experimental_attention_variant/dsa.py, `build_packed_allgather_cp_local_positions`), "
+                "but the trainer packs every sequence whole on each rank and does not split its micro-batches "
+                "over CP ranks: use cp=1 (tp / pp / ep / data parallelism)"
             )
         if hf_config.vocab_size % self.settings.tp:
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
+        cuda = torch.cuda.is_available()
+        self.megatron_ddp = self.settings.ddp == "megatron" or (self.settings.ddp == "auto" and cuda)
+        if self.megatron_ddp and not cuda:
+            raise ConfigError(
+                "trainer.megatron.ddp='megatron' needs CUDA (megatron's gradient buffers and fused Adam live "
+                "on the GPU): use ddp='local' (or 'auto') on a CPU"
+            )
+        if self.settings.optimizer_cpu_offload and not self.megatron_ddp:
+            raise ConfigError("trainer.megatron.optimizer_cpu_offload needs megatron's DDP (a CUDA machine)")
         parallel.initialize(self.settings, seed=config.seed)
         torch.manual_seed(config.seed)
+        from megatron.core import parallel_state as ps
+
         self.layout = layout_of(hf_config, self.settings)
-        self.model = build_model(hf_config, self.settings)
-        self.stage_layers = convert.stage_layers(self.layout, 0)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-        self.model.to(self.device)
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.chunks = self._build_chunks()
+        self.model = self.chunks[0]
         if hf_state is not None:
             self.load_hf(hf_state)
         # The KL term's reference: a frozen copy of the initial weights, sharded like the policy.
-        self.ref_model: Any = None
+        self.ref_chunks: list[Any] | None = None
         if config.loss.kl_coef:
-            self.ref_model = build_model(hf_config, self.settings).to(self.device)
-            self.ref_model.load_state_dict(self.model.state_dict())
-            self.ref_model.eval().requires_grad_(False)
+            self.ref_chunks = self._build_chunks()
+            for ref, chunk in zip(self.ref_chunks, self.chunks, strict=True):
+                ref.load_state_dict(chunk.state_dict())
+                ref.eval().requires_grad_(False)
+        self.ref_model = self.ref_chunks[0] if self.ref_chunks else None
         self.tp_group = parallel.tp_group()
         self.tp_size = dist.get_world_size(self.tp_group)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
+        self.pp_size = self.settings.pp
+        self.last_stage = self.pp_rank == self.pp_size - 1
+        # What the schedules run: megatron's DDP wrappers, or the bare chunks (local reduction).
+        self.train_chunks: list[Any] = self.chunks
+        self.optimizer: Any
+        if self.megatron_ddp:
+            self._megatron_optimizer()
+        else:
+            self.optimizer = torch.optim.AdamW(
+                list(self._params()),
+                lr=config.lr,
+                betas=config.betas,
+                eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+            )
         self.step = 0
         self.skipped_nonfinite = 0
+
+    def _build_chunks(self) -> list[Any]:
+        vpp = self.settings.vpp or 1
+        chunks = []
+        for v in range(vpp):
+            chunk = build_model(self.hf_config, self.settings, vp_stage=v if vpp > 1 else None)
+            chunk.agentrl_stage_layers = convert.stage_layers(
+                self.layout, v * self.settings.pp + self.pp_rank
+            )
+            chunks.append(chunk.to(self.device))
+        return chunks
+
+    def _megatron_optimizer(self) -> None:
+        """megatron-core's DDP around every chunk and its optimizer over them (CUDA)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.settings.distributed_optimizer,
+            check_for_nan_in_grad=False,  # a non-finite step is skipped, not raised
+        )
+        self.train_chunks = [
+            DistributedDataParallel(
+                config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+            )
+            for i, chunk in enumerate(self.chunks)
+        ]
+        bf16 = self.settings.params_dtype == "bfloat16"
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.config.lr,
+            weight_decay=self.config.weight_decay,
+            adam_beta1=self.config.betas[0],
+            adam_beta2=self.config.betas[1],
+            adam_eps=self.config.adam_eps,
+            clip_grad=float(self.config.grad_clip or 0.0),
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=self.settings.distributed_optimizer,
+            optimizer_cpu_offload=self.settings.optimizer_cpu_offload,
+            optimizer_offload_fraction=1.0 if self.settings.optimizer_cpu_offload else 0.0,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.train_chunks)
+        for group in self.optimizer.param_groups:  # no scheduler: the configured lr throughout
+            group["lr"] = self.config.lr
+
+    def _params(self) -> Iterator[torch.nn.Parameter]:
+        for chunk in self.chunks:
+            yield from chunk.parameters()
 
     # -- weights ---------------------------------------------------------------------------------
 
     def load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
-        """Replace the weights with full HF tensors (each rank keeps its shard)."""
+        """Replace the weights with full HF tensors (each rank keeps its shard of its stage)."""
         with torch.no_grad():
-            convert.load_hf_into(
-                hf_state,
-                self.model,
-                stage_layers=self.stage_layers,
-                num_experts=self.hf_config.n_routed_experts,
-            )
+            for chunk in self.chunks:
+                convert.load_hf_into(
+                    hf_state,
+                    chunk,
+                    stage_layers=chunk.agentrl_stage_layers,
+                    num_experts=self.hf_config.n_routed_experts,
+                )
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors (names and shapes of `GlmMoeDsaForCausalLM`), gathered over TP / EP
-        ranks; every rank of the model-parallel group must iterate it to the end together.
+        ranks and, with pipeline stages, broadcast from the stage that holds them, so every rank
+        yields every tensor; every rank must iterate it to the end together.
         (The state dict's tensors are detached: no grad-mode switch that a paused generator
         would leak into its caller's thread.)"""
-        yield from convert.megatron_to_hf(
-            self.model, stage_layers=self.stage_layers, num_experts=self.hf_config.n_routed_experts
-        )
+
+        def mine() -> Iterator[tuple[str, torch.Tensor]]:
+            for chunk in self.chunks:
+                yield from convert.megatron_to_hf(
+                    chunk,
+                    stage_layers=chunk.agentrl_stage_layers,
+                    num_experts=self.hf_config.n_routed_experts,
+                )
+
+        if self.pp_size == 1:
+            yield from mine()
+            return
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        for owner in range(self.pp_size):
+            source = mine() if owner == self.pp_rank else iter(())
+            while True:
+                item = next(source, None) if owner == self.pp_rank else None
+                head: list[Any] = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+                dist.broadcast_object_list(head, src=ranks[owner], group=group)
+                if head[0] is None:
+                    break
+                name, shape, dtype = head[0]
+                if item is not None:
+                    t = item[1].contiguous()
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(t, src=ranks[owner], group=group)
+                yield name, t
 
     def export_weights(
         self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
@@ -203,94 +305,193 @@ class MegatronTrainer:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def logprobs(
-        self, mb: MicroBatch, *, model: Any = None, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token log-probs [R, L] of a micro-batch under `model` (default: the policy); column 0
-        and padding are 0. Entropy, when asked, is aligned the same way."""
-        packed = PackedRows(mb, multiple=self.tp_size, length=self._common_length(mb))
-        targets = packed.targets()
+    def _schedule(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        on_output: Any,
+        *,
+        chunks: list[Any],
+        forward_only: bool,
+        with_entropy: bool = False,
+    ) -> None:
+        """Run megatron's schedule (`get_forward_backward_func`: no pipelining, 1F1B, or interleaved
+        over virtual stages) over packed micro-batches. On the last stage `on_output(i, logp,
+        entropy)` gets micro-batch i's [R, L] log-probs and returns its loss (backpropagated
+        unless `forward_only`)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from agentrl.train.megatron.model import schedule_device_shim
+
+        real = len(micro_batches)
+        if len(chunks) > 1:
+            # The interleaved schedule runs groups of `pp` micro-batches: idle copies fill the last.
+            fill = -(-max(real, self.pp_size) // self.pp_size) * self.pp_size - real
+            micro_batches = [*micro_batches, *[_idle(micro_batches[0]) for _ in range(fill)]]
+        lengths = [int(mb.attention_mask.sum()) for mb in micro_batches]
+        common = self._common_length(max(lengths)) if (self.pp_size > 1 or self._ep_over_dp()) else 0
+        packed = [PackedRows(mb, multiple=self.tp_size, length=common) for mb in micro_batches]
         temperature = self.config.temperature
         group = self.tp_group
         tp_size = self.tp_size
 
-        def head(hidden_states: torch.Tensor, output_layer: Any, **_: Any) -> Any:
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        def head(targets: torch.Tensor) -> Any:
+            def fn(hidden_states: torch.Tensor, output_layer: Any, **_: Any) -> Any:
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            if tp_size > 1:
-                # The LM head's dL/dh is all-reduced by vocab_parallel_logprobs itself, so the
-                # gather's backward must only split (not reduce-scatter) it.
-                hidden_states = gather_from_sequence_parallel_region(
-                    hidden_states, tensor_parallel_output_grad=False, group=group
+                if tp_size > 1:
+                    # The LM head's dL/dh is all-reduced by vocab_parallel_logprobs itself, so the
+                    # gather's backward must only split (not reduce-scatter) it.
+                    hidden_states = gather_from_sequence_parallel_region(
+                        hidden_states, tensor_parallel_output_grad=False, group=group
+                    )
+                return vocab_parallel_logprobs(
+                    hidden_states[:, 0],
+                    output_layer.weight,
+                    targets,
+                    group=group,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
                 )
-            return vocab_parallel_logprobs(
-                hidden_states[:, 0],
-                output_layer.weight,
-                targets,
-                group=group,
-                temperature=temperature,
-                with_entropy=with_entropy,
+
+            return fn
+
+        def step_func(data: Iterator[int], model: Any) -> Any:
+            i = next(data)
+            rows = packed[i]
+            out = model(
+                rows.input_ids,
+                rows.position_ids,
+                None,
+                packed_seq_params=rows.packed_seq_params(),
+                output_processor=head(rows.targets()),
             )
 
-        logp, ent = (model if model is not None else self.model)(
-            packed.input_ids,
-            packed.position_ids,
-            None,
-            packed_seq_params=packed.packed_seq_params(),
-            output_processor=head,
-        )
-        return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
+            def loss_func(output: Any) -> Any:
+                logp, ent = output
+                if i >= real:  # an idle filler: no loss, no gradient
+                    loss = logp.sum() * 0
+                else:
+                    loss = on_output(i, rows.unpack(logp), rows.unpack(ent) if ent is not None else None)
+                # Three values: megatron neither divides the loss by the micro-batch count nor by a
+                # token count (calculate_per_token_loss); the loss weights already do.
+                return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
 
-    def _common_length(self, mb: MicroBatch) -> int:
-        """0, or the longest packed micro-batch of this forward over all ranks when experts are
-        spread over data-parallel ranks: megatron's all-gather token dispatcher gathers equal
-        token counts from every expert-parallel rank."""
+            return out, loss_func
+
+        for chunk in chunks:
+            cfg = _unwrap(chunk).config
+            cfg.calculate_per_token_loss = True
+            cfg.finalize_model_grads_func = None  # the trainer finalises after the schedule
+            cfg.batch_p2p_comm = torch.cuda.is_available()  # gloo: plain isend / irecv
+            cfg.grad_scale_func = None
+            cfg.no_sync_func = (
+                ([c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync)
+                if hasattr(chunks[0], "no_sync")
+                else None
+            )
+        n = len(packed)
+        with schedule_device_shim():
+            get_forward_backward_func()(
+                forward_step_func=step_func,
+                data_iterator=[iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n)),
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=n,
+                seq_length=packed[0].input_ids.shape[1],
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+
+    def logprobs(
+        self, mb: MicroBatch, *, model: Any = None, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token log-probs [R, L] of a micro-batch under the policy (or `model`: the reference
+        chunks, or a one-chunk module); column 0 and padding are 0. Entropy, when asked, is
+        aligned the same way. With pipeline stages every rank gets the last stage's values."""
+        chunks = self.chunks if model is None else (model if isinstance(model, list) else [model])
+        if model is self.ref_model and self.ref_chunks is not None:
+            chunks = self.ref_chunks
+        out: dict[str, torch.Tensor | None] = {}
+
+        def keep(i: int, logp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+            out["logp"], out["ent"] = logp.detach(), (ent.detach() if ent is not None else None)
+            return logp.sum() * 0
+
+        with torch.no_grad():
+            self._schedule(
+                [mb.to(self.device)], keep, chunks=chunks, forward_only=True, with_entropy=with_entropy
+            )
+        logp = out.get("logp")
+        ent = out.get("ent")
+        if self.pp_size > 1:
+            logp = self._from_last_stage(logp, mb.input_ids.shape)
+            if with_entropy:
+                ent = self._from_last_stage(ent, mb.input_ids.shape)
+        assert logp is not None
+        return logp, ent
+
+    def _from_last_stage(self, t: torch.Tensor | None, shape: Any) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
-        if ps.get_expert_model_parallel_world_size() == 1 or ps.get_data_parallel_world_size() == 1:
-            return 0
-        n = torch.tensor(int(mb.attention_mask.sum()), device=self.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return int(n)
+        buf = (
+            t.contiguous()
+            if t is not None
+            else torch.empty(tuple(shape), dtype=torch.float32, device=self.device)
+        )
+        dist.broadcast(
+            buf,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+        return buf
+
+    def _ep_over_dp(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_model_parallel_world_size() > 1 and ps.get_data_parallel_world_size() > 1
+
+    def _common_length(self, n: int) -> int:
+        """The longest packed micro-batch of this schedule over all ranks: pipeline stages pass
+        activations of one shape, and megatron's all-gather token dispatcher gathers equal token
+        counts from every expert-parallel rank."""
+        t = torch.tensor(n, device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
 
     @torch.no_grad()
     def _fill_old(self, batch: TrainBatch) -> None:
-        self.model.eval()
-        for i, mb in enumerate(batch.micro_batches):
-            mb = mb.to(self.device)
-            batch.micro_batches[i] = mb
-            mb.old_logprobs = self.logprobs(mb)[0] * mb.loss_mask
-            if self.ref_model is not None:
-                mb.ref_logprobs = self.logprobs(mb, model=self.ref_model)[0] * mb.loss_mask
+        """Old (and reference) log-probs of every micro-batch, before any update (last stage)."""
+        for chunk in self.chunks:
+            chunk.eval()
+        batch.micro_batches = [mb.to(self.device) for mb in batch.micro_batches]
+
+        def keep(field: str) -> Any:
+            def fn(i: int, logp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+                mb = batch.micro_batches[i]
+                setattr(mb, field, logp.detach() * mb.loss_mask)
+                return logp.sum() * 0
+
+            return fn
+
+        self._schedule(batch.micro_batches, keep("old_logprobs"), chunks=self.chunks, forward_only=True)
+        if self.ref_chunks is not None:
+            self._schedule(
+                batch.micro_batches, keep("ref_logprobs"), chunks=self.ref_chunks, forward_only=True
+            )
 
     def prepare(self, samples: Sequence[Sample]) -> tuple[list[TrainBatch], dict[str, float]]:
-        """Filter, split into per-optimizer-step batches of whole episodes, recompute old log-probs."""
-        trainable = [s for s in samples if s.trainable]
-        if not trainable:
-            raise ValueError(
-                f"none of the {len(samples)} samples can train (infra failures or missing rewards): "
-                "check the rollout's failure counts"
-            )
-        batches = []
-        for chunk in episode_chunks(trainable, self.config.num_minibatches):
-            batch = build_batch(
-                [trainable[i] for i in chunk],
-                aggregation=self.config.loss.aggregation,
-                max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
-                pad_token_id=0,
-            )
+        """Filter, split into per-optimizer-step batches of whole episodes, take this rank's share,
+        recompute old log-probs."""
+        batches, stats = step_batches(
+            samples,
+            num_minibatches=self.config.num_minibatches,
+            aggregation=self.config.loss.aggregation,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+            pad_token_id=0,
+        )
+        for batch in batches:
             batch.micro_batches = self._my_share(batch.micro_batches)
             self._fill_old(batch)
-            batches.append(batch)
-        rewards = torch.tensor([float(s.reward) for s in trainable])  # type: ignore[arg-type]
-        adv = torch.tensor([float(s.advantage or 0.0) for s in trainable])
-        stats = {
-            "num_samples": float(len(trainable)),
-            "num_episodes": float(len({s.episode_id for s in trainable})),
-            "num_dropped": float(len(samples) - len(trainable)),
-            "reward_mean": rewards.mean().item(),
-            "adv_abs_mean": adv.abs().mean().item(),
-        }
         return batches, stats
 
     def _my_share(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
@@ -320,12 +521,15 @@ class MegatronTrainer:
     # -- update ----------------------------------------------------------------------------------
 
     def finalize_grads(self) -> None:
-        """What megatron's DDP and `finalize_model_grads` do, without the DDP wrapper: gradients are
-        summed over data-parallel ranks (expert weights over expert-DP ranks: `allreduce=False`),
-        then weights every TP rank holds are reduced over TP: summed under sequence parallelism
-        (partial sums), averaged for the DSA indexer (`average_gradients_across_tp_domain`)."""
+        """The local path's version of what megatron's DDP and `finalize_model_grads` do:
+        gradients are summed over data-parallel ranks (expert weights over expert-DP ranks:
+        `allreduce=False`), then weights every TP rank holds are reduced over TP: summed under
+        sequence parallelism (partial sums), averaged for the DSA indexer
+        (`average_gradients_across_tp_domain`). Each pipeline stage reduces its own weights
+        (the embeddings are untied: nothing crosses stages)."""
         from megatron.core import parallel_state as ps
 
+        params = list(self._params())
         for group, expert in (
             (ps.get_data_parallel_group(), False),
             (ps.get_expert_data_parallel_group(), True),
@@ -333,15 +537,13 @@ class MegatronTrainer:
             if dist.get_world_size(group) == 1:
                 continue
             grads = [
-                p.grad
-                for p in self.model.parameters()
-                if p.grad is not None and (not getattr(p, "allreduce", True)) == expert
+                p.grad for p in params if p.grad is not None and (not getattr(p, "allreduce", True)) == expert
             ]
             _all_reduce_flat(grads, group)
         if self.tp_size == 1:
             return
         summed, averaged = [], []
-        for p in self.model.parameters():
+        for p in params:
             if p.grad is None:
                 continue
             if getattr(p, "average_gradients_across_tp_domain", False):
@@ -354,15 +556,15 @@ class MegatronTrainer:
             _all_reduce_flat(grads, self.tp_group, mean=op == dist.ReduceOp.AVG)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the (finalized) gradient: TP-sharded weights counted on every rank,
-        TP-replicated ones once, expert weights over the expert model-parallel ranks that hold
-        them (as megatron's clip_grad_norm splits them)."""
+        """Global L2 norm of the (finalized) local-path gradient: TP-sharded weights counted on
+        every rank, TP-replicated ones once, every pipeline stage's, expert weights over the
+        expert model-parallel ranks that hold them (as megatron's clip_grad_norm splits them)."""
         from megatron.core import parallel_state as ps
 
         first = ps.get_tensor_model_parallel_rank() == 0
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.model.parameters():
+        for p in self._params():
             if p.grad is None:
                 continue
             if not getattr(p, "allreduce", True):
@@ -373,14 +575,22 @@ class MegatronTrainer:
         dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         return float((dense + expert).sqrt())
 
-    def _update(self, batch: TrainBatch) -> dict[str, float]:
-        self.model.train()
+    def _zero_grads(self) -> None:
+        if self.megatron_ddp:
+            for chunk in self.train_chunks:
+                chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        for chunk in self.chunks:
+            chunk.train()
+        self._zero_grads()
         want_entropy = self.config.loss.entropy_coef > 0
         sums: dict[str, float] = {}
-        total = 0.0
-        for mb in batch.micro_batches:
-            logp, ent = self.logprobs(mb, with_entropy=want_entropy)
+        losses: list[torch.Tensor] = []
+
+        def loss_of(i: int, logp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+            mb = batch.micro_batches[i]
             assert mb.old_logprobs is not None
             loss, metrics = grpo_loss(
                 logp * mb.loss_mask,
@@ -395,68 +605,92 @@ class MegatronTrainer:
                 num_seqs=batch.num_loss_seqs,
                 token_weights=mb.loss_weights,
             )
-            # Every rank decides together: one skipping a backward would stall the others' collectives.
-            if not bool(self._everywhere(torch.isfinite(loss).double(), dist.ReduceOp.MIN)):
-                return self._skip(f"non-finite loss {loss.item()} in a micro-batch of {mb.num_rows} rows")
-            loss.backward()
-            total += loss.item()
-            n_tok = mb.loss_mask.sum().item()
-            if n_tok == 0:
-                continue
-            for k, v in metrics.items():
-                x = float(v)
-                if k.endswith("_min"):
-                    sums[k] = min(sums.get(k, x), x)
-                elif k.endswith("_max"):
-                    sums[k] = max(sums.get(k, x), x)
-                elif k != "pg_loss":
-                    sums[k] = sums.get(k, 0.0) + x * n_tok / max(batch.num_loss_tokens, 1)
+            losses.append(loss.detach())
+            add_loss_metrics(sums, metrics, mb.loss_mask.sum().item(), batch.num_loss_tokens)
+            return loss
+
+        self._schedule(
+            batch.micro_batches,
+            loss_of,
+            chunks=self.train_chunks,
+            forward_only=False,
+            with_entropy=want_entropy,
+        )
+        total = float(sum(float(x) for x in losses))
+        # Every rank decides together (the loss lives on the last pipeline stage).
+        if not bool(self._everywhere(torch.tensor(float(math.isfinite(total))), dist.ReduceOp.MIN)):
+            return self._skip(f"non-finite loss in a micro-batch of a step of {len(batch.micro_batches)}")
         total, sums = self._reduce_metrics(total, sums)
-        self.finalize_grads()
-        grad_norm = self.grad_norm()
-        if not math.isfinite(grad_norm):
-            return self._skip(f"non-finite gradient norm {grad_norm}")
-        if self.config.grad_clip and grad_norm > self.config.grad_clip:
-            scale = self.config.grad_clip / (grad_norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
+        if self.megatron_ddp:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads(self.train_chunks, None)
+            finite = all(
+                bool(torch.isfinite(p.main_grad).all())
+                for p in self._params()
+                if getattr(p, "main_grad", None) is not None
+            )
+            if not bool(self._everywhere(torch.tensor(float(finite)), dist.ReduceOp.MIN)):
+                return self._skip("non-finite gradient")
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            if not ok:
+                return self._skip(f"megatron's optimizer refused the step (gradient norm {grad_norm})")
+        else:
+            self.finalize_grads()
+            grad_norm = self.grad_norm()
+            if not math.isfinite(grad_norm):
+                return self._skip(f"non-finite gradient norm {grad_norm}")
+            if self.config.grad_clip and grad_norm > self.config.grad_clip:
+                scale = self.config.grad_clip / (grad_norm + 1e-6)
+                for p in self._params():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            self.optimizer.step()
         self.step += 1
         return {"loss": total, "grad_norm": grad_norm, "skipped": 0.0, **sums, **batch.stats}
 
     def _reduce_metrics(self, total: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
         """The step's loss and metrics over every data-parallel rank's micro-batches (a TP group
-        computes the same values on each of its ranks)."""
+        computes the same values on each of its ranks), then from the last pipeline stage (where
+        the loss is computed) to every stage."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_data_parallel_group()
         size = dist.get_world_size(group)
-        if size == 1:
-            return total, sums
-        everyone: list[Any] = [None] * size
-        dist.all_gather_object(everyone, sorted(sums), group=group)
-        names = sorted({k for ks in everyone for k in ks})
-        out: dict[str, float] = {}
-        for suffix, op, fill in (
-            ("_min", dist.ReduceOp.MIN, math.inf),
-            ("_max", dist.ReduceOp.MAX, -math.inf),
-            ("", dist.ReduceOp.SUM, 0.0),
-        ):
-            chosen = [k for k in names if k.endswith(suffix) and k not in out]
-            if suffix == "":
-                chosen = [*chosen, "__loss__"]
-            values = torch.tensor(
-                [total if k == "__loss__" else sums.get(k, fill) for k in chosen], dtype=torch.float64
-            ).to(self.device)
-            dist.all_reduce(values, op=op, group=group)
-            out.update(zip(chosen, values.tolist(), strict=True))
-        return out.pop("__loss__"), out
+        if size > 1:
+            everyone: list[Any] = [None] * size
+            dist.all_gather_object(everyone, sorted(sums), group=group)
+            names = sorted({k for ks in everyone for k in ks})
+            out: dict[str, float] = {}
+            for suffix, op, fill in (
+                ("_min", dist.ReduceOp.MIN, math.inf),
+                ("_max", dist.ReduceOp.MAX, -math.inf),
+                ("", dist.ReduceOp.SUM, 0.0),
+            ):
+                chosen = [k for k in names if k.endswith(suffix) and k not in out]
+                if suffix == "":
+                    chosen = [*chosen, "__loss__"]
+                values = torch.tensor(
+                    [total if k == "__loss__" else sums.get(k, fill) for k in chosen], dtype=torch.float64
+                ).to(self.device)
+                dist.all_reduce(values, op=op, group=group)
+                out.update(zip(chosen, values.tolist(), strict=True))
+            total, sums = out.pop("__loss__"), out
+        if self.pp_size > 1:
+            box: list[Any] = [(total, sums)]
+            dist.broadcast_object_list(
+                box,
+                src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
+            total, sums = box[0]
+        return total, sums
 
     def _skip(self, reason: str) -> dict[str, float]:
-        """Drop this optimizer step's gradient: nothing non-finite may reach AdamW's moments.
-        Every rank sees the same loss (it is computed on every TP rank from the same log-probs)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """Drop this optimizer step's gradient: nothing non-finite may reach Adam's moments.
+        Every rank decides together (the decision is reduced over all ranks)."""
+        self._zero_grads()
         self.skipped_nonfinite += 1
         log.error("optimizer step skipped: %s (%d skipped so far)", reason, self.skipped_nonfinite)
         return {"loss": float("nan"), "grad_norm": float("nan"), "skipped": 1.0}
@@ -465,18 +699,7 @@ class MegatronTrainer:
         """One rollout batch -> `num_minibatches` optimizer steps (as `TorchTrainer.train_step`)."""
         t0 = time.perf_counter()
         batches, stats = self.prepare(samples)
-        metrics: dict[str, float] = {}
-        skipped = 0
-        for batch in batches:
-            m = self._update(batch)
-            if m["skipped"]:
-                skipped += 1
-                if not metrics:
-                    metrics = m
-            else:
-                metrics = m
-        metrics.update(stats)
-        metrics["skipped_steps"] = float(skipped)
+        metrics = run_steps(batches, self._update, stats)
         metrics["step"] = float(self.step)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["step_seconds"] = time.perf_counter() - t0
@@ -565,6 +788,10 @@ def _all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = Fals
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def _unwrap(chunk: Any) -> Any:
+    return getattr(chunk, "module", chunk)
 
 
 def _idle(mb: MicroBatch) -> MicroBatch:
