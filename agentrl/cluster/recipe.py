@@ -189,15 +189,12 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
     choice = choose_layout(
         model, gpus=len(train_nodes) * gpn, hw=hw, offload=offload, references=refs, tokens=tokens
     )
-    if not pruned and choice.layout.pp > 1:
-        notes.append(
-            f"PP{choice.layout.pp}: agentrl's Megatron trainer refuses pp > 1 today (its pipeline schedule "
-            "is not wired, docs/megatron.md); this plan is the layout it has to run"
-        )
     if offload:
+        host = choice.memory.optimizer_offloaded * gpn / GiB
         notes.append(
-            "optimizer offload: the estimate keeps Adam state off the GPU (host memory / node-local disk); "
-            "agentrl's Megatron trainer has no offload switch yet"
+            f"optimizer offload: Adam state and step on the host (trainer.megatron.optimizer_cpu_offload), "
+            f"{host:.0f} GiB per {gpn}-GPU training node; where host memory is smaller, it streams to "
+            f"node-local disk under {o.local_root}"
         )
     if model.mtp_layers and not o.enable_mtp:
         notes.append("the MTP layer is not trained (agentrl's Megatron backend builds no MTP layer)")
@@ -208,7 +205,7 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
     ]
     router_node = train_nodes[0]
     processes.append(_router(engines, enable_pd, router_node))
-    overrides = _run_overrides(o, choice, engines, router_node, fp8, config)
+    overrides = _run_overrides(o, choice, engines, router_node, fp8, offload)
     processes += _trainers(o, train_nodes, gpn, overrides)
     return ClusterPlan(
         o, model, gpn, train_nodes, rollout_nodes, colocated, config, fp8, enable_pd, offload, choice,
@@ -231,7 +228,7 @@ def _engines(
             )
             size = gpus // 2
     else:
-        size = 8
+        size = min(8, gpus)  # TP-8 engines (fewer GPUs only where the placement has fewer)
     if size < 1 or gpus % size:
         raise RecipeError(f"{gpus} rollout GPUs do not divide into {config} engines of {size} GPUs")
     if size > gpn and size % gpn:
@@ -319,7 +316,7 @@ def _router(engines: list[Engine], pd: bool, node: int) -> Process:
 
 
 def _run_overrides(
-    o: RecipeOptions, choice: LayoutChoice, engines: list[Engine], router_node: int, fp8: bool, config: str
+    o: RecipeOptions, choice: LayoutChoice, engines: list[Engine], router_node: int, fp8: bool, offload: bool
 ) -> list[str]:
     lay = choice.layout
     sets: dict[str, Any] = {
@@ -343,6 +340,9 @@ def _run_overrides(
         "trainer.megatron.moe_token_dispatcher_type": "flex" if o.use_deepep else "alltoall",
         "trainer.megatron.export_layout": "checkpoint",
         "trainer.megatron.export_quantization": "fp8_block128" if fp8 else "none",
+        "trainer.megatron.ddp": "megatron",
+        "trainer.megatron.distributed_optimizer": True,
+        "trainer.megatron.optimizer_cpu_offload": offload,
         "trainer.max_tokens_per_micro_batch": lay.max_tokens_per_gpu,
         "sync.transport": "distributed",
         **ALGORITHM,

@@ -1,0 +1,13 @@
+"""GLM-5.2 on terminal-bench-2, fully asynchronous: `python recipes/glm52_tbench2.py train --num-nodes 16`.
+
+The reference run: 16 GB300 nodes of 4 GPUs, 8 training (TP2 / CP4 / PP4 / EP8, optimizer state
+off the GPU) and 8 inference nodes (one 4-GPU dp-attention FP8 SGLang engine each), one Daytona
+sandbox per task. `--dry-run` prints the whole resolved plan. Everything lives in agentrl.cluster.
+"""
+
+from agentrl.cluster.cli import make_app
+
+app = make_app("tbench2")
+
+if __name__ == "__main__":
+    app()

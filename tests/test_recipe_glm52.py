@@ -1,0 +1,151 @@
+"""`--dry-run` of the GLM-5.2 recipes: one snapshot per branch, hardware and flag combination
+(tests/fixtures/glm52_dryrun/<case>.txt; regenerate with AGENTRL_UPDATE_SNAPSHOTS=1 and read the
+diff), the reference layouts, and invalid combinations failing with their reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOTS = ROOT / "tests" / "fixtures" / "glm52_dryrun"
+
+
+def recipe_app(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.app
+
+
+APPS = {"tbench2": recipe_app("glm52_tbench2"), "dapo_math": recipe_app("glm52_dapo_math")}
+
+CASES = {
+    # tbench2: separate training and rollout nodes
+    "tbench2_16x4_gb300": ("tbench2", "--num-nodes 16"),
+    "tbench2_16x8_h200": ("tbench2", "--num-nodes 16 --hardware H200"),
+    "tbench2_16x8_b200_bf16": ("tbench2", "--num-nodes 16 --hardware B200 --no-fp8-rollout"),
+    "tbench2_16x4_gb300_lowlatency_pd_mtp": (
+        "tbench2",
+        "--num-nodes 16 --sglang-config low-latency --enable-pd --enable-mtp",
+    ),
+    "tbench2_32x8_h200_no_deepep": ("tbench2", "--num-nodes 32 --hardware H200 --no-megatron-use-deepep"),
+    # dapo_math: colocated, the Miles branches
+    "dapo_math_1x8_h200_pruned": ("dapo_math", "--model-name GLM-5.2_5layer --num-nodes 1 --hardware H200"),
+    "dapo_math_1x4_gb300_pruned": ("dapo_math", "--model-name GLM-5.2_5layer --num-nodes 1 --enable-pd"),
+    "dapo_math_1x8_b200_pruned_fp8": (
+        "dapo_math",
+        "--model-name GLM-5.2_5layer --num-nodes 1 --hardware B200 --fp8-rollout",
+    ),
+    "dapo_math_16x4_gb300": ("dapo_math", "--num-nodes 16"),
+    "dapo_math_16x4_gb300_balanced_fp8_mtp": (
+        "dapo_math",
+        "--num-nodes 16 --sglang-config balanced --fp8-rollout --enable-mtp",
+    ),
+    "dapo_math_16x8_h200": ("dapo_math", "--num-nodes 16 --hardware H200"),
+    "dapo_math_16x8_h200_offload_nopd": (
+        "dapo_math",
+        "--num-nodes 16 --hardware H200 --enable-optimizer-offload --no-enable-pd",
+    ),
+    "dapo_math_32x8_h200": ("dapo_math", "--num-nodes 32 --hardware H200"),
+    "dapo_math_16x8_b200_fp8_deepep": (
+        "dapo_math",
+        "--num-nodes 16 --hardware B200 --fp8-rollout --use-deepep",
+    ),
+}
+
+
+def dry_run(recipe: str, args: str):
+    return CliRunner().invoke(APPS[recipe], ["train", *args.split(), "--dry-run"])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dry_run_matches_its_snapshot(case: str) -> None:
+    recipe, args = CASES[case]
+    result = dry_run(recipe, args)
+    assert result.exit_code == 0, result.output
+    path = SNAPSHOTS / f"{case}.txt"
+    if os.environ.get("AGENTRL_UPDATE_SNAPSHOTS") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(result.stdout)
+    assert result.stdout == path.read_text(), (
+        f"{case}: the plan changed (AGENTRL_UPDATE_SNAPSHOTS=1 to accept)"
+    )
+
+
+def test_the_16_node_tbench2_plan_is_the_reference_layout() -> None:
+    out = dry_run("tbench2", "--num-nodes 16").stdout
+    assert "## parallel layout (reference: tbench2 16 x GB300)" in out
+    assert "TP2 PP4 CP4 EP8 ETP1 first/last 18/20 DP1" in out and "32 training GPUs" in out
+    assert "stage starts [1, 19, 39, 59]" in out
+    trains = re.findall(r"^node-(\d+): train: ", out, re.M)
+    rollouts = re.findall(r"^node-(\d+): rollout: sglang-regular-\d+$", out, re.M)
+    assert len(trains) == 8 and len(rollouts) == 8 and not set(trains) & set(rollouts)
+    engines = re.findall(r"^  python -m sglang\.launch_server .*$", out, re.M)
+    assert len(engines) == 8
+    for cmd in engines:  # one 4-GPU dp-attention FP8 engine per inference node
+        assert "--tp-size 4 --ep-size 4 --enable-dp-attention --dp-size 4" in cmd
+        assert (
+            "/fp8/GLM-5.2" in cmd and "--kv-cache-dtype fp8_e4m3" in cmd and "--attention-backend nsa" in cmd
+        )
+    router = re.search(r"^  smg launch .*$", out, re.M)
+    assert (
+        router and "--policy consistent_hashing" in router.group(0) and router.group(0).count("http://") == 8
+    )
+    assert "optimizer state (offloaded)                     0.0" in out
+    assert "trainer.loss.eps_clip_high=0.28" in out and "trainer.loss.tis_clip_low=0.5" in out
+
+
+def test_16_nodes_of_8_h200_reject_the_reference_and_find_a_layout() -> None:
+    out = dry_run("dapo_math", "--num-nodes 16 --hardware H200").stdout
+    assert "rejected reference >= 16 nodes of 8 GPUs" in out and "4 x 8 x 8 = 256 GPUs" in out
+    assert "## parallel layout (search)" in out and "TP4 PP4 CP1 EP32 ETP1 first/last 18/20 DP8" in out
+
+
+@pytest.mark.parametrize(
+    ("recipe", "args", "reason"),
+    [
+        ("tbench2", "--num-nodes 16 --use-deepep", "GB300 needs --no-megatron-use-deepep"),
+        (
+            "dapo_math",
+            "--model-name GLM-5.2_5layer --num-nodes 1 --hardware H200 --enable-mtp",
+            "no MTP layer",
+        ),
+        ("tbench2", "--num-nodes 16 --sglang-config balanced --enable-pd", "incompatible with --enable-pd"),
+        ("dapo_math", "--num-nodes 2 --hardware H200 --gpus-per-node 6 --sglang-config balanced", "% 4 != 0"),
+        ("dapo_math", "--num-nodes 1 --hardware H200", "no parallel layout of GLM-5.2 fits 8 H200"),
+        ("tbench2", "--num-nodes 8 --hardware H200", "151.5 GiB per GPU"),
+        ("tbench2", "--num-nodes 16 --hardware A100", "choose one of H200, B200, GB300"),
+    ],
+)
+def test_invalid_combinations_fail_with_the_reason(recipe: str, args: str, reason: str) -> None:
+    result = dry_run(recipe, args)
+    assert result.exit_code != 0
+    assert reason in result.output
+
+
+def test_train_without_dry_run_writes_the_plan_and_node_scripts(tmp_path: Path) -> None:
+    result = CliRunner().invoke(APPS["tbench2"], ["train", "--num-nodes", "16", "--root", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    launch = tmp_path / "runs" / "tbench2" / "launch"
+    scripts = sorted(launch.glob("node-*.sh"))
+    assert len(scripts) == 16 and (launch / "plan.json").exists()
+    assert "sglang.launch_server" in scripts[8].read_text() and "torchrun" in scripts[0].read_text()
+    assert "DAYTONA_API_KEY_FILE=" in scripts[0].read_text()
+
+
+def test_prepare_dry_run_lists_its_steps() -> None:
+    result = CliRunner().invoke(APPS["dapo_math"], ["prepare", "--dry-run", "--root", "/x"])
+    assert result.exit_code == 0
+    assert "download zai-org/GLM-5.2 -> /x/hf/GLM-5.2" in result.stdout and "dapo-math-17k" in result.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
