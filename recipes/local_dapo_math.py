@@ -6,9 +6,10 @@ row format, on a CPU, through the same runtime as the terminal demo.
     python recipes/local_dapo_math.py eval      # pass@k of any model or engine on the eval rows
     python recipes/local_dapo_math.py download  # DAPO-Math-17k and AIME-2024 from the Hugging Face hub
 
-A thin recipe: the demo's defaults, its data and a warm start; the loop is the library runtime and
-the environment is the `dapo_math` plugin. Settings: `--set trainer.lr=1e-4`, `--config run.toml`,
-`--dry-run` (docs/math_demo.md: why these defaults, and the measured run).
+A thin script over a config file: the run's settings are recipes/configs/local_dapo_math.yaml
+(which `agentrl train run` reads too); this file adds the demo's data and warm start (`prepare`) and
+calls the library runtime; the environment is the `dapo_math` plugin. Settings: `--set
+trainer.lr=1e-4`, `--config run.toml` (on top of the file), `--dry-run` (docs/math_demo.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import typer
 from pydantic import Field, model_validator
 from rich.console import Console
 
+from agentrl.overrides import load_file
 from agentrl.runtime import cli as runtime_cli
 from agentrl.runtime.config import RunConfig, _Section
 
@@ -60,34 +62,25 @@ class MathDemoConfig(RunConfig):
     def _model(self) -> MathDemoConfig:
         if self.engine.model is None:
             self.engine.model = str(self.out_dir / "sft")
-        if self.env.get("train_file") == _UNSET:
-            self.env["train_file"] = str(self.out_dir / "train.jsonl")
-        if self.env.get("eval_file") == _UNSET:
-            self.env["eval_file"] = str(self.out_dir / "eval.jsonl")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_files(cls, data: Any) -> Any:
+        """The data files `prepare` writes default to the run directory, wherever `out` points."""
+        if isinstance(data, dict):
+            out = Path(str(data.get("out") or cls.model_fields["out"].default))
+            env = dict(data.get("env") or {})
+            env.setdefault("train_file", str(out / "train.jsonl"))
+            env.setdefault("eval_file", str(out / "eval.jsonl"))
+            data = {**data, "env": env}
+        return data
 
-_UNSET = "<out>"  # the data files default to the run directory, wherever `out` points
 
-# The demo's settings (docs/math_demo.md says why each is what it is); everything else is a default.
-DEFAULTS: dict[str, Any] = {
-    "out": "runs/local_dapo_math",
-    "steps": 60,
-    "env": {
-        "name": "dapo_math",
-        "train_file": _UNSET,
-        "eval_file": _UNSET,
-        "max_new_tokens": 24,
-        "verify_timeout_s": 10.0,
-    },
-    "sampling": {"temperature": 1.0},
-    "rollout": {"batch_size": 32, "n_samples_per_prompt": 8, "max_in_flight": 32, "max_staleness": 1},
-    "trainer": {"lr": 2e-4, "num_minibatches": 2, "weight_decay": 0.0, "max_tokens_per_micro_batch": 8192},
-    "engine": {"local_max_batch": 32},
-    "eval": {"samples_per_row": 8, "concurrency": 32},
-}
-DEFAULTS["rollout"] |= {"dynamic_filter": True, "episode_timeout_s": 120.0}
-DEFAULTS["trainer"] |= {"logprob_chunk_size": None, "loss": {"aggregation": "token_mean"}}
+# The demo's run settings live in a config file (docs/math_demo.md says why each is what it is);
+# `--config` and `--set` go on top of it.
+RUN_CONFIG = Path(__file__).resolve().parent / "configs" / "local_dapo_math.yaml"
+DEFAULTS: dict[str, Any] = load_file(RUN_CONFIG)
 
 
 def configure(config: Path | None, overrides: list[str] | None, dry_run: bool) -> MathDemoConfig | None:

@@ -4,8 +4,9 @@
     python recipes/local_tbench2.py train     # fully async GRPO + TIS, podman sandboxes
     python recipes/local_tbench2.py eval      # pass@k of any model or engine on the demo tasks
 
-A thin recipe: the demo's defaults and a warm start; the loop is the library runtime. Settings:
-`--set trainer.lr=3e-5`, `--config run.toml`, `--dry-run` (docs/demo_log.md: why these defaults).
+A thin script over a config file: the run's settings are recipes/configs/local_tbench2.yaml (which
+`agentrl train run` reads too); this file adds the warm start (`prepare`) and calls the library
+runtime. Settings: `--set trainer.lr=3e-5`, `--config run.toml` (on top of the file), `--dry-run`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import typer
 from pydantic import Field, model_validator
 from rich.console import Console
 
+from agentrl.overrides import load_file
 from agentrl.runtime import cli as runtime_cli
 from agentrl.runtime.config import RunConfig, _Section
 
@@ -47,24 +49,10 @@ class LocalConfig(RunConfig):
         return self
 
 
-# The demo's settings (docs/demo_log.md says why each is what it is); everything else is a default.
-DEFAULTS: dict[str, Any] = {
-    "out": "runs/local_tbench2",
-    "steps": 32,
-    "env": {
-        "name": "tbench2",
-        "max_solution_chars": 64,  # a few-million-parameter model cannot learn a 1 kB script
-        "action_format": "fenced-bash",
-        "max_agent_timeout_s": 120.0,
-        "agent": {"max_turns": 3, "max_new_tokens": 64, "max_total_tokens": 1024, "command_timeout_s": 20.0},
-    },
-    "sampling": {"temperature": 0.7},
-    "rollout": {"batch_size": 16, "n_samples_per_prompt": 8, "max_in_flight": 8, "max_staleness": 1},
-    "trainer": {"lr": 3e-5, "num_minibatches": 4, "weight_decay": 0.0, "max_tokens_per_micro_batch": 8192},
-    "eval": {"samples_per_row": 16},
-}
-DEFAULTS["rollout"] |= {"dynamic_filter": True, "episode_timeout_s": 300.0}
-DEFAULTS["trainer"] |= {"logprob_chunk_size": None, "loss": {"aggregation": "token_mean"}}
+# The demo's run settings live in a config file (docs/demo_log.md says why each is what it is);
+# `--config` and `--set` go on top of it.
+RUN_CONFIG = Path(__file__).resolve().parent / "configs" / "local_tbench2.yaml"
+DEFAULTS: dict[str, Any] = load_file(RUN_CONFIG)
 
 
 def configure(config: Path | None, overrides: list[str] | None, dry_run: bool) -> LocalConfig | None:

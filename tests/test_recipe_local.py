@@ -73,6 +73,36 @@ def test_a_config_file_and_overrides_stack(recipe, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("local_tbench2", []),
+        (
+            "local_dapo_math",
+            [
+                "env.train_file=runs/local_dapo_math/train.jsonl",
+                "env.eval_file=runs/local_dapo_math/eval.jsonl",
+            ],
+        ),
+    ],
+)
+def test_the_recipe_is_its_config_file_plus_a_warm_start(name, extra):
+    """`agentrl train run recipes/configs/<name>.yaml` resolves exactly the run the script does
+    (the script only adds `prepare` and the paths it writes)."""
+    from agentrl.cli import app
+
+    script = CliRunner().invoke(_load(name).app, ["train", "--dry-run"])
+    assert script.exit_code == 0, script.output
+    sets = [f"engine.model=runs/{name}/sft", *extra]
+    args = ["train", "run", str(ROOT / "recipes" / "configs" / f"{name}.yaml"), "--dry-run"]
+    cli = CliRunner().invoke(app, args + [a for s in sets for a in ("--set", s)])
+    assert cli.exit_code == 0, cli.output
+    from_script, from_cli = json.loads(script.output), json.loads(cli.stdout)
+    assert from_script.pop("prepare")
+    from_script["engine"]["model"] = from_cli["engine"]["model"]  # absolute in the script
+    assert from_script == from_cli
+
+
+@pytest.mark.parametrize(
     ("override", "message"),
     [
         ("learning_rate=1", "learning_rate: Extra inputs are not permitted"),
