@@ -59,6 +59,24 @@ def test_other_repositories_are_not_served(ref):
     assert images.standin_for(ref, RECIPE) is None
 
 
+@pytest.mark.parametrize(
+    ("ref", "family", "really"),
+    [
+        ("node:20-alpine", "bookworm-node", "Node.js 18"),
+        (f"golang:1.22@{DIGEST}", "bookworm-golang", "Go 1.19"),
+        ("mirror.gcr.io/library/rust:1.80-slim", "bookworm-rust", "Rust 1.63"),
+        ("gcc:14", "bookworm-gcc", "GCC 12"),
+    ],
+)
+def test_language_families_answer_their_repositories_and_say_what_debian_has(ref, family, really):
+    recipe = RECIPE.family(family)
+    assert images.standin_for(ref, RECIPE) == recipe.standin
+    assert recipe.standin.startswith(f"{images.STANDIN_REPO}/{family}:")
+    assert really in recipe.content and "Debian bookworm" in recipe.content
+    assert recipe.parent is RECIPE.root and f"FROM {RECIPE.root.standin}" in recipe.dockerfile
+    assert images.standin_for("python:3.13-slim", RECIPE) == RECIPE.root.standin  # the root has python
+
+
 def test_the_standin_lives_under_its_own_namespace():
     assert RECIPE.standin.startswith(images.STANDIN_REPO + "/")
     assert RECIPE.digest in RECIPE.standin
@@ -295,3 +313,47 @@ def test_build_bases_tags_no_real_name(private_podman):
     names = _names(private_podman)
     assert RECIPE.standin in names
     assert all(n.startswith(images.STANDIN_REPO + "/") for n in names), names
+
+
+@container
+@pytest.mark.container
+@pytest.mark.slow
+def test_a_language_family_is_built_only_when_a_task_needs_it(tmp_path, standin, monkeypatch):
+    """A family of our own (AGENTRL_BASES_TOML) with one small Debian package: nothing is built for
+    a task that does not need it; the first task that does builds it, through `make_provider`."""
+    from agentrl.sandbox.registry import make_provider
+
+    bases = tmp_path / "bases.toml"
+    family = '[families.tiny]\nhas = "file 5.44 (Debian\'s file)"\npackages = ["file"]\n'
+    bases.write_text(images.BASES_TOML.read_text() + family + 'names = ["registry.invalid/acme/tiny:1"]\n')
+    monkeypatch.setenv("AGENTRL_BASES_TOML", str(bases))
+    catalog = images.load_recipe()
+    tiny = catalog.family("bookworm-tiny")
+    assert catalog.root.standin == standin  # the same root: nothing to rebuild
+    if images.image_exists("podman", tiny.standin):
+        subprocess.run(["podman", "rmi", tiny.standin], capture_output=True)
+
+    assert images.ensure_standins(f"FROM {standin}\n") == []
+    assert not images.image_exists("podman", tiny.standin)
+
+    task = _task(tmp_path, "FROM registry.invalid/acme/tiny:7", name="tiny-family")
+
+    async def run() -> tuple[list[str], str]:
+        provider = make_provider("podman")
+        try:
+            tag = await provider.image_for(task)
+            async with await provider.create(task, run_id="family-test") as sandbox:
+                result = await sandbox.exec("file --version | head -1; cat /app/seed.txt")
+            return [await provider.terminal_image(tag), tag], result.stdout
+        finally:
+            await provider.aclose()
+
+    try:
+        made, out = asyncio.run(run())
+        assert out.split()[0].startswith("file-5.") and "seed" in out
+        assert images.image_label("podman", tiny.standin, images.RECIPE_LABEL) == tiny.digest
+        names = {i.name for i in images.list_standins("podman", catalog)}
+        assert tiny.standin in names
+        subprocess.run(["podman", "rmi", *dict.fromkeys(made)], capture_output=True)
+    finally:
+        subprocess.run(["podman", "rmi", tiny.standin], capture_output=True)
