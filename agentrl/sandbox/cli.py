@@ -85,6 +85,8 @@ def bases_list(
                 f"[dim]{family.standin}  not built: built when a task needs it (any tag of {repos}),"
                 f" or `agentrl sandbox build-bases{' --family ' + family.family.split('-', 1)[1] if family.parent else ''}`[/dim]"
             )
+            if family.parent is not None:
+                console.print(f"  [dim]{family.content}[/dim]")
     if legacy:
         console.print(
             f"[yellow]{len(legacy)} names an older agentrl tagged on its stand-ins (real names now "

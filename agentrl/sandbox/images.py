@@ -117,7 +117,7 @@ class BaseRecipe:
     def content(self) -> str:
         if self.parent is None:
             return STANDIN_CONTENT.format(suite=self.suite)
-        return f"its content is Debian {self.suite}'s whatever the tag says: {self.has}"
+        return f"its content is Debian {self.suite}'s: {self.has}"
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,15 @@ class BaseCatalog:
 
     @property
     def content(self) -> str:
-        extra = "; ".join(f"{f.family}: {f.has}" for f in self.families[1:])
-        return self.root.content + (f"; the language stand-ins have {extra}" if extra else "")
+        """The root's content, and where each language stand-in's versions are said (a warning
+        names the stand-in that answered: `bookworm-node` is the node family)."""
+        if len(self.families) == 1:
+            return self.root.content
+        names = ", ".join(f.family for f in self.families[1:])
+        return (
+            f"{self.root.content}; the language stand-ins ({names}) hold Debian {self.root.suite}'s "
+            "version of their language, whatever the tag says (`agentrl sandbox bases list` shows it)"
+        )
 
     def family_for(self, ref: str) -> BaseRecipe | None:
         key = standin_key(ref, self.repositories)
