@@ -1,8 +1,10 @@
 """The Typer app behind `recipes/glm52_tbench2.py` and `recipes/glm52_dapo_math.py`.
 
 Subcommands: `prepare` (download, validate, convert, FP8 copy), `prepare-cp` (to node-local disk),
-`train` (`--dry-run` prints the resolved plan; otherwise it writes the plan and one launch script
-per node), `full-train` (all three).
+`train` (`--dry-run` prints the resolved plan; otherwise it places and supervises the plan on a
+Ray cluster, `agentrl.cluster.ray_runtime`; `--local` runs the same Ray code on this machine with
+simulated nodes; `--write-scripts` only writes the plan and one shell script per node),
+`full-train` (all three).
 """
 
 from __future__ import annotations
@@ -55,6 +57,19 @@ Offload = Annotated[
 Root = Annotated[str, typer.Option("--root", help="Shared storage for checkpoints, data and runs.")]
 LocalRoot = Annotated[str, typer.Option("--local-root", help="Node-local disk.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved plan and exit.")]
+Local = Annotated[
+    bool,
+    typer.Option(
+        "--local",
+        help="Run the same Ray code on this machine: simulated nodes, `agentrl engine serve` in place of "
+        "SGLang behind the real smg router, the torch trainer on a tiny model, podman sandboxes.",
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Run setting on top of the plan's (local mode): --set steps=8 (dotted)."),
+]
+LOCAL_MODEL = "GLM-5.2_5layer"  # the plan of a few simulated nodes: the pruned model's branch
 
 
 def _options(recipe: Recipe, **kw: object) -> RecipeOptions:
@@ -108,13 +123,55 @@ def write_launch(plan: ClusterPlan, out: Path) -> list[Path]:
     return paths
 
 
+def _run_dir(plan: ClusterPlan) -> Path:
+    return Path(plan.options.root) / "runs" / plan.options.recipe
+
+
+def _render_local(plan: ClusterPlan, overrides: list[str]) -> str:
+    """The processes local mode starts in place of the plan's (ports are picked at launch)."""
+    from agentrl.cluster.ray_runtime import LocalSettings, build_specs
+
+    settings = LocalSettings(
+        run_dir=_run_dir(plan).resolve(), model_dir=Path("<tiny model>"), overrides=tuple(overrides)
+    )
+    lines = ["", "## local mode (simulated nodes on one Ray cluster)"]
+    for spec in build_specs(plan, {n: "127.0.0.1" for n in range(plan.options.num_nodes)}, settings):
+        lines.append(f"[node-{spec.node:02d}] {spec.name} ({spec.role})")
+        lines.append(f"  {shlex.join(spec.argv)}")
+    return "\n".join(lines) + "\n"
+
+
+def _launch(plan: ClusterPlan, *, local: bool, overrides: list[str], ray_address: str | None) -> None:
+    from agentrl.cluster import ray_runtime
+
+    try:
+        if local:
+            outcome = ray_runtime.run_local(plan, _run_dir(plan), overrides=overrides)
+        else:
+            if overrides:
+                raise ray_runtime.ClusterError(
+                    "--set is for --local runs; on a cluster the plan's settings are the run's"
+                )
+            outcome = ray_runtime.run_cluster(plan, ray_address=ray_address)
+    except AgentRLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    restarts = ", ".join(f"{k} x{v}" for k, v in outcome.restarts.items()) or "none"
+    typer.echo(f"run finished in {outcome.seconds:.0f} s (restarts: {restarts}); results in {_run_dir(plan)}")
+
+
 def make_app(recipe: Recipe) -> typer.Typer:
     default_hw = "GB300"
     app = typer.Typer(no_args_is_help=True, add_completion=False, help=f"GLM-5.2 {recipe} recipe.")
 
     @app.command()
     def train(
-        model_name: ModelName = "GLM-5.2",
+        model_name: Annotated[
+            str | None,
+            typer.Option(
+                "--model-name", help=f"One of {', '.join(MODELS)} (default GLM-5.2; --local: {LOCAL_MODEL})."
+            ),
+        ] = None,
         num_nodes: NumNodes = 16,
         gpus_per_node: GpusPerNode = None,
         hardware: Hw = default_hw,
@@ -124,24 +181,48 @@ def make_app(recipe: Recipe) -> typer.Typer:
         enable_pd: Pd = None,
         use_deepep: DeepEP = None,
         enable_optimizer_offload: Offload = None,
-        root: Root = "/shared/glm52",
+        root: Annotated[
+            str | None,
+            typer.Option("--root", help="Shared storage (default /shared/glm52; --local: runs/glm52-local)."),
+        ] = None,
         local_root: LocalRoot = "/local/glm52",
         dry_run: DryRun = False,
+        local: Local = False,
+        set_: SetOpt = None,
+        write_scripts: Annotated[
+            bool, typer.Option("--write-scripts", help="Only write plan.json and node-NN.sh (no Ray).")
+        ] = False,
+        ray_address: Annotated[
+            str | None, typer.Option("--ray-address", help="Ray cluster address (default: auto).")
+        ] = None,
     ) -> None:
-        """Resolve the plan; --dry-run prints it, otherwise plan.json and node-NN.sh are written."""
+        """Resolve the plan; --dry-run prints it; otherwise run it on Ray (a cluster, or --local)."""
+        model_name = model_name or (LOCAL_MODEL if local else "GLM-5.2")
+        root = root or ("runs/glm52-local" if local else "/shared/glm52")
+        if local and enable_pd:
+            typer.echo(
+                "error: --local runs `agentrl engine serve`, which has no prefill/decode split: drop --enable-pd",
+                err=True,
+            )
+            raise typer.Exit(2)
         opts = _options(
             recipe, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
-            sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp, enable_pd=enable_pd,
-            use_deepep=use_deepep, enable_optimizer_offload=enable_optimizer_offload, root=root,
-            local_root=local_root,
+            sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp,
+            enable_pd=False if local else enable_pd, use_deepep=use_deepep,
+            enable_optimizer_offload=enable_optimizer_offload, root=root, local_root=local_root,
         )  # fmt: skip
         plan = _plan(opts)
         if dry_run:
             typer.echo(render(plan), nl=False)
+            if local:
+                typer.echo(_render_local(plan, set_ or []), nl=False)
             return
         out = Path(root) / "runs" / recipe / "launch"
         scripts = write_launch(plan, out)
-        typer.echo(f"wrote {out}/plan.json and {len(scripts)} node scripts: run node-NN.sh on node NN")
+        if write_scripts:
+            typer.echo(f"wrote {out}/plan.json and {len(scripts)} node scripts: run node-NN.sh on node NN")
+            return
+        _launch(plan, local=local, overrides=set_ or [], ray_address=ray_address)
 
     @app.command()
     def prepare(
@@ -252,6 +333,7 @@ def make_app(recipe: Recipe) -> typer.Typer:
         train(model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
               sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp, enable_pd=enable_pd,
               use_deepep=use_deepep, enable_optimizer_offload=enable_optimizer_offload, root=root,
-              local_root=local_root, dry_run=dry_run)  # fmt: skip
+              local_root=local_root, dry_run=dry_run, local=False, set_=None, write_scripts=False,
+              ray_address=None)  # fmt: skip
 
     return app
