@@ -52,6 +52,12 @@ from agentrl.train.torch_backend import bucket_named_tensors
 log = logging.getLogger("agentrl.train.megatron")
 
 
+# The distributed optimizer's checkpoint format: its default ("fully_sharded_model_space") writes
+# flattened ShardedTensors, which megatron-core 0.19.2's `torch_dist` writer refuses
+# (dist_checkpointing/mapping.py: "ShardedTensor.flattened_range is not supported").
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 class PackedRows:
     """A micro-batch's rows packed into one THD row: real tokens only, positions restarting per
     sequence, `cu_seqlens` at the boundaries, plus a padding sequence up to `length` and to a
@@ -192,6 +198,12 @@ class MegatronTrainer:
             chunk.agentrl_stage_layers = convert.stage_layers(
                 self.layout, v * self.settings.pp + self.pp_rank
             )
+            if self.settings.params_dtype == "bfloat16":
+                # megatron builds its linears in bf16 but torch norms in fp32 (its own training loop
+                # casts the whole model with Float16Module); buffers (the router's expert bias) stay fp32.
+                for p in chunk.parameters():
+                    if p.dtype == torch.float32:
+                        p.data = p.data.to(torch.bfloat16)
             chunks.append(chunk.to(self.device))
         return chunks
 
@@ -709,7 +721,8 @@ class MegatronTrainer:
 
     def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
         """`root/step-NNNNNNNN/`: the model as megatron's distributed checkpoint (`torch_dist`,
-        resharding-capable), each rank's optimizer state, `state.json`; then `root/latest`."""
+        resharding-capable), the optimizer state (megatron's optimizer: a distributed checkpoint
+        too; the local path: one file per rank), `state.json`; then `root/latest`."""
         from megatron.core import dist_checkpointing
 
         root = Path(root)
@@ -721,8 +734,16 @@ class MegatronTrainer:
         if dist.get_rank() == 0:
             (tmp / "model").mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self.model.sharded_state_dict(), str(tmp / "model"))
-        torch.save(self.optimizer.state_dict(), tmp / f"optimizer-rank{dist.get_rank():05d}.pt")
+        dist_checkpointing.save(self._sharded_state_dict(), str(tmp / "model"))
+        if self.megatron_ddp:
+            # megatron's optimizer (the distributed one's shards too) as a distributed checkpoint
+            opt = self.optimizer.sharded_state_dict(self._sharded_state_dict(), metadata=_OPTIMIZER_FORMAT)
+            if dist.get_rank() == 0:
+                (tmp / "optimizer").mkdir()
+            dist.barrier()
+            dist_checkpointing.save(opt, str(tmp / "optimizer"))
+        else:
+            torch.save(self.optimizer.state_dict(), tmp / f"optimizer-rank{dist.get_rank():05d}.pt")
         dist.barrier()
         if dist.get_rank() == 0:
             state = {
@@ -748,6 +769,13 @@ class MegatronTrainer:
         dist.barrier()
         return final
 
+    def _sharded_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state dict (keys carry global layer numbers, so stages and virtual
+        stages merge into one checkpoint); one entry per chunk with virtual stages."""
+        if len(self.chunks) == 1:
+            return self.model.sharded_state_dict()
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+
     def load(self, path: str | Path) -> TrainState:
         """Restore model, optimizer and step from a checkpoint directory (or a root with `latest`)."""
         from megatron.core import dist_checkpointing
@@ -766,10 +794,20 @@ class MegatronTrainer:
                 f"{path} was saved with {raw.get('megatron')} on {raw.get('world_size')} ranks; this trainer "
                 f"runs {self.settings.to_dict()} on {dist.get_world_size()}: the optimizer state is per rank"
             )
-        state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path / "model"))
-        self.model.load_state_dict(state, strict=False)
-        opt = path / f"optimizer-rank{dist.get_rank():05d}.pt"
-        self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
+        state = dist_checkpointing.load(self._sharded_state_dict(), str(path / "model"))
+        if len(self.chunks) == 1:
+            self.model.load_state_dict(state, strict=False)
+        else:
+            for i, chunk in enumerate(self.chunks):
+                chunk.load_state_dict(state[f"model{i}"], strict=False)
+        if self.megatron_ddp:
+            opt_sd = self.optimizer.sharded_state_dict(
+                self._sharded_state_dict(), is_loading=True, metadata=_OPTIMIZER_FORMAT
+            )
+            self.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
+        else:
+            opt = path / f"optimizer-rank{dist.get_rank():05d}.pt"
+            self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
         self.step = int(raw["step"])
         return TrainState(
             step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {})
