@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import socket
 import sys
@@ -137,9 +138,19 @@ def check_local(plan: ClusterPlan) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range (32768+), which Ray's own workers
+    and other programs' "any free port" binds draw from, and above Ray's worker ports (10002-19999):
+    a port chosen here stays free until its server binds it, seconds later."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20100, 32700)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ClusterError("no free loopback port between 20100 and 32700")
 
 
 def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -228,7 +239,8 @@ def build_specs(
         router_url = f"http://127.0.0.1:{port}"
         r_argv = [swap(a) for a in router.argv]
         r_argv = _set_flag(_set_flag(r_argv, "--host", "127.0.0.1"), "--port", str(port))
-        r_argv = [_smg(), *r_argv[1:], *LOCAL_ROUTER_FLAGS]
+        metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+        r_argv = [_smg(), *r_argv[1:], *LOCAL_ROUTER_FLAGS, *metrics]
     plan_router = f"http://node-{router.node:02d}:{_flag(router.argv, '--port')}"
     urls[plan_router] = router_url
     workers = tuple(urls[e.url] for e in plan.engines if e.url in urls)
