@@ -156,12 +156,12 @@ def _running(url: str) -> int:
 
 
 def _alive(pid: int) -> bool:
-    import psutil
-
+    """Running (a zombie awaiting its parent's wait counts as gone)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _results(out: Path) -> tuple[list[dict[str, Any]], set[str]]:
