@@ -17,9 +17,7 @@ import math
 import os
 import random
 import re
-import shutil
 import subprocess
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,21 +143,6 @@ asyncio.run(main())
 # --- The harbor environment -----------------------------------------------------------------------
 
 
-def _python312() -> str | None:
-    candidates = [shutil.which("python3.13"), shutil.which("python3.12")]
-    pyenv_root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
-    candidates += sorted(str(p) for p in Path(pyenv_root).glob("versions/3.1[2-9]*/bin/python3"))
-    for exe in filter(None, candidates):
-        probe = subprocess.run(
-            [exe, "-c", "import sys, venv; assert sys.version_info >= (3, 12)"],
-            capture_output=True,
-            timeout=60,
-        )
-        if probe.returncode == 0:
-            return exe
-    return None
-
-
 _NO_REGISTRY = re.compile(
     r"No matching distribution|Could not find a version|NewConnectionError|Failed to establish|"
     r"Temporary failure in name resolution|Name or service not known|Network is unreachable",
@@ -167,38 +150,20 @@ _NO_REGISTRY = re.compile(
 
 
 def _harbor_python() -> Path:
-    """The venv's interpreter, building the venv once: into a scratch folder, renamed into place
-    when harbor imports, so an interrupted or concurrent build never leaves a half-made cache."""
-    cache = Path(os.environ.get("AGENTRL_CACHE_DIR", Path.home() / ".cache" / "agentrl"))
-    venv = cache / f"harbor-venv-{HARBOR_REQUIREMENT.split('==')[1]}"
-    if (venv / "ready").exists():
-        return venv / "bin" / "python"
-    base = _python312()
+    """The venv's interpreter, built once (`agentrl.train.megatron.venv.build`: scratch folder,
+    renamed into place when complete)."""
+    from agentrl.train.megatron import venv as venvs
+
+    base = venvs.find_python312()
     if base is None:
         pytest.skip("no Python >= 3.12 found (python3.12 on PATH or under pyenv): harbor 0.25 needs it")
-    cache.mkdir(parents=True, exist_ok=True)
-    scratch = cache / f".harbor-venv-{uuid.uuid4().hex[:8]}"
+    target = venvs.cache_dir() / f"harbor-venv-{HARBOR_REQUIREMENT.split('==')[1]}"
     try:
-        subprocess.run([base, "-m", "venv", str(scratch)], check=True, capture_output=True, timeout=300)
-        pip = subprocess.run(
-            [str(scratch / "bin" / "python"), "-m", "pip", "install", "-q", HARBOR_REQUIREMENT],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if pip.returncode != 0:
-            if _NO_REGISTRY.search(pip.stdout + pip.stderr):
-                pytest.skip(f"pip cannot reach a registry with {HARBOR_REQUIREMENT}: {pip.stderr[-500:]}")
-            raise AssertionError(f"pip install {HARBOR_REQUIREMENT} failed:\n{pip.stderr[-3000:]}")
-        (scratch / "ready").write_text(HARBOR_REQUIREMENT + "\n")
-        try:
-            scratch.rename(venv)
-        except OSError:  # another run finished first; use its copy
-            if not (venv / "ready").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return venv / "bin" / "python"
+        return venvs.build(target, [[HARBOR_REQUIREMENT]], base=base, pip_timeout=900)
+    except venvs.VenvError as exc:
+        if _NO_REGISTRY.search(str(exc)):
+            pytest.skip(f"pip cannot reach a registry with {HARBOR_REQUIREMENT}: {str(exc)[-500:]}")
+        raise AssertionError(str(exc)) from None
 
 
 # --- Generated replies ----------------------------------------------------------------------------

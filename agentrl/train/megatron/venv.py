@@ -87,8 +87,55 @@ def venv_dir(base_python: str, reqs: list[str]) -> Path:
     return cache_dir() / f"megatron-venv-{key}"
 
 
+def build(
+    venv: Path,
+    installs: list[list[str]],
+    *,
+    base: str | None = None,
+    probe: str | None = None,
+    pip_timeout: float = 1800,
+) -> Path:
+    """A Python >= 3.12 virtual environment at `venv`, built once: into a scratch directory, with
+    one `pip install` per entry of `installs`, then `probe` (Python code that must run there), then
+    renamed into place with a `ready` marker, so an interrupted or concurrent build never leaves a
+    half-made one. Returns its interpreter. Raises `VenvError` (pip's or the probe's output in the
+    message) when no Python >= 3.12 exists or a step fails. The Megatron environment and the
+    Harbor test's environment are both built here."""
+    if (venv / "ready").exists():
+        return venv / "bin" / "python"
+    base = base or find_python312()
+    if base is None:
+        raise VenvError("no Python >= 3.12 found (python3.12 on PATH or under pyenv)")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    scratch = venv.parent / f".{venv.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        subprocess.run([base, "-m", "venv", str(scratch)], check=True, capture_output=True, timeout=300)
+        py = str(scratch / "bin" / "python")
+        for args in installs:
+            pip = subprocess.run(
+                [py, "-m", "pip", "install", "-q", *args], capture_output=True, text=True, timeout=pip_timeout
+            )
+            if pip.returncode != 0:
+                raise VenvError(f"pip install {' '.join(args)} failed:\n{(pip.stdout + pip.stderr)[-3000:]}")
+        marker = "\n".join(a for args in installs for a in args) + "\n"
+        if probe is not None:
+            ran = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=600)
+            if ran.returncode != 0:
+                raise VenvError(f"the new environment fails its import probe:\n{ran.stderr[-3000:]}")
+            marker = ran.stdout
+        (scratch / "ready").write_text(marker)
+        try:
+            scratch.rename(venv)
+        except OSError:  # another build finished first; use its copy
+            if not (venv / "ready").exists():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return venv / "bin" / "python"
+
+
 def ensure(*, log: bool = True) -> Path:
-    """The environment's interpreter, building the environment first if needed.
+    """The Megatron environment's interpreter, building the environment first if needed.
     Raises `VenvError` when no Python >= 3.12 exists or pip fails (its output in the message)."""
     base = find_python312()
     if base is None:
@@ -99,35 +146,14 @@ def ensure(*, log: bool = True) -> Path:
     venv = venv_dir(base, reqs)
     if (venv / "ready").exists():
         return venv / "bin" / "python"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    scratch = venv.parent / f".{venv.name}-{uuid.uuid4().hex[:8]}"
     if log:
         print(f"building the Megatron environment in {venv} (once; ~1-2 minutes, ~5.5 GB)", file=sys.stderr)
-    try:
-        subprocess.run([base, "-m", "venv", str(scratch)], check=True, capture_output=True, timeout=300)
-        py = str(scratch / "bin" / "python")
-        for args in (["--upgrade", "pip"], reqs):
-            pip = subprocess.run(
-                [py, "-m", "pip", "install", "-q", *args], capture_output=True, text=True, timeout=1800
-            )
-            if pip.returncode != 0:
-                raise VenvError(f"pip install {' '.join(args)} failed:\n{(pip.stdout + pip.stderr)[-3000:]}")
-        probe = subprocess.run([py, "-c", _PROBE], capture_output=True, text=True, timeout=600)
-        if probe.returncode != 0:
-            raise VenvError(f"the new environment does not import megatron-core:\n{probe.stderr[-3000:]}")
-        (scratch / "ready").write_text(probe.stdout)
-        try:
-            scratch.rename(venv)
-        except OSError:  # another build finished first; use its copy
-            if not (venv / "ready").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    python = build(venv, [["--upgrade", "pip"], reqs], base=base, probe=_PROBE)
     # Environments of earlier requirements are 5.5 GB each and nothing uses them any more.
     for old in venv.parent.glob("megatron-venv-*"):
         if old != venv and (old / "ready").exists():
             shutil.rmtree(old, ignore_errors=True)
-    return venv / "bin" / "python"
+    return python
 
 
 def env(threads: int = 1) -> dict[str, str]:
