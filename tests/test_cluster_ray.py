@@ -266,9 +266,45 @@ def test_tbench2_two_steps_on_two_simulated_nodes_survive_a_killed_engine(
 
 
 @pytest.mark.slow
-def test_dapo_math_recipe_trains_two_steps_locally_through_ray(tmp_path: Path, ray_cleanup) -> None:
+def test_dapo_math_two_steps_through_ray_resume_after_the_trainer_crashes(
+    tmp_path: Path, ray_cleanup
+) -> None:
     pytest.importorskip("ray")
     _need("smg")
+    from agentrl.cluster import ray_runtime
+
+    plan = _local_plan("dapo_math")
+    out = tmp_path / "run"
+    crashed: dict[str, Any] = {}
+
+    def crash_after_first_checkpoint(run: Any) -> None:
+        if not ray_cleanup:
+            ray_cleanup.append(run)
+        if not crashed and (out / "checkpoints" / "latest").exists():
+            crashed.update(pid=run.pids["trainer-0"][-1])
+            run.kill("trainer-0")
+
+    outcome = ray_runtime.run_local(
+        plan, out, overrides=["rollout.batch_size=8"], timeout_s=400, on_poll=crash_after_first_checkpoint
+    )
+    run = ray_cleanup[0]
+    assert [s.role for s in run.specs] == ["engine", "router", "trainer"]
+    assert crashed and not _alive(crashed["pid"]) and outcome.restarts.get("trainer-0") == 1
+    log = (out / "logs" / "trainer-0.log").read_text()
+    assert log.count("=== start") == 2 and "resumed from" in log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["samples"] == 8 for r in rows)
+    # The resumed trainer re-sends step 1's weights as a new version (the fleet already had 1):
+    # versions only go up.
+    assert rows[0]["extra"]["version"] == 1 and rows[1]["extra"]["version"] > 1
+    assert all(r["failures_by_cause"] == {} for r in rows)
+    import ray
+
+    assert not ray.is_initialized()
+    assert all(not _alive(pid) for pids in run.pids.values() for pid in pids), run.pids
+
+
+def test_local_dry_run_prints_the_processes_local_mode_starts() -> None:
     import importlib.util
 
     from typer.testing import CliRunner
@@ -276,18 +312,11 @@ def test_dapo_math_recipe_trains_two_steps_locally_through_ray(tmp_path: Path, r
     spec = importlib.util.spec_from_file_location("glm52_dapo_math", ROOT / "recipes" / "glm52_dapo_math.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    result = CliRunner().invoke(
-        module.app,
-        ["train", "--num-nodes", "2", "--local", "--root", str(tmp_path), "--set", "rollout.batch_size=8"],
-    )
+    result = CliRunner().invoke(module.app, ["train", "--num-nodes", "2", "--local", "--dry-run"])
     assert result.exit_code == 0, result.output
-    out = tmp_path / "runs" / "dapo_math"
-    specs = json.loads((out / "logs" / "specs.json").read_text())
-    assert [s["role"] for s in specs] == ["engine", "router", "trainer"]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["samples"] == 8 for r in rows)
-    assert all(r["failures_by_cause"] == {} for r in rows)
-    assert (out / "checkpoints" / "latest").exists()
-    import ray
-
-    assert not ray.is_initialized()
+    assert "# dapo_math: GLM-5.2_5layer on 2 x 4 GB300" in result.output
+    local = result.output.split("## local mode", 1)[1]
+    assert "agentrl.cli engine serve" in local and "consistent_hashing" in local and "train run" in local
+    assert "sglang.launch_server" in result.output.split("## local mode", 1)[0]
+    refused = CliRunner().invoke(module.app, ["train", "--num-nodes", "2", "--local", "--enable-pd"])
+    assert refused.exit_code == 2 and "no prefill/decode split" in refused.output
