@@ -90,12 +90,19 @@ def test_backend_megatron_is_selectable_in_the_run_config() -> None:
 # --- in the Megatron environment (Python 3.12, megatron-core 0.19) --------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_tiny_glm_moe_dsa_builds_runs_forward_backward_and_a_grpo_step(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def one_rank_cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The one-rank cases, each with its own trainer, in one process (one start-up instead of
+    six). `split` runs first: it checks that nothing has initialised a process group yet."""
     from tests.megatron_venv import run_case
 
-    r = run_case("build", tmp_path)
+    return run_case("split,build,hf_parity,checkpoint,kl,fp8", tmp_path_factory.mktemp("megatron-one-rank"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tiny_glm_moe_dsa_builds_runs_forward_backward_and_a_grpo_step(one_rank_cases: dict) -> None:
+    r = one_rank_cases["build"]
     assert r["megatron_params"] == r["hf_params"]
     # Index sharing is real: only the computing layers own indexer weights.
     assert r["hf_indexer_types"] == ["full", "full", "shared", "full"] and r["indexer_layers"] == [1, 2, 4]
@@ -105,10 +112,8 @@ def test_tiny_glm_moe_dsa_builds_runs_forward_backward_and_a_grpo_step(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(tmp_path: Path) -> None:
-    from tests.megatron_venv import run_case
-
-    r = run_case("hf_parity", tmp_path)
+def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(one_rank_cases: dict) -> None:
+    r = one_rank_cases["hf_parity"]
     assert r["packed_rows_per_micro_batch"] == [4]  # four sequences in one THD row
     assert r["logprob_max_abs_diff"] <= 1e-4 and r["entropy_max_abs_diff"] <= 1e-4
     assert r["round_trip_exact"] and r["missing"] == [] and r["extra"] == []
@@ -158,10 +163,8 @@ def test_two_ranks_over_gloo_take_the_same_grpo_step_as_one(
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_torch_dist_checkpoint_resumes_to_the_same_next_step(tmp_path: Path) -> None:
-    from tests.megatron_venv import run_case
-
-    r = run_case("checkpoint", tmp_path)
+def test_torch_dist_checkpoint_resumes_to_the_same_next_step(one_rank_cases: dict) -> None:
+    r = one_rank_cases["checkpoint"]
     assert r["files"] == ["model", "optimizer-rank00000.pt", "state.json"] and r["latest"] == "step-00000001"
     assert r["state_step"] == 1 and r["buffer_state"] == {"step": 1, "rollout": {"cursor": 3}}
     assert r["loaded_max_abs_diff"] == 0.0
@@ -170,10 +173,8 @@ def test_torch_dist_checkpoint_resumes_to_the_same_next_step(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_a_bad_pipeline_split_is_refused_before_the_model_is_built(tmp_path: Path) -> None:
-    from tests.megatron_venv import run_case
-
-    r = run_case("split", tmp_path)
+def test_a_bad_pipeline_split_is_refused_before_the_model_is_built(one_rank_cases: dict) -> None:
+    r = one_rank_cases["split"]
     assert not r["dist_initialized"] and not r["dist_initialized_after"]
     assert "starts at layer 3" in r["bad"]["ours"] and "local layer 3" in r["bad"]["megatron"]
     assert r["good"]["megatron"] is None and r["good"]["ours"].startswith("passed the check")
@@ -207,25 +208,85 @@ def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(
     assert r["engine_vs_trainer_max_abs_diff"] <= 1e-4
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_two_pipeline_stages_on_a_valid_split_load_run_and_export_their_own_layers(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def eight_layer_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-rank GRPO step of an 8-layer variant (odd layers compute their DSA indices):
+    the reference for virtual pipeline stages of two layers."""
     from tests.megatron_venv import run_case
 
-    r = run_case("pipeline", tmp_path, nproc=2)
-    first, last = r["stages"]
-    assert first["layers"] == [1, 2, 3] and last["layers"] == [4]
-    assert first["indexer_layers"] == [1, 2] and last["indexer_layers"] == [4]  # global layer numbers
-    assert first["exact"] and last["exact"] and r["exported_cover_hf_once"]
-    assert last["logits_max_abs_diff"] <= 1e-4  # stage 0 -> stage 1 equals the HF model
+    tmp = tmp_path_factory.mktemp("megatron-ref8")
+    run_case("grads", tmp, "--layers", "8", "--save", str(tmp / "l8.pt"))
+    return tmp / "l8.pt"
+
+
+def _same_step(r: dict) -> None:
+    assert r["logprob_max_abs_diff"] <= 1e-5
+    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
+    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
+    assert r["weight_max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_kl_term_is_measured_against_a_frozen_copy_of_the_initial_weights(tmp_path: Path) -> None:
+def test_two_uneven_pipeline_stages_take_the_same_grpo_step_as_one_rank(
+    tmp_path: Path, one_rank_step: Path
+) -> None:
+    """megatron-core's 1F1B schedule over gloo (layers 1-3 | 4: layer 4 computes its own DSA
+    indices), two micro-batches in flight; the step's log-probs, loss, gradients and updated
+    weights (exported in HF names from both stages) equal the one-rank step."""
     from tests.megatron_venv import run_case
 
-    r = run_case("kl", tmp_path)
+    r = run_case(
+        "grads",
+        tmp_path,
+        "--pp",
+        "2",
+        "--first",
+        "3",
+        "--last",
+        "1",
+        "--reference",
+        str(one_rank_step),
+        nproc=2,
+    )
+    assert r["pp"] == 2 and r["micro_batches"] == 2
+    assert [x["stage_layers"] for x in r["ranks"]] == [[[1, 2, 3]], [[4]]]
+    assert [x["indexer_layers"] for x in r["ranks"]] == [[[1, 2]], [[4]]]  # index sharing per stage
+    _same_step(r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_virtual_pipeline_stages_take_the_same_grpo_step_as_one_rank(
+    tmp_path: Path, eight_layer_step: Path
+) -> None:
+    """The interleaved schedule: 8 layers over 2 ranks x 2 virtual stages (1-2, 3-4 | 5-6, 7-8,
+    each starting on a computing layer); idle micro-batches fill the schedule's groups."""
+    from tests.megatron_venv import run_case
+
+    r = run_case(
+        "grads",
+        tmp_path,
+        "--layers",
+        "8",
+        "--pp",
+        "2",
+        "--vpp",
+        "2",
+        "--reference",
+        str(eight_layer_step),
+        nproc=2,
+    )
+    assert r["chunks"] == 2
+    assert [x["stage_layers"] for x in r["ranks"]] == [[[1, 2], [5, 6]], [[3, 4], [7, 8]]]
+    assert [x["indexer_layers"] for x in r["ranks"]] == [[[1], [5]], [[3], [7]]]
+    _same_step(r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_kl_term_is_measured_against_a_frozen_copy_of_the_initial_weights(one_rank_cases: dict) -> None:
+    r = one_rank_cases["kl"]
     assert r["kl"][0] == 0.0 and r["kl"][1] > 0  # the policy starts as its reference, then leaves it
     assert r["reference_moved"] == 0.0 and r["policy_moved"] > 0
 
@@ -291,11 +352,21 @@ def test_fp8_export_needs_the_checkpoint_layout() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_trainer_exports_fp8_blocks_an_hf_model_can_be_rebuilt_from(tmp_path: Path) -> None:
-    from tests.megatron_venv import run_case
-
-    r = run_case("fp8", tmp_path)
+def test_the_trainer_exports_fp8_blocks_an_hf_model_can_be_rebuilt_from(one_rank_cases: dict) -> None:
+    r = one_rank_cases["fp8"]
     assert r["fp8_tensors"] == r["scale_tensors"] > 0 and r["other_dtypes"] == ["torch.bfloat16"]
     assert r["missing"] == [] and r["unexpected"] == []
     # Dequantised, the tiny model's log-probs stay close to the trained weights' (fp8 noise only).
     assert r["dequantised_logprob_max_abs_diff"] < 0.1
+
+
+def test_optimizer_offload_needs_megatrons_distributed_optimizer() -> None:
+    from agentrl.train.megatron.settings import MegatronSettings
+
+    with pytest.raises(ValueError, match="optimizer_cpu_offload needs ddp='megatron'"):
+        MegatronSettings(optimizer_cpu_offload=True, ddp="local")
+    with pytest.raises(ValueError, match="optimizer_cpu_offload needs"):
+        MegatronSettings(optimizer_cpu_offload=True, distributed_optimizer=False)
+    with pytest.raises(ValueError, match="ddp='fsdp'"):
+        MegatronSettings(ddp="fsdp")
+    MegatronSettings(optimizer_cpu_offload=True, ddp="megatron")

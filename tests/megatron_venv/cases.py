@@ -141,9 +141,16 @@ def case_build(args: argparse.Namespace) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     batch = build_batch(samples(), max_tokens_per_micro_batch=64)
     tr.model.train()
-    logp, ent = tr.logprobs(batch.micro_batches[0], with_entropy=True)
-    loss = -(logp * batch.micro_batches[0].loss_mask).sum() / batch.micro_batches[0].loss_mask.sum()
-    loss.backward()
+    mb = batch.micro_batches[0]
+    seen: dict[str, Any] = {}
+
+    def nll(i: int, logp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+        seen["loss"], seen["ent"] = -(logp * mb.loss_mask).sum() / mb.loss_mask.sum(), ent
+        return seen["loss"]
+
+    # The training path: megatron's schedule runs the forward and the backward.
+    tr._schedule([mb], nll, chunks=tr.chunks, forward_only=False, with_entropy=True)
+    loss, ent = seen["loss"], seen["ent"]
     names = [n for n, _ in tr.model.named_parameters()]
     no_grad = [
         n for n, p in tr.model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
@@ -258,11 +265,26 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "chunks": len(tr.chunks),
         "stage_layers": [[i + 1 for i in c.agentrl_stage_layers] for c in tr.chunks],
+        # Global numbers of the layers whose indexer weights this rank's chunks own.
+        "indexer_layers": [
+            sorted(
+                {
+                    c.agentrl_stage_layers[int(n.split(".")[2])] + 1
+                    for n, _ in c.named_parameters()
+                    if ".indexer." in n
+                }
+            )
+            for c in tr.chunks
+        ],
         "ep": args.ep,
         "etp": args.etp,
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
     }
+    if dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: out[k] for k in ("stage_layers", "indexer_layers")})
+        out["ranks"] = everyone
     if args.save and dist.get_rank() == 0:
         torch.save(result, args.save)
     if args.reference:
@@ -484,60 +506,6 @@ def _episode_tokens(record: Path) -> list[int]:
     raise RuntimeError(f"no tokens in {record}")
 
 
-def case_pipeline(args: argparse.Namespace) -> dict[str, Any]:
-    """Two pipeline stages on a valid split (layers 1-3 | 4; layer 4 computes its own indices):
-    each rank builds and loads only its stage, a forward runs stage 0 -> stage 1 by hand (the
-    training schedule is not wired), and each stage exports its own HF tensors."""
-    from megatron.core import parallel_state as ps
-
-    from agentrl.train.megatron import convert, parallel
-    from agentrl.train.megatron.model import build_model, layout_of
-    from agentrl.train.megatron.settings import MegatronSettings
-
-    hf = tiny_hf()
-    settings = MegatronSettings(pp=2, first_stage_layers=3, last_stage_layers=1)
-    parallel.initialize(settings)
-    stage = ps.get_pipeline_model_parallel_rank()
-    layers = convert.stage_layers(layout_of(hf.config, settings), stage)
-    model = build_model(hf.config, settings)
-    convert.load_hf_into(hf.state_dict(), model, stage_layers=layers, num_experts=4)
-    model.eval()
-    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    pos = torch.arange(12)[None]
-    indexer_layers = sorted(
-        {layers[int(n.split(".")[2])] + 1 for n, _ in model.named_parameters() if ".indexer." in n}
-    )
-    with torch.no_grad():
-        if stage == 0:
-            hidden = model(ids, pos, None)
-            dist.send(hidden.contiguous(), dst=1)
-            diff = None
-        else:
-            hidden = torch.empty(12, 1, 64)
-            dist.recv(hidden, src=0)
-            model.set_input_tensor(hidden)
-            h = model(ids, pos, None, output_processor=lambda hidden_states, **_: hidden_states)
-            logits = h[:, 0] @ model.output_layer.weight.T
-            diff = float((logits - hf(ids).logits[0]).abs().max())
-        exported = {k: v for k, v in convert.megatron_to_hf(model, stage_layers=layers, num_experts=4)}
-    hf_state = hf.state_dict()
-    mine = {
-        "stage": stage,
-        "layers": [i + 1 for i in layers],
-        "indexer_layers": indexer_layers,
-        "names": sorted(exported),
-        "exact": all(torch.equal(v, hf_state[k]) for k, v in exported.items()),
-        "logits_max_abs_diff": diff,
-    }
-    stages: list[Any] = [None, None]
-    dist.all_gather_object(stages, mine)
-    names = [n for st in stages for n in st["names"]]
-    return {
-        "stages": [{k: v for k, v in st.items() if k != "names"} for st in stages],
-        "exported_cover_hf_once": sorted(names) == sorted(hf_state),
-    }
-
-
 def case_kl(args: argparse.Namespace) -> dict[str, Any]:
     """GRPO with a KL term to a frozen copy of the initial weights: 0 on the first step (the
     policy is the reference), positive after it; the reference does not move."""
@@ -658,7 +626,6 @@ CASES = {
     "checkpoint": case_checkpoint,
     "split": case_split,
     "runtime": case_runtime,
-    "pipeline": case_pipeline,
     "kl": case_kl,
     "fp8": case_fp8,
     "gpu": case_gpu,
@@ -667,7 +634,7 @@ CASES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("case", help="a case, or several joined by commas (run in order in one process)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--tmp", required=True)
     parser.add_argument("--tp", type=int, default=1)
@@ -685,7 +652,14 @@ def main() -> None:
     parser.add_argument("--sync-port")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
-    result = CASES[args.case](args)
+    names = args.case.split(",")
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}: choose from {sorted(CASES)}")
+    # Several cases share one process start (imports and megatron's set-up are most of a small
+    # case's time); each builds its own trainer and process groups, so they stay independent.
+    results = {name: CASES[name](args) for name in names}
+    result = results[names[0]] if len(names) == 1 else results
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     if dist.is_initialized():
