@@ -1,8 +1,8 @@
 """Sandbox speed, side by side in one run on real podman containers.
 
 1. Per-command latency: the persistent shell vs one `podman exec` per command (p50, p95, ratio).
-   Goal: p50 <= 5 ms and >= 20x faster. Commands run in the agent's shell session (its state
-   restored and saved around each, `agentrl/sandbox/shellstate.py`).
+   Goal: p50 <= 2 ms and >= 20x faster. Commands run in the agent's shell session (one long-lived
+   bash, its state saved after commands that can change it, `agentrl/sandbox/shellstate.py`).
 1b. The terminal beside it: `send_keys` + `capture` on a tmux session in the sandbox, interleaved
    one for one with session commands in the same container. Goal: round trip p50 <= 10 ms.
 2. Warm-pool acquire (a pre-started, liveness-checked container handed out), p50. Goal <= 20 ms.
@@ -10,10 +10,13 @@
 4. Oracle sweep wall time over envs/tbench2/tasks at concurrency 2 (skipped if that is empty).
 5. The verification step (`agentrl.verify.verify` on a fresh sandbox of the fixture task), p50.
 
-With `--baseline-podman OLD/podman.py` (e.g. `git show REV:agentrl/sandbox/podman.py > /tmp/old.py`)
+With `--baseline-podman OLD/podman.py` (e.g. `git show REV:agentrl/sandbox/podman.py > /tmp/old.py`,
+and `--baseline-shellstate` with that revision's `agentrl/sandbox/shellstate.py`)
 section 1 also runs that version's persistent shell in a second container, commands interleaved
 one for one with the current one, so load on a shared machine hits both alike: the p50 ratio is
-the comparison to trust there.
+the comparison to trust there. It times a command that cannot change the session (`echo i`) and
+one that does (`export V=i`, whose session is saved), and prints the load average it saw.
+`--only-exec` runs sections 1 and 1b only.
 
     .venv/bin/python benchmarks/sandbox_bench.py [--commands 300] [--tasks-dir envs/tbench2/tasks]
 """
@@ -23,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -82,11 +87,36 @@ async def terminal_latency(sb: PodmanSandbox, n: int) -> tuple[list[float], list
     return keys, command
 
 
+def load_baseline(podman_py: str, shellstate_py: str | None):  # type: ignore[no-untyped-def]
+    """The older podman.py as a module, importing the older shellstate.py where one is given (the
+    current package's otherwise)."""
+    import agentrl.sandbox as package
+
+    current = package.shellstate
+    if shellstate_py:
+        spec = importlib.util.spec_from_file_location("baseline_shellstate", shellstate_py)
+        assert spec is not None and spec.loader is not None
+        older = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(older)
+        package.shellstate = older  # type: ignore[attr-defined]
+        sys.modules["agentrl.sandbox.shellstate"] = older
+    try:
+        spec = importlib.util.spec_from_file_location("baseline_podman", podman_py)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        package.shellstate = current  # type: ignore[attr-defined]
+        sys.modules["agentrl.sandbox.shellstate"] = current
+    return module
+
+
 async def interleaved(args: argparse.Namespace, task, run_id: str) -> None:  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("baseline_podman", args.baseline_podman)
-    assert spec is not None and spec.loader is not None
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
+    """Section 1 against an older podman.py: both in their own container, commands interleaved one
+    for one (the order alternating), so load on a shared machine hits both alike. Two commands:
+    `echo i` (its text shows it cannot change the session) and `export V=i` (it does: the session
+    is saved)."""
+    old = load_baseline(args.baseline_podman, args.baseline_shellstate)
     base_provider = old.PodmanProvider(cli=args.cli)
     provider = PodmanProvider(cli=args.cli)
     try:
@@ -94,21 +124,29 @@ async def interleaved(args: argparse.Namespace, task, run_id: str) -> None:  # t
             await base_provider.create(task, run_id=run_id) as a,
             await provider.create(task, run_id=run_id) as b,
         ):
-            times: dict[str, list[float]] = {"baseline": [], "current": []}
-            for i in range(args.commands + 10):
-                for name, sb in (
-                    (("baseline", a), ("current", b)) if i % 2 else (("current", b), ("baseline", a))
-                ):
-                    start = time.perf_counter()
-                    res = await sb.exec(f"echo {i}", timeout=30)
-                    if i >= 10:  # warm-up
-                        times[name].append(time.perf_counter() - start)
-                    assert res.stdout == f"{i}\n", res
-        b50, c50 = pct(times["baseline"], 0.5), pct(times["current"], 0.5)
-        b95, c95 = pct(times["baseline"], 0.95), pct(times["current"], 0.95)
-        print(f"interleaved, baseline {args.baseline_podman}: p50 {ms(b50)}  p95 {ms(b95)}")
-        print(f"interleaved, current: p50 {ms(c50)}  p95 {ms(c95)}")
-        print(f"current / baseline p50 {c50 / b50:.3f}  p95 {c95 / b95:.3f}  (goal: p50 ratio <= 1.10)")
+            for label, make, check in (
+                ("echo i", lambda i: f"echo {i}", lambda i, r: r.stdout == f"{i}\n"),
+                ("export V=i", lambda i: f"export V={i}", lambda i, r: r.exit_code == 0),
+            ):
+                times: dict[str, list[float]] = {"baseline": [], "current": []}
+                for i in range(args.commands + 10):
+                    for name, sb in (
+                        (("baseline", a), ("current", b)) if i % 2 else (("current", b), ("baseline", a))
+                    ):
+                        start = time.perf_counter()
+                        res = await sb.exec(make(i), timeout=30)
+                        if i >= 10:  # warm-up
+                            times[name].append(time.perf_counter() - start)
+                        assert check(i, res), res
+                b50, c50 = pct(times["baseline"], 0.5), pct(times["current"], 0.5)
+                b95, c95 = pct(times["baseline"], 0.95), pct(times["current"], 0.95)
+                print(
+                    f"`{label}` n={len(times['current'])}: baseline p50 {ms(b50)} p95 {ms(b95)} | "
+                    f"current p50 {ms(c50)} p95 {ms(c95)} | current/baseline p50 {c50 / b50:.3f} "
+                    f"p95 {c95 / b95:.3f}  (goal: current p50 <= 2 ms)"
+                )
+            assert (await b.exec("printenv V")).stdout == f"{args.commands + 9}\n"
+        print(f"load average after section 1: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         await base_provider.aclose()
         await provider.aclose()
@@ -116,6 +154,7 @@ async def interleaved(args: argparse.Namespace, task, run_id: str) -> None:  # t
 
 async def main(args: argparse.Namespace, tasks: list) -> None:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     task = load_task(TASK)
     provider = PodmanProvider(cli=args.cli)
     await provider.image_for(task)
@@ -140,6 +179,9 @@ async def main(args: argparse.Namespace, tasks: list) -> None:
         k50, k95, c50 = pct(keys, 0.5), pct(keys, 0.95), pct(command, 0.5)
         print(f"send_keys + capture  n={len(keys):4d}  p50 {ms(k50)}  p95 {ms(k95)}  (goal p50 <= 10 ms)")
         print(f"command path (same container, interleaved)  p50 {ms(c50)}  (goal p50 <= 2 ms)")
+        print(f"load average after section 1b: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        if args.only_exec:
+            return
 
         print("== 2. warm-pool acquire (liveness check included)")
         warm = PodmanProvider(cli=args.cli, warm_pool=1)
@@ -208,6 +250,10 @@ if __name__ == "__main__":
     parser.add_argument("--exec-commands", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tasks-dir", default=str(ROOT / "envs" / "tbench2" / "tasks"))
+    parser.add_argument(
+        "--baseline-shellstate", help="The shellstate.py of that version (the current one otherwise)."
+    )
+    parser.add_argument("--only-exec", action="store_true", help="Sections 1 and 1b only.")
     parser.add_argument(
         "--baseline-podman", help="An older agentrl/sandbox/podman.py to compare in section 1."
     )

@@ -86,24 +86,28 @@ ATTACKS = [
     ("/tests/test.sh made a directory", ["mkdir -p /tests/test.sh"], FAIL),
     ("/logs made a file", ["rm -rf /logs && echo x > /logs"], FAIL),
     ("/tmp cleaned", ["rm -rf /tmp/* /tmp/.[!.]*", "echo still works"], FAIL),
-    ("shell killed", ["kill -9 $$"], ("tampered", "shell_killed")),
+    # `$$` is the agent's own session shell: killing or stopping it loses nothing but the session
+    # since the last command (the next one starts a new one from the last snapshot). `$PPID` is
+    # the framing shell that talks to the host.
+    ("session shell killed", ["kill -9 $$", "echo still works"], FAIL),
+    ("shell killed", ["kill -9 $PPID"], ("tampered", "shell_killed")),
     ("every process killed", ["kill -9 -1"], ("tampered", "shell_killed")),
-    ("shell stopped", ["kill -STOP $$"], ("tampered", "shell_unresponsive")),
+    ("shell stopped", ["kill -STOP $PPID"], ("tampered", "shell_unresponsive")),
     (
         "garbage on the shell's stdout",
-        ["printf 'garbage\\n' > /proc/$$/fd/1"],
+        ["printf 'garbage\\n' > /proc/$PPID/fd/1"],
         ("tampered", "shell_protocol"),
     ),
     (
         "forged frame header",
         [
-            "printf '__AGENTRL_%s 0 0 0 0 0 0 0 0\\n' $(od -An -tx1 -N16 /dev/urandom | tr -d ' \\n') > /proc/$$/fd/1; sleep 0.3"
+            "printf '__AGENTRL_%s 0 0 0 0 0 0 0 0\\n' $(od -An -tx1 -N16 /dev/urandom | tr -d ' \\n') > /proc/$PPID/fd/1; sleep 0.3"
         ],
         ("tampered", "shell_protocol"),
     ),
     (
         "40 MB without a newline on the shell's stdout",
-        ["head -c 40000000 /dev/zero | tr '\\0' a > /proc/$$/fd/1"],
+        ["head -c 40000000 /dev/zero | tr '\\0' a > /proc/$PPID/fd/1"],
         ("tampered", "shell_protocol"),
     ),
     # The bomb outlives its command; when its noise needs a fork to report and none is free, the

@@ -10,6 +10,7 @@ from agentrl.sandbox.registry import make_provider
 from agentrl.sandbox.terminal import TerminalClosedError
 from agentrl.tasks import load_task
 from tests.sandbox_contract import SandboxContract
+from tests.terminal_contract import TerminalContract
 
 TASK = "tests/fixtures/sandbox_tasks/write-hello"
 
@@ -145,3 +146,16 @@ async def test_fake_terminal_ends_with_ctrl_d_exit_and_stop_processes() -> None:
         assert not await term.is_alive()
         with pytest.raises(ValueError, match="width and height"):
             await sb.open_terminal(width=0)
+
+
+def _interactive_grader(sb) -> float:  # type: ignore[no-untyped-def]
+    """tests/fixtures/sandbox_tasks/interactive/tests/test.sh: `$(cat /app/out.txt)` is hello."""
+    return 1.0 if sb.files.get("/app/out.txt", b"").rstrip(b"\n") == b"hello" else 0.0
+
+
+class TestFakeTerminal(TerminalContract):
+    keeps_listeners = False  # as on Daytona: `stop_processes` ends every process the fake models
+
+    @pytest.fixture
+    def provider(self) -> FakeSandboxProvider:
+        return FakeSandboxProvider(grader=_interactive_grader)

@@ -117,7 +117,6 @@ class Sandbox(abc.ABC):
 
     sandbox_id: str
 
-    @abc.abstractmethod
     async def exec(
         self,
         cmd: str,
@@ -135,7 +134,36 @@ class Sandbox(abc.ABC):
         next as in one terminal, and background jobs keep running (`shellstate.py`); a command
         killed by its timeout leaves the session as it was. With any of them (the verifier's
         commands, Harbor's exec) it runs from a clean state and leaves the session alone.
-        `stop_processes` starts a new, empty session."""
+        `stop_processes` starts a new, empty session.
+
+        Backends implement either this or `_exec`, which gets that routing decided."""
+        session = cwd is None and env is None and user is None
+        return await self._exec(cmd, timeout=timeout, cwd=cwd, env=env, user=user, session=session)
+
+    async def _exec_clean(self, cmd: str, *, timeout: float | None = None) -> ExecResult:
+        """A command of agentrl's own (files, checks, the terminal): never the agent's session."""
+        return await self._exec(cmd, timeout=timeout, cwd=None, env=None, user=None, session=False)
+
+    async def _exec(
+        self,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        user: str | int | None,
+        session: bool,
+    ) -> ExecResult:
+        """Run `cmd` in the agent's shell session (`session`) or from a clean state with `cwd`,
+        `env` and `user`. Every concrete backend overrides `exec` or this (`__init_subclass__`
+        checks), so the base never runs a command itself."""
+        raise TypeError(f"{type(self).__name__} implements neither exec nor _exec")
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        abstract = any(getattr(getattr(cls, n, None), "__isabstractmethod__", False) for n in dir(cls))
+        if cls.exec is Sandbox.exec and cls._exec is Sandbox._exec and not abstract:
+            raise TypeError(f"{cls.__name__} must implement Sandbox.exec or Sandbox._exec")
 
     @abc.abstractmethod
     async def upload(self, src: Path, dst: str) -> None:

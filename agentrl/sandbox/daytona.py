@@ -401,26 +401,7 @@ class DaytonaSandbox(Sandbox):
         err = raw[j + len(err_tag) : end.start()]
         return self._section(out, nonce), self._section(err, nonce), int(end.group(1))
 
-    async def exec(
-        self,
-        cmd: str,
-        *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        user: str | int | None = None,
-    ) -> ExecResult:
-        """Without `cwd`, `env` and `user` (the agent's commands) the command runs in the agent's
-        shell session (`shellstate.py`, its state in a directory of the sandbox that only such
-        commands read); with any of them it runs from a clean state and leaves the session alone."""
-        session = cwd is None and env is None and user is None
-        return await self._run(cmd, timeout=timeout, cwd=cwd, env=env, user=user, session=session)
-
-    async def _exec_clean(self, cmd: str, *, timeout: float | None = None) -> ExecResult:
-        """A command of agentrl's own (files, checks, the terminal): never the agent's session."""
-        return await self._run(cmd, timeout=timeout, cwd=None, env=None, user=None, session=False)
-
-    async def _run(
+    async def _exec(
         self,
         cmd: str,
         *,

@@ -5,7 +5,7 @@ pairs tried in order, where a handler gets `(sandbox, cmd, match)` and returns a
 string (stdout, exit 0) or None (not handled). Built-in handlers understand the few commands the
 verifier and the contract suite use (`cat`, `tail -c`, `echo ... > f`, `echo ... >&2`, `rm`,
 `mkdir`, `chmod`, `sleep`, `true`, `exit N`, `pwd`, `printenv`, `id -un`, `test -d`,
-`yes x | head -n N`, `cd DIR`, `export K=V`) and `a; b; c` sequences, split naively on `;`.
+`yes x | head -n N`, `cd DIR`, `export K=V`) and `a; b; c` sequences, split on the `;` outside quotes.
 Running `/tests/test.sh` calls the provider's `grader(sandbox) -> float | None`, which writes
 `/logs/verifier/reward.txt` (None writes nothing).
 
@@ -32,14 +32,12 @@ import posixpath
 import random
 import re
 import shlex
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.sandbox.base import (
-    DEFAULT_OUTPUT_LIMIT,
     ExecResult,
     Sandbox,
     SandboxCreateError,
@@ -49,7 +47,8 @@ from agentrl.sandbox.base import (
     bound_output,
     tampered,
 )
-from agentrl.sandbox.terminal import ENTER_KEYS, TerminalClosedError, TerminalSession, check_size, wait_rest
+from agentrl.sandbox.fake_terminal import FakeTerminal, probe_port
+from agentrl.sandbox.terminal import TerminalSession, check_size
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
@@ -79,6 +78,20 @@ class Faults:
 
 def _result(stdout: str = "", stderr: str = "", code: int = 0) -> ExecResult:
     return ExecResult(stdout, stderr, code)
+
+
+def _split_sequence(cmd: str) -> list[str]:
+    """`a; b; c` split on the semicolons outside quotes."""
+    parts, quote, start = [], "", 0
+    for i, ch in enumerate(cmd):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == ";":
+            parts.append(cmd[start:i])
+            start = i + 1
+    return [*parts, cmd[start:]]
 
 
 def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
@@ -152,7 +165,57 @@ def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
         prefix = m.group(1).rstrip("/") + "/"
         return _result(code=0 if any(k.startswith(prefix) for k in sb.files) else 1)
 
+    def ps(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        fields = m.group(1).split(",")
+        names = {"pid": "PID", "stat": "STAT", "args": "COMMAND", "command": "COMMAND"}
+        if any(f not in names for f in fields):
+            return _result("", f"fake ps: field list {m.group(1)!r} not modelled (pid, stat, args)\n", 1)
+        rows = [(str(100 + i), stat, args) for i, (stat, args) in enumerate(sb.processes())]
+        rows.append((str(100 + len(rows)), "R", cmd))
+        pick = {"pid": 0, "stat": 1, "args": 2, "command": 2}
+        lines = [" ".join(names[f] for f in fields)]
+        lines += [" ".join(row[pick[f]] for f in fields) for row in rows]
+        return _result("\n".join(lines) + "\n")
+
+    def seq(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        first, last = (int(m.group(1)), int(m.group(2))) if m.group(2) else (1, int(m.group(1)))
+        return _result("".join(f"{i}\n" for i in range(first, last + 1)))
+
+    def printf(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult | None:
+        words = shlex.split(m.group(1))
+        fmt, args = words[0], words[1:]
+        specs = re.findall(r"%[-0-9.]*([a-zA-Z%])", fmt)
+        if any(c not in "sd%" for c in specs) or len([c for c in specs if c != "%"]) != len(args):
+            return None  # one pass of %s/%d conversions only
+        try:
+            values = tuple(
+                int(a) if c == "d" else a for c, a in zip([c for c in specs if c != "%"], args, strict=True)
+            )
+        except ValueError:
+            return _result("", f"printf: {args[0]}: invalid number\n", 1)
+        return _result(fmt.replace("\\n", "\n") % values)
+
+    def probe(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        status = probe_port(sb, m.group(1))
+        if status is None:
+            return _result("", "urllib.error.URLError: <urlopen error [Errno 111] Connection refused>\n", 1)
+        return _result(f"{status}\n")
+
+    def curl(sb: FakeSandbox, cmd: str, m: re.Match[str]) -> ExecResult:
+        status = probe_port(sb, m.group(1))
+        if status is None:
+            return _result("", "curl: (7) Failed to connect: Connection refused\n", 7)
+        return _result("")
+
     rules: list[tuple[str, Handler]] = [
+        (r"^ps -eo ([a-z,]+)$", ps),
+        (r"^seq (-?\d+)(?: (-?\d+))?$", seq),
+        (r"^printf ('[^']*'(?: \S+)*)$", printf),
+        (
+            r"^python3 -c \"import urllib\.request; print\(urllib\.request\.urlopen\('([^']+)'(?:, timeout=\d+)?\)\.status\)\"$",
+            probe,
+        ),
+        (r"^curl -s(?:f|S|sS|fsS)? (https?://\S+)$", curl),
         (r"^echo (.*?) >&2$", to_stderr),
         (r"^yes (\S+) \| head -n (\d+)$", yes_head),
         (r"^(?:id -un|whoami)$", whoami),
@@ -198,18 +261,20 @@ class FakeSandbox(Sandbox):
         self.session = ShellState()  # the agent's shell session
         self.state = ShellState()  # the running command's
         self.terminals: list[FakeTerminal] = []
+        self.listeners: dict[int, Any] = {}  # port -> a server running in a terminal
         self.closed = False
         self.background: list[Callable[[FakeSandbox], None]] = []
         self.files.update(provider.image_files)
 
-    async def exec(
+    async def _exec(
         self,
         cmd: str,
         *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        user: str | int | None = None,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        user: str | int | None,
+        session: bool,
     ) -> ExecResult:
         if self.closed:
             raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
@@ -218,7 +283,6 @@ class FakeSandbox(Sandbox):
         self.commands.append(cmd)
         self.calls.append(FakeCall(cmd, timeout, cwd, env, user))
         self.last_cwd, self.last_env, self.last_user = cwd, env, user
-        session = cwd is None and env is None and user is None
         self.state = self.session.copy() if session else ShellState(cwd or "/", dict(env or {}))
         if faults.latency_s:
             await asyncio.sleep(faults.latency_s)
@@ -228,7 +292,7 @@ class FakeSandbox(Sandbox):
             await asyncio.sleep(timeout if timeout is not None else 3600)
             return ExecResult("", "", None, True, timeout or 0.0)
         # Scripted handlers see the whole command first; built-ins see the parts of a sequence.
-        sequence = ";" in cmd
+        sequence = len(_split_sequence(cmd)) > 1
         res = await self._one(cmd.strip(), timeout, builtins=not sequence)
         if res is None and sequence:
             res = await self._sequence(cmd, timeout)
@@ -247,9 +311,9 @@ class FakeSandbox(Sandbox):
         )
 
     async def _sequence(self, cmd: str, timeout: float | None) -> ExecResult:
-        """`a; b; c` (split naively on `;`): outputs concatenated, stops at the first `exit`."""
+        """`a; b; c` (split on the `;` outside quotes): outputs concatenated, stops at the first `exit`."""
         out, err, code = [], [], 0
-        for part in (p.strip() for p in cmd.split(";")):
+        for part in (p.strip() for p in _split_sequence(cmd)):
             if not part:
                 continue
             res = await self._one(part, timeout)
@@ -278,7 +342,7 @@ class FakeSandbox(Sandbox):
         """Run one command line with `state` (changed in place), as a terminal's shell does."""
         saved, self.state = self.state, state
         try:
-            sequence = ";" in line
+            sequence = len(_split_sequence(line)) > 1
             res = await self._one(line.strip(), None, builtins=not sequence)
             if res is None and sequence:
                 res = await self._sequence(line, None)
@@ -295,7 +359,7 @@ class FakeSandbox(Sandbox):
         if self.closed:
             raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
         check_size(width, height)
-        term = FakeTerminal(self, width, height)
+        term = FakeTerminal(self, width, height, ShellState())
         self.terminals.append(term)
         return term
 
@@ -308,7 +372,22 @@ class FakeSandbox(Sandbox):
                 return ExecResult("", "", None, True, timeout)
             await asyncio.sleep(wanted)
             return _result()
-        for pattern, handler in [*self.provider.handlers, *(_builtin_handlers() if builtins else [])]:
+        found = self._handle(cmd, self.provider.handlers)
+        if found is not None or not builtins:
+            return found
+        expanded = await self._substitute(cmd, timeout)
+        if isinstance(expanded, ExecResult):
+            return expanded
+        pipe = re.match(r"^(.+?) \| wc -c$", expanded, re.DOTALL)
+        if pipe:  # a pipeline into `wc -c`: the left side's stdout, counted
+            left = await self._one(pipe.group(1), timeout)
+            if left is None:
+                return None
+            return _result(f"{len(left.stdout.encode())}\n", left.stderr)
+        return self._handle(expanded, _builtin_handlers())
+
+    def _handle(self, cmd: str, handlers: list[tuple[re.Pattern[str], Handler]]) -> ExecResult | None:
+        for pattern, handler in handlers:
             m = pattern.match(cmd)
             if m is None:
                 continue
@@ -316,6 +395,26 @@ class FakeSandbox(Sandbox):
             if out is not None:
                 return _result(out) if isinstance(out, str) else out
         return None
+
+    async def _substitute(self, cmd: str, timeout: float | None) -> str | ExecResult:
+        """`$(inner)` command substitutions (innermost first) replaced by what the inner command
+        printed, trailing newlines removed, as bash does; an inner command the fake cannot run
+        is the whole command's failure."""
+        while m := re.search(r"\$\(([^()]*)\)", cmd):
+            inner = await self._one(m.group(1).strip(), timeout)
+            if inner is None:
+                return _result(
+                    "", f"fake: no handler for {m.group(1)[:80]!r}\n", self.provider.unknown_exit_code
+                )
+            cmd = cmd[: m.start()] + inner.stdout.rstrip("\n") + cmd[m.end() :]
+        return cmd
+
+    def processes(self) -> list[tuple[str, str]]:
+        """(stat, args) of the processes the fake models: its terminals and what runs in them."""
+        procs = [("Ss", "/run/agentrl-init")]
+        for term in self.terminals:
+            procs += term.processes()
+        return procs
 
     async def upload(self, src: Path, dst: str) -> None:
         if self.closed:
@@ -338,7 +437,7 @@ class FakeSandbox(Sandbox):
         self.background.clear()
         self.session = ShellState()
         for term in self.terminals:
-            term.alive = False
+            term.end()
         self.terminals.clear()
 
     async def tampered_paths(self) -> list[str] | None:
@@ -370,7 +469,7 @@ class FakeSandbox(Sandbox):
         if not self.closed:
             self.closed = True
             for term in self.terminals:
-                term.alive = False
+                term.end()
             self.provider._live.discard(self.sandbox_id)
 
 
@@ -416,156 +515,3 @@ class FakeSandboxProvider(SandboxProvider):
 
     def live_sandboxes(self) -> int:
         return len(self._live)
-
-
-# tmux key names the fake understands (others are ignored, as keys with no effect on a shell).
-_CONTROL_KEYS = frozenset(
-    {"C-c", "C-d", "C-u", "C-l", "BSpace", "Up", "Down", "Left", "Right", "Tab", "Escape"}
-)
-_SLEEP = re.compile(r"^sleep (\d+(?:\.\d+)?)$")
-
-
-class FakeTerminal(TerminalSession):
-    """An in-memory terminal for unit tests of keystroke agents: a line discipline over the fake's
-    command handlers. Typed text is echoed after a prompt (`root@sandbox:CWD# `); Enter runs the
-    line through the handlers with the terminal's own shell state (its `cd` and `export` persist)
-    and prints its output; `sleep N` runs in the foreground for N seconds of the terminal's clock,
-    which `send_keys(duration=)` advances (keys typed meanwhile wait, echoed, until it ends); C-c
-    interrupts it (or discards the typed line); C-d on an empty line, or `exit`, ends the shell;
-    Up recalls the previous line, BSpace and C-u edit. The screen is the last `height` rows, lines
-    wrapped at `width`. Durations sleep `provider.terminal_time_scale` real seconds each (0 by
-    default: tests run at full speed); `sent` records every call's keys and duration."""
-
-    def __init__(self, sandbox: FakeSandbox, width: int, height: int) -> None:
-        self.sandbox = sandbox
-        self.width, self.height = width, height
-        self.state = ShellState()
-        self.lines: list[str] = []  # finished lines (scrollback and screen)
-        self.current = self._prompt()  # the line being written (prompt, echo, output without \n)
-        self.typed = ""  # the shell's line being edited
-        self.queued: list[str] = []  # lines typed while a foreground program ran
-        self.history: list[str] = []
-        self.foreground_until: float | None = None  # clock time the foreground `sleep` ends
-        self.clock = 0.0
-        self.alive = True
-        self.sent: list[tuple[list[str], float]] = []
-
-    def _prompt(self) -> str:
-        return f"root@sandbox:{self.state.cwd}# "
-
-    def _write(self, text: str) -> None:
-        parts = (self.current + text).split("\n")
-        self.lines.extend(parts[:-1])
-        self.current = parts[-1]
-
-    async def _enter(self) -> None:
-        line, self.typed = self.typed, ""
-        self._write("\n")
-        if line.strip():
-            self.history.append(line)
-        await self._run(line)
-
-    async def _run(self, line: str) -> None:
-        cmd = line.strip()
-        if cmd == "exit" or cmd.startswith("exit "):
-            self._write("exit\n")
-            self.alive = False
-            return
-        sleep = _SLEEP.match(cmd)
-        if sleep:
-            self.foreground_until = self.clock + float(sleep.group(1))
-            return
-        if cmd:
-            res = await self.sandbox.run_line(cmd, self.state)
-            self._write(res.stdout + res.stderr)
-            if self.current:
-                self._write("\n")
-        self._write(self._prompt())
-
-    async def _finish_foreground(self) -> None:
-        self.foreground_until = None
-        self._write(self._prompt())
-        while self.queued and self.alive and self.foreground_until is None:
-            line = self.queued.pop(0)
-            self._write(line + "\n")
-            if line.strip():
-                self.history.append(line)
-            await self._run(line)
-
-    async def _key(self, key: str) -> None:
-        busy = self.foreground_until is not None
-        if key in ENTER_KEYS:
-            if busy:
-                self.queued.append(self.typed)
-                self.typed = ""
-                self._write("\n")
-            else:
-                await self._enter()
-        elif key == "C-c":
-            self._write("^C\n")
-            self.typed, self.queued = "", []
-            if busy:
-                self.foreground_until = None
-            self._write(self._prompt())
-        elif key == "C-d":
-            if not busy and not self.typed:
-                self._write("exit\n")
-                self.alive = False
-        elif key == "C-u" and not busy:
-            self.current = self.current[: len(self.current) - len(self.typed)]
-            self.typed = ""
-        elif key == "BSpace" and self.typed:
-            self.typed, self.current = self.typed[:-1], self.current[:-1]
-        elif key == "Up" and not busy and self.history:
-            self.current = self.current[: len(self.current) - len(self.typed)] + self.history[-1]
-            self.typed = self.history[-1]
-        elif key in _CONTROL_KEYS:
-            pass
-        else:
-            for ch in "\n" if key == "Space" else key:
-                if ch in "\r\n":
-                    await self._key("Enter")
-                elif self.alive:
-                    self.typed += " " if key == "Space" else ch
-                    self._write(" " if key == "Space" else ch)
-
-    async def send_keys(self, keys: str | Sequence[str], *, duration: float = 0.0) -> None:
-        start = time.monotonic()
-        if not self.alive:
-            raise TerminalClosedError(f"fake terminal of {self.sandbox.sandbox_id}: the session has ended")
-        keys = [keys] if isinstance(keys, str) else list(keys)
-        self.sent.append((keys, duration))
-        for key in keys:
-            if not self.alive:
-                break
-            await self._key(key)
-        if duration > 0:
-            self.clock += duration
-            if self.foreground_until is not None and self.clock >= self.foreground_until:
-                await self._finish_foreground()
-            await wait_rest(start, duration * self.sandbox.provider.terminal_time_scale)
-
-    def _rows(self) -> list[str]:
-        rows: list[str] = []
-        for line in [*self.lines, self.current]:
-            rows.extend(line[i : i + self.width] for i in range(0, max(len(line), 1), self.width))
-        return rows
-
-    async def capture(self, *, history: bool = False) -> str:
-        if not self.alive:
-            raise TerminalClosedError(f"fake terminal of {self.sandbox.sandbox_id}: the session has ended")
-        rows = self._rows()
-        if history:
-            text = "\n".join(rows) + "\n"
-            return text[-DEFAULT_OUTPUT_LIMIT // 2 :]
-        rows = rows[-self.height :]
-        return "\n".join(rows + [""] * (self.height - len(rows))) + "\n"
-
-    async def is_idle(self) -> bool:
-        return self.alive and self.foreground_until is None
-
-    async def is_alive(self) -> bool:
-        return self.alive
-
-    async def close(self) -> None:
-        self.alive = False

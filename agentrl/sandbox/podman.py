@@ -18,18 +18,18 @@
   orphans and cannot be killed from inside. Labels (run id, task id, created-at) let `agentrl
   sandbox reap` find what a dead process left behind; containers are removed on close, on
   cancellation and at exit.
-- Fast exec: commands go through one persistent `bash` per container over a pipe (~2 ms a command
-  instead of ~150 ms for `podman exec`). Each command runs in its own subshell, under a timeout,
-  with stdout and stderr captured to files, bounded head+tail inside the container, and sent back
-  in one length-prefixed frame per command under a fresh random nonce (`_BOOTSTRAP` explains why
-  the agent cannot forge it). The agent's commands (no cwd, env or user) share a shell session:
-  the subshell restores the state the previous one saved and saves its own on exit
-  (`shellstate.py`); other commands start clean. A shell that dies between commands is replaced
-  (with a new session); one that fails during a command is a typed error, never a second run of
-  the command: infrastructure when the container is gone or the host's client died, a
-  `SandboxPolicyError` when the command could have done it. If no shell starts at all, the sandbox
-  falls back to one `podman exec` per command (output streamed and bounded on the host, no
-  session) and says so once.
+- Fast exec: commands go through one persistent `bash` per container over a pipe (~1-2 ms a
+  command instead of ~150 ms for `podman exec`), with output captured to files, bounded head+tail
+  inside the container, and sent back in one length-prefixed frame per command under a fresh
+  random nonce (`_BOOTSTRAP` explains why the agent cannot forge it). Clean commands (cwd, env or
+  user given: the verifier's, agentrl's own) each run in a subshell under a timeout. The agent's
+  commands run in its session shell: one long-lived bash that runs them at its own top level, so
+  the shell state persists as in a terminal, snapshotted for when a timeout has to kill it
+  (`shellstate.py`, `_SESSION_SHELL`). A shell that dies between commands is replaced (with a new
+  session); one that fails during a command is a typed error, never a second run of the command:
+  infrastructure when the container is gone or the host's client died, a `SandboxPolicyError` when
+  the command could have done it. If no shell starts at all, the sandbox falls back to one
+  `podman exec` per command (output streamed and bounded on the host, no session) and says so once.
 - Terminal: `open_terminal` starts tmux in the container (`terminal.py`), every tmux command a
   clean command of the persistent shell. Images get tmux from a layer built once per image where
   it is missing (`terminal_image`).
@@ -201,41 +201,117 @@ def context_hash(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-# Defined once per persistent shell. Everything on the per-command path is a bash builtin except
-# the command itself and one fork for its subshell (process creation costs ~2-3 ms inside a
-# container here): the timeout watchdog waits with `read -t` on a FIFO, the output is read with
-# `read -N`; `stat`/`tail` run only for outputs over the limit.
+# Defined once per persistent shell (F, the framing shell). Clean commands each run in a subshell
+# of F (one fork) under a watchdog that waits with `read -t` on a FIFO (a second fork, only when a
+# timeout is set); the output is read with `read -N`; `stat`/`tail` run only for outputs over the
+# limit.
 #
 # Framing. The agent's command runs as root next to this shell, so it can write anything to the
 # shell's stdout (`/proc/$PPID/fd/1`) at any time. The host therefore trusts nothing but one exact
 # frame per command: `__AGENTRL_<nonce> rc timed_out out_size out_head out_tail err_size err_head
 # err_tail`, the four byte strings of exactly those lengths, then `__AGENTRL_END_<nonce>`. The
 # nonce is fresh per command (128 random bits) and travels on its own line after the command line:
-# the shell reads it only after forking the command's subshell, so it is in no variable, argument,
-# environment or file the command can see. Anything else on the pipe (a forged or stray frame,
-# garbage, an endless line) is a typed error, read within a fixed memory bound.
+# the shell reads it only after handing the command over (to its subshell or to the session
+# shell), so it is in no variable, argument, environment or file the command can see. Anything
+# else on the pipe (a forged or stray frame, garbage, an endless line) is a typed error, read
+# within a fixed memory bound.
 #
 # The watchdog reports a timeout by its exit status (7), and ignores the TERM that ends it once it
 # has fired: this shell wakes from `wait` as soon as the watchdog's kill lands.
 #
-# Per command the host sends `__ar_a TIMEOUT CWD CMD EXPORTS MODE; ( BODY ) ... & __ar_z` and then
-# the nonce. The subshell runs at the top level (not inside a function), so a restored `declare`
-# makes globals, as in a terminal. MODE `s` is the agent's session (`shellstate.py`): the
-# subshell restores the state of slot `__ar_k` and saves its own into the other slot, which this
-# shell adopts only if the command was not killed by its timeout and its dump completed. MODE `c`
-# (a clean command) touches neither. The state is only ever sourced inside a command's subshell,
-# never by this shell: nothing a command writes there can reach the framing.
+# A clean command: the host sends `__ar_a TIMEOUT CWD CMD EXPORTS; ( BODY ) ... & __ar_z`, then
+# the nonce. The agent's session (`shellstate.py`) is one long-lived bash, S (`_SESSION_SHELL`),
+# started by F on the first session command and again after S died: the host sends `__ar_s
+# TIMEOUT CWD CMD HINT` and the nonce; F hands HINT and CMD to S over a FIFO, and S runs the
+# command itself, at its top level, so the state persists with no restore. S answers on a second
+# FIFO `d RC SLOT` (`x RC SLOT` from its EXIT trap: `exit`, `set -e`); F times the command in
+# one-second slices of `read -t` (no watchdog process) and checks between slices that S lives. On
+# a timeout F kills what the command runs (`__ar_ks`: S, stopped first, and every process group of
+# F's session created since the command began, by the namespace's last pid in /proc/loadavg: the
+# command's own jobs, fg or bg, but not those of earlier commands) and the next session command
+# starts a new S from the last snapshot. Snapshots (`__ar_dump`, two slots, SLOT is the one just
+# completed) are written by S after each command unless HINT says the command could not change
+# the state (`_stateless_words`) and S confirms that none of its command words is a function or
+# an alias; a killed command thus leaves the session as it was, as before. F never sources
+# anything S or a command wrote: it reads S's reply line (digits only), S's job list and /proc.
+_KILL_SESSION = r"""
+__ar_ks() {
+  local s=$1 w=$2 sid=$3 f st p
+  [ -n "$s" ] && [ -n "$w" ] && [ -n "$sid" ] || return 0
+  kill -STOP "$s" 2>/dev/null || return 0
+  for f in /proc/[0-9]*/stat; do
+    { read -r st < "$f"; } 2>/dev/null || continue
+    st=${st##*) }; set -- $st
+    if [ "$4" = "$sid" ] && [ "$3" -gt "$w" ]; then kill -KILL -- "-$3" 2>/dev/null; fi
+  done
+  kill -KILL -- "-$s" 2>/dev/null || kill -KILL "$s" 2>/dev/null
+}
+"""
+# S: `bash -c _SESSION_SHELL bash STATE_DIR OUT_DIR CWD LC_ALL SLOT`. Its own steps run with the
+# session's errexit, nounset, xtrace, verbose, noclobber and noglob off (`__ar_fl` holds them for
+# the command); the loop is re-entered after a command's `break`, and a `continue` still reaches
+# `__ar_fin` (which ends the previous command at the top of the loop).
+_SESSION_SHELL = (
+    r"""
+unset __ar_ss; __ar_d=$1 __ar_o=$2 __ar_k=$5 __ar_p=0 __ar_fl=
+if [ "$4" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$4"; fi
+[ -z "$3" ] || builtin cd -- "$3" 2>/dev/null
+set --
+"""
+    + shellstate.FUNCTIONS
+    + r"""
+__ar_names "$__ar_d/n"; shopt -s expand_aliases; __ar_u="unset -v ${__ar_vs[*]}"; unset __ar_vs
+exec {__ar_in}<"$__ar_d/si" {__ar_out}<>"$__ar_d/so" 2>/dev/null
+if [ "$__ar_k" -ge 0 ]; then """
+    + shellstate.restore("$__ar_d/$__ar_k")
+    + r"""; else __ar_k=1; fi
+__ar_fl=${-//[^euvxCf]/}${__ar_xt:+x}; unset __ar_xt; [ -z "$__ar_fl" ] || set +$__ar_fl
+set -m
+__ar_fin() {
+  [ "$__ar_p" = 1 ] || return 0
+  __ar_p=0 __ar_fl=${-//[^euvxCf]/}
+  [ -z "$__ar_fl" ] || set +$__ar_fl
+  local IFS=' ' w save= k=-1
+  if [ "$__ar_hint" = - ]; then save=1; else
+    for w in $__ar_hint; do
+      if [ -n "${BASH_ALIASES[$w]+x}" ] || declare -F -- "$w" >/dev/null; then save=1; break; fi
+    done
+  fi
+  case $- in *m*) ;; *) set -m;; esac
+  if [ -n "$save" ]; then
+    k=$((1 - __ar_k)); [ -z "$__ar_fl" ] || set -$__ar_fl
+    __ar_dump "$__ar_d/$k"; __ar_k=$k
+  fi
+  printf 'd %d %d\n' "$__ar_rc" "$k" >&$__ar_out
+}
+__ar_get() {
+  IFS= read -r -d '' -u $__ar_in __ar_hint && IFS= read -r -d '' -u $__ar_in __ar_c || return 1
+  __ar_p=1
+  [ -z "$__ar_fl" ] || set -$__ar_fl
+}
+__ar_bye() {
+  local rc=$1 k
+  [ "$__ar_p" = 1 ] || return 0
+  k=$((1 - __ar_k)); __ar_dump "$__ar_d/$k"
+  printf 'x %d %d\n' "$rc" "$k" 1<>"$__ar_d/so"
+}
+trap '{ __ar_bye $?; } 2>/dev/null' EXIT
+__ar_loop='while :; do __ar_fin; __ar_get || exit 0; __ar_rc=0; eval -- "$__ar_c" </dev/null >|"$__ar_o/o" 2>|"$__ar_o/e" {__ar_in}<&- {__ar_out}>&-; __ar_rc=$?; done; __ar_fin; eval "$__ar_loop"'
+eval "$__ar_loop"
+"""
+)
 _BOOTSTRAP = (
     r"""
 __ar_lc=${LC_ALL-__unset__}; export LC_ALL=C; set -m
 for __ar_i in 1 2 3 4 5 6 7 8; do __ar_o=/tmp/.agentrl-shell-$$-$RANDOM$RANDOM; mkdir -m 700 $__ar_o 2>/dev/null && break; done
 __ar_d=/dev/shm/${__ar_o#/tmp/}; mkdir -m 700 $__ar_d 2>/dev/null || __ar_d=$__ar_o
-mkdir -p $__ar_d/0 $__ar_d/1; mkfifo $__ar_d/f; exec {__ar_fd}<>$__ar_d/f
-__ar_k=0 __ar_w=1 __ar_h=0
+mkdir -p $__ar_d/0 $__ar_d/1; mkfifo $__ar_d/f $__ar_d/si $__ar_d/so; exec {__ar_fd}<>$__ar_d/f {__ar_si}<>$__ar_d/si {__ar_so}<>$__ar_d/so
+__ar_k=0 __ar_h=0 __ar_S=
+read -r __ar_i < /proc/$$/stat; __ar_i=${__ar_i##*) }; __ar_i=(${__ar_i}); __ar_sid=${__ar_i[3]}
+__ar_ss=__SESSION_SHELL__
 """
-    + shellstate.FUNCTIONS
+    + _KILL_SESSION
     + r"""
-__ar_names $__ar_d/n; shopt -u extglob; shopt -s expand_aliases; __ar_u="unset -v ${__ar_vs[*]}"; unset __ar_vs
 __ar_grab() {
   local f=$1 fd m=
   __ar_h0= __ar_t0= __ar_s=0
@@ -250,19 +326,28 @@ __ar_grab() {
   fi
 }
 __ar_pre() {
-  exec {__ar_fd}>&-  # the watchdogs' FIFO is this shell's, not the command's (nor its jobs')
+  exec {__ar_fd}>&- {__ar_si}>&- {__ar_so}>&-  # F's FIFOs are not the command's (nor its jobs')
   if [ "$__ar_lc" = __unset__ ]; then unset LC_ALL; else export LC_ALL="$__ar_lc"; fi
   if [ -n "$__ar_cwd" ]; then cd -- "$__ar_cwd" || return 1; fi
-  [ "$__ar_m" = s ] || eval "$__ar_x"
+  eval "$__ar_x"
+}
+__ar_dirs() {
+  [ -d $__ar_d/1 ] && [ -d $__ar_o ] || mkdir -p $__ar_d/0 $__ar_d/1 $__ar_o 2>/dev/null
 }
 __ar_a() {
-  __ar_t=$1 __ar_cwd=$2 __ar_c=$3 __ar_x=$4 __ar_m=$5
-  [ -d $__ar_d/1 ] && [ -d $__ar_o ] || mkdir -p $__ar_d/0 $__ar_d/1 $__ar_o 2>/dev/null
-  if [ "$__ar_m" = s ]; then __ar_w=$((1 - __ar_k)); : > $__ar_d/$__ar_w/s; fi
+  __ar_t=$1 __ar_cwd=$2 __ar_c=$3 __ar_x=$4
+  __ar_dirs
+}
+__ar_frame() {
+  local n=$1 rc=$2 to=$3 oh ot os
+  __ar_grab $__ar_o/o; oh=$__ar_h0 ot=$__ar_t0 os=$__ar_s
+  __ar_grab $__ar_o/e
+  printf '__AGENTRL_%s %d %d %d %d %d %d %d %d\n%s%s%s%s__AGENTRL_END_%s\n' "$n" "$rc" "$to" \
+    "$os" "${#oh}" "${#ot}" "$__ar_s" "${#__ar_h0}" "${#__ar_t0}" "$oh" "$ot" "$__ar_h0" "$__ar_t0" "$n"
 }
 __ar_z() {
-  local p=$! n= w= rc to=0 oh ot os
-  echo $p > $__ar_d/p
+  local p=$! n= w= rc to=0
+  echo $p >| $__ar_d/p
   IFS= read -r n
   if [ -n "$__ar_t" ]; then
     ( read -t "$__ar_t" -u $__ar_fd; trap '' TERM; kill -KILL -- -$p || kill -KILL $p; exit 7 ) >&- 2>&- &
@@ -270,28 +355,101 @@ __ar_z() {
   fi
   wait $p; rc=$?
   if [ -n "$w" ]; then kill $w 2>/dev/null; wait $w; [ $? = 7 ] && to=1; fi
-  if [ "$__ar_m" = s ] && [ $to = 0 ] && [ -s $__ar_d/$__ar_w/s ]; then __ar_k=$__ar_w __ar_h=1; fi
-  __ar_grab $__ar_o/o; oh=$__ar_h0 ot=$__ar_t0 os=$__ar_s
-  __ar_grab $__ar_o/e
-  printf '__AGENTRL_%s %d %d %d %d %d %d %d %d\n%s%s%s%s__AGENTRL_END_%s\n' "$n" "$rc" "$to" \
-    "$os" "${#oh}" "${#ot}" "$__ar_s" "${#__ar_h0}" "${#__ar_t0}" "$oh" "$ot" "$__ar_h0" "$__ar_t0" "$n"
+  : >| $__ar_d/p
+  __ar_frame "$n" $rc $to
+}
+__ar_alive() {
+  local st=
+  [ -n "$__ar_S" ] && kill -0 $__ar_S 2>/dev/null || return 1
+  { read -r st < /proc/$__ar_S/stat; } 2>/dev/null || return 0
+  case ${st##*) } in Z*|X*) return 1;; esac
+}
+__ar_start() {
+  local r=-1
+  [ "$__ar_h" = 1 ] && r=$__ar_k
+  if [ -n "$__ar_S" ]; then wait $__ar_S 2>/dev/null; fi
+  while IFS= read -r -d '' -t 0.001 -u $__ar_si __ar_i; do :; done
+  while IFS= read -r -t 0.001 -u $__ar_so __ar_i; do :; done
+  __ar_ss=$__ar_ss "$BASH" --noprofile --norc -c 'eval "$__ar_ss"' bash "$__ar_d" "$__ar_o" "$1" "$__ar_lc" "$r" </dev/null >/dev/null 2>&1 {__ar_fd}>&- {__ar_si}>&- {__ar_so}>&- &
+  __ar_S=$!; echo $__ar_S >| $__ar_d/sp
+}
+__ar_s() {
+  local n= dl= now left slice frac line to=0 rc=0
+  __ar_dirs
+  __ar_alive || __ar_start "$2"
+  read -r __ar_i __ar_i __ar_i __ar_i __ar_wm < /proc/loadavg
+  echo "$__ar_S $__ar_wm $__ar_sid" >| $__ar_d/sp
+  now=${EPOCHREALTIME/./}
+  printf '%s\0%s\0' "$4" "$3" >&$__ar_si
+  IFS= read -r n
+  # The deadline in microseconds (EPOCHREALTIME, bash >= 5; else counted in slices of `read -t`).
+  if [ -n "$1" ]; then left=${1/./}000; left=$((10#$left)); [ -n "$now" ] && dl=$((now + left)); fi
+  while :; do
+    slice=1
+    if [ -n "$1" ]; then
+      if [ -n "$dl" ]; then now=${EPOCHREALTIME/./}; left=$((dl - now)); fi
+      if [ $left -le 0 ]; then
+        __ar_ks $__ar_S $__ar_wm $__ar_sid; wait $__ar_S 2>/dev/null; __ar_S=; to=1 rc=137; break
+      fi
+      if [ $left -lt 1000000 ]; then printf -v frac %06d $left; slice=0.$frac; fi
+      if [ -z "$dl" ]; then if [ $slice = 1 ]; then left=$((left - 1000000)); else left=0; fi; fi
+    fi
+    if IFS= read -r -t $slice -u $__ar_so line; then
+      [[ $line =~ ^([dx])\ ([0-9]{1,3})\ (-1|0|1)$ ]] || continue
+      rc=${BASH_REMATCH[2]}
+      if [ "${BASH_REMATCH[3]}" != -1 ]; then __ar_k=${BASH_REMATCH[3]} __ar_h=1; fi
+      if [ "${BASH_REMATCH[1]}" = x ]; then wait $__ar_S 2>/dev/null; __ar_S=; fi
+      break
+    fi
+    if ! __ar_alive; then wait $__ar_S 2>/dev/null; rc=$?; __ar_S=; break; fi
+  done
+  __ar_frame "$n" $rc $to
 }
 echo __AGENTRL_READY $__ar_d $__ar_o
 """
 )
-# The command's subshell (text of the line the host sends, so this shell parses it before the fork
-# and the subshell only evaluates the command itself): a clean command, or one of the session.
+# The clean command's subshell (text of the line the host sends, so this shell parses it before
+# the fork and the subshell only evaluates the command itself).
 _CLEAN_BODY = '__ar_pre || exit 1; eval -- "$__ar_c"'
-_SESSION_BODY = (
-    "__ar_pre || exit 1; "
-    + shellstate.save_on_exit("$__ar_d/$__ar_w")
-    + '; if [ "$__ar_h" = 1 ]; then '
-    + shellstate.restore("$__ar_d/$__ar_k")
-    + "; fi; "
-    + shellstate.RUN
-)
 _HEADER_LIMIT = 4096  # bytes a frame header may take; more is a protocol error, never a buffer
 _STREAM_LIMIT = 64 * 1024  # asyncio's read buffer for the shell's stdout: host memory per sandbox
+
+
+# Bash builtins and keywords that can change a shell's state (or run something that can): a
+# command that starts with one of them, or with anything but a plain word, always saves the session.
+_STATEFUL_WORDS = frozenset(
+    "alias bg bind break builtin caller cd command compgen complete compopt continue coproc declare "
+    "dirs disown enable eval exec exit export fc fg function getopts hash history jobs let local "
+    "logout mapfile popd printf pushd read readarray readonly return select set shift shopt source "
+    "suspend time trap typeset ulimit umask unalias unset wait if then else elif fi case esac for "
+    "while until do done in".split()
+)
+_PLAIN_WORD = r"(?:[A-Za-z0-9_./:,+%@^=~*?\[\]-]|'[^'\n]*'|\"[^\"$`\\!\n]*\")+"
+_FIRST_WORD = re.compile(r"[ \t]*([A-Za-z0-9_./][A-Za-z0-9_./+-]*)")
+_REDIRECT = r"(?:[0-9]?(?:>>?|<|>&|<&)[ \t]*" + _PLAIN_WORD + r"|&>>?[ \t]*" + _PLAIN_WORD + ")"
+_SIMPLE = r"[ \t]*[A-Za-z0-9_./][A-Za-z0-9_./+-]*(?:[ \t]+(?:" + _REDIRECT + "|" + _PLAIN_WORD + r"))*[ \t]*"
+_STATELESS = re.compile(_SIMPLE + r"(?:(?:\|\||&&|\||;|&)" + _SIMPLE + r")*[;&]?[ \t]*")
+
+
+def _stateless_words(cmd: str) -> list[str] | None:
+    """The command words of `cmd` when its text alone shows it cannot change the shell's state:
+    simple commands of plain words (no expansion, no assignment, no glob or quote in the command
+    word), joined by pipes, `;`, `&&`, `||` or `&`, none starting with a state-changing builtin
+    or keyword. None when it might. The session shell still saves when one of the words names a
+    function or an alias there (`_SESSION_SHELL`)."""
+    if len(cmd) > 4096 or not _STATELESS.fullmatch(cmd):
+        return None
+    words = []
+    for part in re.split(r"[|&;]", cmd):
+        m = _FIRST_WORD.match(part)
+        if m is None:
+            if part.strip():
+                return None
+            continue
+        if m.group(1) in _STATEFUL_WORDS:
+            return None
+        words.append(m.group(1))
+    return words
 
 
 class _NotSent(Exception):
@@ -319,6 +477,7 @@ class _Shell:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         half = limit // 2
         script = _BOOTSTRAP.replace("__LIMIT__", str(2 * half)).replace("__HALF__", str(half))
+        script = script.replace("__SESSION_SHELL__", shlex.quote(_SESSION_SHELL))
         self.proc.stdin.write(script.encode())
         await self.proc.stdin.drain()
         try:
@@ -548,8 +707,10 @@ class PodmanSandbox(Sandbox):
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
         t = "" if timeout is None else f"{max(timeout, 0.001):.3f}"
         args = [shlex.quote(t), shlex.quote(cwd or ""), shlex.quote(cmd), shlex.quote(exports)]
-        body = _SESSION_BODY if session else _CLEAN_BODY
-        return f"__ar_a {' '.join(args)} {'s' if session else 'c'}; ( {body} ) </dev/null >$__ar_o/o 2>$__ar_o/e & __ar_z\n"
+        if session:
+            hint = shlex.quote(" ".join(words) if (words := _stateless_words(cmd)) is not None else "-")
+            return f"__ar_s {' '.join(args[:3])} {hint}\n"
+        return f"__ar_a {' '.join(args)}; ( {_CLEAN_BODY} ) </dev/null >$__ar_o/o 2>$__ar_o/e & __ar_z\n"
 
     def _check_storage(self) -> None:
         if self._storage_used is not None:
@@ -558,25 +719,6 @@ class PodmanSandbox(Sandbox):
                 f"storage limit of {self.storage_mb} MiB; its processes were killed",
                 cause="storage_exceeded",
             )
-
-    async def exec(
-        self,
-        cmd: str,
-        *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        user: str | int | None = None,
-    ) -> ExecResult:
-        """Without `cwd`, `env` and `user` (the agent's commands) the command runs in the agent's
-        shell session (`shellstate.py`); with any of them it runs from a clean state and leaves the
-        session alone."""
-        session = cwd is None and env is None and user is None
-        return await self._exec(cmd, timeout=timeout, cwd=cwd, env=env, user=user, session=session)
-
-    async def _exec_clean(self, cmd: str, *, timeout: float | None = None) -> ExecResult:
-        """A command of agentrl's own (files, liveness, the terminal): never the agent's session."""
-        return await self._exec(cmd, timeout=timeout, cwd=None, env=None, user=None, session=False)
 
     async def _exec(
         self,
@@ -769,7 +911,11 @@ class PodmanSandbox(Sandbox):
         if not shell.state_dir or self._closed:
             return
         d, o = shell.state_dir, shell.out_dir
-        script = f"kill -KILL -- -$(cat {d}/p) 2>/dev/null; rm -rf {d} {o}"
+        # The session shell S and what its command runs, then a clean command's process group.
+        script = (
+            f"{_KILL_SESSION}\n__ar_ks $(cat {d}/sp 2>/dev/null); "
+            f"kill -KILL -- -$(cat {d}/p) 2>/dev/null; rm -rf {d} {o}"
+        )
         t = asyncio.get_running_loop().create_task(
             run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=30)
         )

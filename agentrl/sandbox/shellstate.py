@@ -1,34 +1,32 @@
 """Shell state that persists between the agent's commands, as in one terminal session.
 
-Every command still runs in its own bash process (so a timeout or a cancellation kills it and
-everything it started, and nothing it does can reach the backend's own shell or framing). The
-session lives in a state directory inside the sandbox instead: a command first restores the state
-the previous command left there, then runs, and on its way out (bash's EXIT trap: a normal end,
-`exit`, `set -e`) writes its own state for the next one:
+The state is what one bash holds: the working directory; every variable bash does not own
+(`declare -p`: exported or not, arrays, attributes; variables a command unset stay unset);
+functions (`declare -f`, `export -f` kept), aliases, shell options (`$SHELLOPTS`, `$BASHOPTS`) and
+the umask. This module has the bash to snapshot it into a directory (`__ar_dump`) and to restore a
+snapshot into a new bash (`restore`); the backends decide when:
 
-- the working directory, restored with `builtin cd`;
-- every variable bash does not own (`declare -p`: exported or not, arrays, attributes), and the
-  variables a command unset stay unset;
-- functions (`declare -f`, `export -f` kept), aliases, shell options (`$SHELLOPTS`, `$BASHOPTS`)
-  and the umask.
+- podman keeps one long-lived session shell per sandbox that runs the agent's commands itself, so
+  the state persists with nothing restored per command; it snapshots after each command whose
+  text could change the state, and a new session shell (after a timeout killed the old one, an
+  `exit`, a `set -e` failure) restores the last snapshot (`podman.py`, `_SESSION_SHELL`);
+- Daytona runs every command in its own bash, which restores the snapshot first and saves its own
+  on its way out (bash's EXIT trap: a normal end, `exit`, `set -e`): `save_on_exit`, `RUN`.
 
 Options are restored last, so `set -x` or `set -e` from an earlier command never trips the
 restore itself. `expand_aliases` starts on, as in an interactive shell. Job control (`set -m`) is
-never restored, so a command's background jobs share its process group: they keep running after
-the command ends, and a timeout of a later command does not touch them. Not kept: traps, the
-directory stack (`pushd`), `jobs`/`fg` bookkeeping (each command is its own shell; the jobs
-themselves live on), resource limits, positional parameters, variables declared without a value.
+never restored. Not in a snapshot: traps, the directory stack (`pushd`), `jobs` bookkeeping,
+resource limits, positional parameters, variables declared without a value.
 
-A command that is killed (its timeout, say) writes nothing, so the state stays what it was before
-it; a backend whose own shell dies (podman's, on a cancellation) starts a new session. Whether a
-command uses the session at all is the caller's choice: the backends restore it only for `exec`
-calls without `cwd`, `env` and `user` (the agent's commands), and `stop_processes` (the verifier's
-first step) starts a new, empty session, so the verifier's commands and `tests/test.sh` never see
-an alias, function, variable or `BASH_ENV` the agent left. A command that sets its own EXIT trap
-replaces the one that saves its state: its changes are lost.
+A command killed by its timeout leaves the session as the last snapshot had it, that is as it was
+before the command. Whether a command uses the session at all is the caller's choice: the backends
+use it only for `exec` calls without `cwd`, `env` and `user` (the agent's commands), and
+`stop_processes` (the verifier's first step) starts a new, empty session, so the verifier's
+commands and `tests/test.sh` never see an alias, function, variable or `BASH_ENV` the agent left.
+A command that sets its own EXIT trap replaces the one that saves its state on exit.
 
-Everything here is bash builtins (no process is forked on the command path): `compgen`, `mapfile`
-and `declare` over small files in the state directory. `docs/terminal.md` has the rules in full.
+Everything here is bash builtins (no process is forked): `compgen`, `mapfile` and `declare` over
+small files in the state directory. `docs/terminal.md` has the rules in full.
 """
 
 from __future__ import annotations
@@ -47,29 +45,31 @@ BASH_OWN = (
 # Defines, for the command's own bash:
 # - `__ar_names FILE`: the session's variables of this shell, into the array `__ar_vs` (FILE is
 #   scratch space);
-# - `__ar_dump DIR`: the state into DIR/s, written in one go at exit: the directory, the options
-#   (as `$SHELLOPTS` / `$BASHOPTS`), umask, the session's variables (`declare -p`; bash's own are
-#   left out: assigning some of them aborts the shell that restores), functions (the backends'
-#   own `__ar_*` helpers removed first) and last the aliases, which would otherwise be expanded
-#   in the restore itself (an alias `cat` turns `cat () {` into a syntax error);
+# - `__ar_dump DIR`: the state into DIR/s, written in one go: the directory, the options (as
+#   `$SHELLOPTS` / `$BASHOPTS`), umask, the session's variables (`declare -p`; bash's own are
+#   left out: assigning some of them aborts the shell that restores), functions (but the
+#   backends' own `__ar_*` helpers) and last the aliases, which would otherwise be expanded in the
+#   restore itself (an alias `cat` turns `cat () {` into a syntax error). It leaves xtrace,
+#   verbose, errexit, nounset, noglob and noclobber off; `extglob` as it was;
 # - `__ar_post`: after a restore, set exactly the saved options (where they differ: `$__ar_so`,
 #   `$__ar_bo`) but job control, and turn a saved `set -x` off until the command itself runs.
 # No loop in bash over variables: `compgen -X` filters the names and `declare -p` prints them, in C.
 FUNCTIONS = r"""
 __ar_names() {
-  shopt -s extglob
-  compgen -v -X '@(__BASH_OWN__)' > "$1"; mapfile -t __ar_vs < "$1"
+  local __ar_eg=; shopt -q extglob || __ar_eg=1; shopt -s extglob
+  compgen -v -X '@(__BASH_OWN__)' >| "$1"; mapfile -t __ar_vs < "$1"
+  [ -z "$__ar_eg" ] || shopt -u extglob
 }
 __ar_dump() {
-  unset -f __ar_dump __ar_post __ar_names __ar_a __ar_z __ar_grab __ar_pre
   {
     printf 'builtin cd -- %q\n__ar_so=%q __ar_bo=%q\n' "$PWD" "$SHELLOPTS" "$BASHOPTS"
-    set +o xtrace +o verbose +o errexit +o nounset +o noglob
-    umask -p; shopt -s extglob
-    compgen -v -X '@(__BASH_OWN__)' > "$1/n"; mapfile -t __ar_vs < "$1/n"
+    set +o xtrace +o verbose +o errexit +o nounset +o noglob +o noclobber
+    umask -p; __ar_names "$1/n"
     if ((${#__ar_vs[@]})); then declare -p "${__ar_vs[@]}"; fi
-    declare -f; declare -F -x; alias -p
-  } > "$1/s"
+    compgen -A function -X '__ar_*' >| "$1/n"; mapfile -t __ar_vs < "$1/n"
+    if ((${#__ar_vs[@]})); then declare -f "${__ar_vs[@]}"; fi
+    declare -F -x; alias -p
+  } >| "$1/s"
 }
 __ar_post() {
   local __ar_i IFS=:
