@@ -132,7 +132,9 @@ def test_invalid_combinations_fail_with_the_reason(recipe: str, args: str, reaso
 
 
 def test_train_without_dry_run_writes_the_plan_and_node_scripts(tmp_path: Path) -> None:
-    result = CliRunner().invoke(APPS["tbench2"], ["train", "--num-nodes", "16", "--root", str(tmp_path), "--write-scripts"])
+    result = CliRunner().invoke(
+        APPS["tbench2"], ["train", "--num-nodes", "16", "--root", str(tmp_path), "--write-scripts"]
+    )
     assert result.exit_code == 0, result.output
     launch = tmp_path / "runs" / "tbench2" / "launch"
     scripts = sorted(launch.glob("node-*.sh"))
