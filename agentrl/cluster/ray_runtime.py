@@ -167,9 +167,8 @@ def _flag(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
 
 
 def _without_worker_urls(argv: list[str]) -> list[str]:
-    """The trainer's `--set` list without `engine.urls`: the runtime takes the router or the
-    workers, not both (`agentrl.runtime.build.build_engine`), and a fleet client given only the
-    router asks it for its workers on every control call, so a restarted server is found again."""
+    """The trainer's `--set` list without `engine.urls`: a fleet client given only the router asks
+    it for its workers on every control call, so a restarted server is found again."""
     out: list[str] = []
     for a in argv:
         if a.startswith("engine.urls=") and out and out[-1] == "--set":

@@ -33,10 +33,10 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any) -> Any:
         )
     from agentrl.engine.sglang import SGLangEngine
 
-    if bool(cfg.engine.urls) == bool(cfg.engine.router_url):
+    if not cfg.engine.urls and not cfg.engine.router_url:
         raise AgentRLError(
-            "engine.kind=sglang needs engine.urls (worker URLs) or engine.router_url (with the "
-            "workers behind it), one of the two"
+            "engine.kind=sglang needs engine.urls (worker URLs), engine.router_url (the router in "
+            "front of them), or both (the router for generation, the workers for control calls)"
         )
     e = cfg.engine
     options: dict[str, Any] = {
