@@ -106,6 +106,20 @@ async def test_timeout_kills_the_whole_process_group(task) -> None:
         assert left.stdout.strip() == "0"
 
 
+async def test_session_shell_saves_what_a_function_or_alias_changed_before_a_timeout(task) -> None:
+    """`go /tmp` reads as a plain command, but `go` is a function that changes directory: the
+    session shell sees the function and saves, so a later timeout (which replaces the shell from
+    the last snapshot) keeps it. The session shell is `$$`; killing it loses nothing saved."""
+    async with await PodmanProvider(cli=CLI).create(task, run_id="fnsave") as sb:
+        await sb.exec("go() { cd \"$1\"; export WENT=$1; }; alias stay='cd /srv'")
+        await sb.exec("go /tmp")
+        assert (await sb.exec("sleep 30", timeout=1)).timed_out
+        assert (await sb.exec("pwd; printenv WENT")).stdout == "/tmp\n/tmp\n"
+        await sb.exec("stay")
+        assert (await sb.exec("kill -9 $$")).exit_code == 137
+        assert (await sb.exec("pwd; type -t go")).stdout == "/srv\nfunction\n"
+
+
 async def test_cancelled_command_is_killed_inside(task) -> None:
     provider = PodmanProvider(cli=CLI)
     async with await provider.create(task, run_id="cancelkill") as sb:

@@ -422,7 +422,7 @@ _STATEFUL_WORDS = frozenset(
     "dirs disown enable eval exec exit export fc fg function getopts hash history jobs let local "
     "logout mapfile popd printf pushd read readarray readonly return select set shift shopt source "
     "suspend time trap typeset ulimit umask unalias unset wait if then else elif fi case esac for "
-    "while until do done in".split()
+    "while until do done in .".split()
 )
 _PLAIN_WORD = r"(?:[A-Za-z0-9_./:,+%@^=~*?\[\]-]|'[^'\n]*'|\"[^\"$`\\!\n]*\")+"
 _FIRST_WORD = re.compile(r"[ \t]*([A-Za-z0-9_./][A-Za-z0-9_./+-]*)")
