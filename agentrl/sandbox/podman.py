@@ -224,8 +224,10 @@ def context_hash(directory: Path) -> str:
 # started by F on the first session command and again after S died: the host sends `__ar_s
 # TIMEOUT CWD CMD HINT` and the nonce; F hands HINT and CMD to S over a FIFO, and S runs the
 # command itself, at its top level, so the state persists with no restore. S answers on a second
-# FIFO `d RC SLOT` (`x RC SLOT` from its EXIT trap: `exit`, `set -e`); F times the command in
-# one-second slices of `read -t` (no watchdog process) and checks between slices that S lives. On
+# FIFO `d RC SLOT` (`x RC SLOT` from its EXIT trap: `exit`, `set -e`); F times the command itself
+# against a deadline (`EPOCHREALTIME`; counted where bash has none) in `read -t` slices of at most
+# a second, no watchdog process, and checks between slices that S lives (a dead S answers with its
+# exit status: `kill -9 $$`, `exec prog`). On
 # a timeout F kills what the command runs (`__ar_ks`: S, stopped first, and every process group of
 # F's session created since the command began, by the namespace's last pid in /proc/loadavg: the
 # command's own jobs, fg or bg, but not those of earlier commands) and the next session command
@@ -233,7 +235,7 @@ def context_hash(directory: Path) -> str:
 # completed) are written by S after each command unless HINT says the command could not change
 # the state (`_stateless_words`) and S confirms that none of its command words is a function or
 # an alias; a killed command thus leaves the session as it was, as before. F never sources
-# anything S or a command wrote: it reads S's reply line (digits only), S's job list and /proc.
+# anything S or a command wrote: it reads S's reply line (digits only) and /proc.
 _KILL_SESSION = r"""
 __ar_ks() {
   local s=$1 w=$2 sid=$3 f st p
