@@ -6,8 +6,9 @@
   a `CheckpointError` that says what is wrong otherwise.
 - `convert_to_megatron`: HF -> a megatron-core `torch_dist` checkpoint through the Megatron
   backend (`agentrl.train.megatron`: its model builder and `convert.load_hf_into`), run in that
-  backend's Python >= 3.12 environment as a subprocess (`agentrl/cluster/convert_job.py`), which
-  also reads the weights back and reports the largest difference to the HF tensors.
+  backend's Python >= 3.12 environment as a subprocess (`agentrl/cluster/convert_job.py`), one
+  process per rank of the layout's PP x TP / EP: each reads only its own shard of the checkpoint
+  (`hf_io.HFCheckpoint`, one tensor at a time), and checks the round trip tensor by tensor.
 - `quantize_fp8`: the block-FP8 (128 x 128) copy of the checkpoint that FP8 rollout engines
   load (`agentrl.train.megatron.fp8`), Megatron keeps BF16.
 - `copy_to_local`: `prepare-cp`, shared storage -> node-local disk, atomically.
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -81,14 +83,19 @@ def convert_to_megatron(
     layout: Layout,
     *,
     python: str | None = None,
+    dtype: str | None = None,
     timeout: float = 3600,
 ) -> dict[str, Any]:
-    """HF -> megatron `torch_dist` at `out` with the layout's TP / EP (one process per rank of
-    TP x EP; PP and CP do not change a checkpoint's tensors: torch_dist reshards on load).
-    Returns the job's report (weights converted, round-trip difference)."""
+    """HF -> megatron `torch_dist` at `out` with the layout's TP / PP (and uneven first / last
+    stages) / EP / expert-TP, one process per rank (`conversion_ranks`); CP does not shard weights
+    and torch_dist reshards on load, but every rank holds only its own stage's, TP slice's and
+    experts' tensors, read one at a time from the checkpoint's safetensors. `dtype`: the
+    megatron params dtype (default: the checkpoint's, bf16 for GLM-5.2). The round trip (save,
+    load back, export to HF names, compare) must be exact, else `CheckpointError`. Returns the
+    job's report: tensors converted, round-trip difference, per rank what it read and its peak RSS."""
     from agentrl.train.megatron import venv
 
-    ranks = max(layout.tp, layout.ep)
+    ranks = conversion_ranks(layout)
     py = python or str(venv.ensure())
     report = out.parent / f".{out.name}-report-{uuid.uuid4().hex[:6]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +104,13 @@ def convert_to_megatron(
         cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1"]
         cmd += [f"--master-port={_free_port()}"]
     cmd += [str(CONVERT_JOB), "--hf", str(hf_dir), "--out", str(out), "--report", str(report)]
-    cmd += ["--tp", str(layout.tp), "--ep", str(layout.ep), "--etp", str(layout.etp)]
+    cmd += ["--tp", str(layout.tp), "--pp", str(layout.pp), "--ep", str(layout.ep), "--etp", str(layout.etp)]
+    if layout.first_stage_layers is not None:
+        cmd += ["--first-stage-layers", str(layout.first_stage_layers)]
+    if layout.last_stage_layers is not None:
+        cmd += ["--last-stage-layers", str(layout.last_stage_layers)]
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=venv.env())
     if proc.returncode != 0 or not report.exists():
         raise CheckpointError(
@@ -106,7 +119,19 @@ def convert_to_megatron(
         )
     result = json.loads(report.read_text())
     report.unlink()
+    if result["max_abs_diff"] != 0 or result["mismatched"] or result["not_compared"]:
+        raise CheckpointError(
+            f"HF -> Megatron conversion of {hf_dir} does not round-trip: max |diff| {result['max_abs_diff']}, "
+            f"differing {result['mismatched']}, not compared {result['not_compared']}; the checkpoint at "
+            f"{out} is not usable: report this with the checkpoint's config.json"
+        )
     return result
+
+
+def conversion_ranks(layout: Layout) -> int:
+    """Processes of the conversion job: PP x lcm(TP, EP x ETP) (megatron needs EP x ETP to divide
+    TP x DP; CP is left out: it does not shard weights)."""
+    return layout.pp * math.lcm(layout.tp, layout.ep * layout.etp)
 
 
 def _free_port() -> int:

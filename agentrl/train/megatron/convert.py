@@ -3,11 +3,14 @@
 One table (`_LAYER_RULES`) maps each megatron parameter of a decoder layer to its HF tensor(s) and
 says how it is cut over tensor-parallel ranks; both directions read it:
 
-- `hf_to_megatron(hf_state, model, ...)`: every rank slices its own shard out of the full HF
-  tensors (load of an HF checkpoint, or of weights exported earlier);
+- `hf_to_megatron(hf_state, model, ...)` / `load_hf_into`: every rank cuts its own shard out of
+  the HF tensors, reading only what it holds: its stage's layers, its experts, and (from a
+  streaming `hf_io.HFCheckpoint`) only its TP slice of each tensor. `hf_state` may use
+  transformers' in-memory names (stacked experts) or the checkpoint files' (one tensor per expert);
 - `megatron_to_hf(models, ...)`: full HF tensors, in HF names and shapes, gathered over TP (and
   expert TP / EP) ranks, one at a time, in a fixed order that every rank follows (the weight
-  source of every sync transport and of the HF export).
+  source of every sync transport and of the HF export; `layout="checkpoint"` streams experts one
+  at a time under the files' names).
 
 Shard kinds: "dup" (the same on every TP rank), "col" (rows split over TP), "row" (columns split),
 "glu" (megatron's fc1 holds [gate; up] per rank: rank r has gate_r then up_r), "vocab" (rows of
@@ -122,33 +125,40 @@ def _glu_shard(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> to
     return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
 
 
-def hf_to_megatron(
+def _read(hf_state: Mapping[str, torch.Tensor], name: str, kind: str, rank: int, size: int) -> torch.Tensor:
+    """This rank's shard of HF tensor `name`; a mapping with `read_chunk` (a streaming
+    `hf_io.HFCheckpoint`) reads only that shard from disk."""
+    if name not in hf_state:
+        raise ConversionError(f"HF weight {name} is missing")
+    dim = {"col": 0, "vocab": 0, "row": 1}.get(kind)
+    read_chunk = getattr(hf_state, "read_chunk", None)
+    if dim is not None and size > 1 and read_chunk is not None:
+        return read_chunk(name, dim, rank, size)
+    return _shard(hf_state[name], kind, rank, size)
+
+
+def _read_glu(hf_state: Mapping[str, torch.Tensor], gate: str, up: str, rank: int, size: int) -> torch.Tensor:
+    return torch.cat(
+        [_read(hf_state, gate, "col", rank, size), _read(hf_state, up, "col", rank, size)], dim=0
+    )
+
+
+def _hf_values(
     hf_state: Mapping[str, torch.Tensor],
     model: torch.nn.Module,
-    *,
     stage_layers: Sequence[int],
     num_experts: int,
-    ranks: Ranks | None = None,
-) -> dict[str, torch.Tensor]:
-    """This rank's megatron state dict (the keys of `model.state_dict()` that hold weights) cut
-    from the full HF tensors. `stage_layers`: the global (0-indexed) ids of this stage's layers.
-    Raises `ConversionError` naming any megatron weight without an HF source, or shape mismatch."""
-    ranks = ranks or Ranks.current()
-    own = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
+    ranks: Ranks,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(megatron key, this rank's value from HF, the model's own tensor) for every weight of
+    `model`, reading from `hf_state` only the tensors (and TP slices) this rank holds."""
     local_experts = num_experts // ranks.ep_size
-
-    def need(name: str) -> torch.Tensor:
-        if name not in hf_state:
-            raise ConversionError(f"HF weight {name} is missing")
-        return hf_state[name]
-
-    for key, target in own.items():
+    for key, target in model.state_dict().items():
         if _SKIP.search(key):
             continue
         if key in _TOP:
             hf_name, kind = _TOP[key]
-            value = _shard(need(hf_name), kind, ranks.tp, ranks.tp_size)
+            value = _read(hf_state, hf_name, kind, ranks.tp, ranks.tp_size)
         else:
             m = _LAYER.match(key)
             if m is None:
@@ -158,30 +168,68 @@ def hf_to_megatron(
             prefix = f"model.layers.{layer}."
             e = _EXPERT.match(rest)
             if e is not None:
-                expert = ranks.ep * local_experts + int(e.group(1))
-                if e.group(2) == "1":
-                    gate, up = need(prefix + "mlp.experts.gate_up_proj")[expert].chunk(2, dim=0)
-                    value = _glu_shard(gate, up, ranks.etp, ranks.etp_size)
-                else:
-                    value = _shard(
-                        need(prefix + "mlp.experts.down_proj")[expert], "row", ranks.etp, ranks.etp_size
-                    )
+                value = _expert_value(
+                    hf_state, prefix, ranks.ep * local_experts + int(e.group(1)), e.group(2), ranks
+                )
             elif rest in _BY_MEGATRON:
                 rule = _BY_MEGATRON[rest]
                 if rule.kind == "glu":
-                    value = _glu_shard(
-                        need(prefix + rule.hf[0]), need(prefix + rule.hf[1]), ranks.tp, ranks.tp_size
+                    value = _read_glu(
+                        hf_state, prefix + rule.hf[0], prefix + rule.hf[1], ranks.tp, ranks.tp_size
                     )
                 else:
-                    value = _shard(need(prefix + rule.hf[0]), rule.kind, ranks.tp, ranks.tp_size)
+                    value = _read(hf_state, prefix + rule.hf[0], rule.kind, ranks.tp, ranks.tp_size)
             else:
                 raise ConversionError(f"no HF source for megatron weight {key}")
         if tuple(value.shape) != tuple(target.shape):
             raise ConversionError(
                 f"{key}: HF tensor gives shape {tuple(value.shape)} on this rank, the model has {tuple(target.shape)}"
             )
-        out[key] = value.to(target.dtype)
-    return out
+        yield key, value, target
+
+
+def _expert_value(
+    hf_state: Mapping[str, torch.Tensor], prefix: str, expert: int, fc: str, ranks: Ranks
+) -> torch.Tensor:
+    """One expert's fc1 ([gate; up] of this expert-TP rank) or fc2, from either HF layout: the
+    checkpoint files' one tensor per expert, or transformers' stacked in-memory tensors."""
+    one = f"{prefix}mlp.experts.{expert}."
+    if one + "down_proj.weight" in hf_state:
+        if fc == "1":
+            return _read_glu(
+                hf_state, one + "gate_proj.weight", one + "up_proj.weight", ranks.etp, ranks.etp_size
+            )
+        return _read(hf_state, one + "down_proj.weight", "row", ranks.etp, ranks.etp_size)
+    if fc == "1":
+        gate, up = _read(hf_state, prefix + "mlp.experts.gate_up_proj", "dup", 0, 1)[expert].chunk(2, dim=0)
+        return _glu_shard(gate, up, ranks.etp, ranks.etp_size)
+    return _shard(
+        _read(hf_state, prefix + "mlp.experts.down_proj", "dup", 0, 1)[expert],
+        "row",
+        ranks.etp,
+        ranks.etp_size,
+    )
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    model: torch.nn.Module,
+    *,
+    stage_layers: Sequence[int],
+    num_experts: int,
+    ranks: Ranks | None = None,
+) -> dict[str, torch.Tensor]:
+    """This rank's megatron state dict (the keys of `model.state_dict()` that hold weights) cut
+    from the HF tensors. `stage_layers`: the global (0-indexed) ids of this stage's layers.
+    `hf_state`: full HF tensors in transformers' names (a `state_dict()`) or in the checkpoint
+    files' names (`hf_io.HFCheckpoint`, read lazily: only this rank's layers, experts and TP
+    slices). Raises `ConversionError` naming any megatron weight without an HF source, or a shape
+    mismatch."""
+    ranks = ranks or Ranks.current()
+    return {
+        key: value.to(target.dtype)
+        for key, value, target in _hf_values(hf_state, model, stage_layers, num_experts, ranks)
+    }
 
 
 def load_hf_into(
@@ -192,12 +240,12 @@ def load_hf_into(
     num_experts: int,
     ranks: Ranks | None = None,
 ) -> None:
-    """Copy the HF weights into `model` in place (strict: every weight of the model is set)."""
-    state = hf_to_megatron(hf_state, model, stage_layers=stage_layers, num_experts=num_experts, ranks=ranks)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not _SKIP.search(k)]
-    if missing or unexpected:
-        raise ConversionError(f"load left weights unset {missing[:5]} or unknown {unexpected[:5]}")
+    """Copy the HF weights into `model` in place, one tensor at a time (strict: every weight of the
+    model is set; peak memory is the model plus one tensor, whatever `hf_state` holds)."""
+    ranks = ranks or Ranks.current()
+    with torch.no_grad():
+        for _, value, target in _hf_values(hf_state, model, stage_layers, num_experts, ranks):
+            target.copy_(value)
 
 
 def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
@@ -226,10 +274,16 @@ def megatron_to_hf(
     *,
     stage_layers: Sequence[int],
     num_experts: int,
+    layout: str = "stacked",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's weights as full HF tensors, in the model's order; every rank of the stage's
-    TP / EP groups must iterate it together (the gathers are collectives). Expert weights of a
-    layer come out as HF's two stacked tensors once the layer's last expert is seen."""
+    TP / EP groups must iterate it together (the gathers are collectives). `layout="stacked"`:
+    transformers' in-memory names, a layer's experts as two stacked tensors once its last expert
+    is seen (every EP rank then holds the layer's experts); `layout="checkpoint"`: the checkpoint
+    files' names, one tensor per expert, gathered one local expert slot at a time (at most EP
+    experts held: what a streaming export of a large model needs)."""
+    if layout not in ("stacked", "checkpoint"):
+        raise ValueError(f"layout {layout!r}: 'stacked' or 'checkpoint'")
     from megatron.core import parallel_state as ps
 
     tp_group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
@@ -252,6 +306,19 @@ def megatron_to_hf(
         rest = m.group(2)
         prefix = f"model.layers.{layer}."
         e = _EXPERT.match(rest)
+        if e is not None and layout == "checkpoint":
+            yield from _expert_to_checkpoint(
+                prefix,
+                int(e.group(1)),
+                e.group(2),
+                local,
+                local_experts,
+                etp_group,
+                etp_size,
+                ep_group,
+                ep_size,
+            )
+            continue
         if e is not None:
             slots = pending.setdefault(layer, {"1": [None] * local_experts, "2": [None] * local_experts})
             slots[e.group(2)][int(e.group(1))] = local
@@ -286,6 +353,32 @@ def _experts_to_hf(
     down = torch.cat(_all_gather(down, ep_group, ep_size), dim=0)
     yield prefix + "mlp.experts.gate_up_proj", gate_up
     yield prefix + "mlp.experts.down_proj", down
+
+
+def _expert_to_checkpoint(
+    prefix: str,
+    slot: int,
+    fc: str,
+    local: torch.Tensor,
+    local_experts: int,
+    etp_group: Any,
+    etp_size: int,
+    ep_group: Any,
+    ep_size: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if fc == "1":
+        full = torch.cat(_unshard_glu(local, etp_group, etp_size), dim=0)
+    else:
+        full = _unshard(local, "row", etp_group, etp_size)
+    # EP rank r holds experts r * E_local ...: gathering slot j gives experts j, E_local + j, ...
+    for r, t in enumerate(_all_gather(full, ep_group, ep_size)):
+        one = f"{prefix}mlp.experts.{r * local_experts + slot}."
+        if fc == "1":
+            gate, up = t.chunk(2, dim=0)
+            yield one + "gate_proj.weight", gate
+            yield one + "up_proj.weight", up
+        else:
+            yield one + "down_proj.weight", t
 
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
