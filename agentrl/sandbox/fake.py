@@ -15,7 +15,11 @@ the agent's session (`cd` and `export` persist; a timed-out command leaves it as
 start clean and leave it alone, `stop_processes` starts a new one. Handlers see the command's
 state as `sandbox.cwd` and `sandbox.env`.
 
-`open_terminal` gives a `FakeTerminal`: an in-memory line discipline with its own shell state.
+`open_terminal` gives a `FakeTerminal` (`fake_terminal.py`): an in-memory line discipline with its
+own shell state and simulated `sleep`, `python3 -m http.server`, `python3` and `vi`; the fake's
+`ps -eo ...` lists what runs in its terminals, and `urlopen(...)`/`curl` probes of a port reach a
+server running in one. Built-ins also understand `seq`, `printf` (%s/%d), `CMD | wc -c` and `$(...)`
+command substitution (the inner command through the same handlers).
 
 Processes the agent leaves running are `background` callables: each runs after every later exec
 and before every download (a loop rewriting a file, say) until `stop_processes` ends them all.

@@ -788,12 +788,12 @@ class PodmanSandbox(Sandbox):
             ValueError,
         ) as exc:
             # The command may have run, partly or fully: never run it a second time.
-            raise await self._shell_failed(shell, exc) from exc
+            raise await self._shell_failed(shell, exc, session=session) from exc
         except asyncio.CancelledError:
             # The shell is mid-command: its framing can no longer be trusted. Killing the client
             # does not stop the command inside, so its process group is killed in the background.
             self._retire(shell)
-            self._kill_inside(shell)
+            self._kill_inside(shell, session=session)
             self._shell = None
             raise
         duration = time.monotonic() - start
@@ -805,7 +805,7 @@ class PodmanSandbox(Sandbox):
             duration,
         )
 
-    async def _shell_failed(self, shell: _Shell, exc: BaseException) -> Exception:
+    async def _shell_failed(self, shell: _Shell, exc: BaseException, *, session: bool) -> Exception:
         """Classify a persistent shell that failed during a command (docs/failures.md): the
         container gone or the host's client killed is infrastructure; the shell inside killed,
         stopped or writing anything but its frame is something the command could have done."""
@@ -814,7 +814,7 @@ class PodmanSandbox(Sandbox):
                 await asyncio.wait_for(shell.proc.wait(), 5)
         client_rc = shell.proc.returncode
         self._retire(shell)
-        self._kill_inside(shell)
+        self._kill_inside(shell, session=session)
         if self._shell is shell:
             self._shell = None
         if not await self._running():
@@ -909,15 +909,17 @@ class PodmanSandbox(Sandbox):
         timed_out = timeout is not None and rc in (124, 137) and duration >= timeout * 0.98
         return ExecResult(out, err, None if timed_out else rc, timed_out, duration)
 
-    def _kill_inside(self, shell: _Shell) -> None:
+    def _kill_inside(self, shell: _Shell, *, session: bool = False) -> None:
+        """Kill, in the background, what the shell's command in flight runs (a session command:
+        the session shell and the process groups it made since the command began; a clean one:
+        its process group) and remove the shell's directories. Between commands (`session`
+        False, no clean command in flight) only the directories go: a session shell whose framing
+        shell is gone reads the end of its input and exits, its background jobs live on."""
         if not shell.state_dir or self._closed:
             return
         d, o = shell.state_dir, shell.out_dir
-        # The session shell S and what its command runs, then a clean command's process group.
-        script = (
-            f"{_KILL_SESSION}\n__ar_ks $(cat {d}/sp 2>/dev/null); "
-            f"kill -KILL -- -$(cat {d}/p) 2>/dev/null; rm -rf {d} {o}"
-        )
+        kill_session = f"{_KILL_SESSION}\n__ar_ks $(cat {d}/sp 2>/dev/null); " if session else ""
+        script = f"{kill_session}kill -KILL -- -$(cat {d}/p 2>/dev/null) 2>/dev/null; rm -rf {d} {o}"
         t = asyncio.get_running_loop().create_task(
             run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", script, timeout=30)
         )
