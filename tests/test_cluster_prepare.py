@@ -79,7 +79,8 @@ def test_prepare_cp_copies_whole_or_not_at_all(ckpt: Path, tmp_path: Path) -> No
 @pytest.mark.slow
 def test_prepare_converts_to_megatron_and_prepare_cp_copies_it(ckpt: Path, tmp_path: Path) -> None:
     """The recipe's own commands: validate, convert through the Megatron backend (its Python 3.12
-    environment, EP2 on two ranks), FP8 copy; then prepare-cp to a node-local directory."""
+    environment, EP2 on two ranks, each reading only its experts), FP8 copy; then prepare-cp to a
+    node-local directory."""
     from tests.megatron_venv import python
 
     python()  # skips without a Python >= 3.12
@@ -92,6 +93,8 @@ def test_prepare_converts_to_megatron_and_prepare_cp_copies_it(ckpt: Path, tmp_p
     assert "round trip max |diff| 0" in result.output and "on 2 ranks" in result.output
     meta = json.loads((root / "megatron" / "GLM-5.2_5layer" / "convert.json").read_text())
     assert meta["megatron"]["ep"] == 2 and meta["hf_tensors"] > 0
+    # Each EP rank read only its own experts (4 experts: 0-1 and 2-3) from the checkpoint.
+    assert [r["read"]["experts"] for r in meta["per_rank"]] == [[0, 1], [2, 3]]
     assert (root / "fp8" / "GLM-5.2_5layer" / "config.json").exists()
     result = CliRunner().invoke(
         APPS["tbench2"],
