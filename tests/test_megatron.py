@@ -93,10 +93,27 @@ def test_backend_megatron_is_selectable_in_the_run_config() -> None:
 @pytest.fixture(scope="module")
 def one_rank_cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The one-rank cases, each with its own trainer, in one process (one start-up instead of
-    six). `split` runs first: it checks that nothing has initialised a process group yet."""
+    seven). `split` runs first: it checks that nothing has initialised a process group yet.
+    `references` stores the one-rank GRPO steps the two-rank layouts are compared with."""
     from tests.megatron_venv import run_case
 
-    return run_case("split,build,hf_parity,checkpoint,kl,fp8", tmp_path_factory.mktemp("megatron-one-rank"))
+    tmp = tmp_path_factory.mktemp("megatron-one-rank")
+    return run_case("split,build,hf_parity,checkpoint,kl,fp8,references", tmp)
+
+
+TWO_RANK_LAYOUTS = ["tp2", "tp2-ep2", "dp2", "dp2-ep2", "pp2", "vpp2", "cp2", "cp2-ep2"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_layouts(one_rank_cases: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every two-rank layout in one torchrun world over gloo (one launch; each layout builds its
+    own trainer and model-parallel groups), each against the one-rank step of its model."""
+    from tests.megatron_venv import run_case
+
+    reference_dir = str(Path(one_rank_cases["references"]["4"]["path"]).parent)
+    tmp = tmp_path_factory.mktemp("megatron-two-ranks")
+    layouts = ",".join(TWO_RANK_LAYOUTS)
+    return run_case("layouts", tmp, "--layouts", layouts, "--reference-dir", reference_dir, nproc=2)
 
 
 @pytest.mark.slow
@@ -124,41 +141,29 @@ def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(one_r
     assert r["bucket_dtypes"] == ["torch.bfloat16"]
 
 
-@pytest.fixture(scope="module")
-def one_rank_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One GRPO step of the tiny model on one rank (two micro-batches): the reference layouts
-    are compared with."""
-    from tests.megatron_venv import run_case
-
-    tmp = tmp_path_factory.mktemp("megatron-ref")
-    run_case("grads", tmp, "--tp", "1", "--save", str(tmp / "tp1.pt"))
-    return tmp / "tp1.pt"
+def _same_step(r: dict) -> None:
+    """The layout's GRPO step equals the one-rank step: log-probs, loss, gradient norm, every
+    gradient in HF layout (a wrong TP, DP or CP reduction shows here, not in the forward) and the
+    weights after AdamW."""
+    assert r["micro_batches"] == 2
+    assert r["logprob_max_abs_diff"] <= 1e-5
+    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
+    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
+    assert r["weight_max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--tp", "2"],  # experts TP-sharded too (expert TP = TP)
-        ["--tp", "2", "--ep", "2", "--etp", "1"],  # experts spread over the two ranks instead
-        ["--tp", "1"],  # DP=2: one micro-batch per rank, gradients summed
-        ["--tp", "1", "--ep", "2"],  # DP=2 with experts spread over the data-parallel ranks
-    ],
-    ids=["tp2", "tp2-ep2", "dp2", "dp2-ep2"],
-)
-def test_two_ranks_over_gloo_take_the_same_grpo_step_as_one(
-    tmp_path: Path, one_rank_step: Path, layout: list[str]
-) -> None:
-    from tests.megatron_venv import run_case
-
-    r = run_case("grads", tmp_path, *layout, "--reference", str(one_rank_step), nproc=2)
-    assert r["micro_batches"] == 2 and r["dp"] == (2 if layout[1] == "1" else 1)
-    assert r["logprob_max_abs_diff"] <= 1e-5
-    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
-    # Gradients in HF layout, every tensor (a wrong TP or DP reduction shows here, not in the forward).
-    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
-    assert r["weight_max_abs_diff"] <= 1e-5
+@pytest.mark.parametrize("layout", ["tp2", "tp2-ep2", "dp2", "dp2-ep2"])
+def test_two_ranks_over_gloo_take_the_same_grpo_step_as_one(two_rank_layouts: dict, layout: str) -> None:
+    r = two_rank_layouts[layout]
+    assert (r["tp"], r["dp"], r["ep"]) == {
+        "tp2": (2, 1, 1),
+        "tp2-ep2": (2, 1, 2),
+        "dp2": (1, 2, 1),
+        "dp2-ep2": (1, 2, 2),
+    }[layout]
+    _same_step(r)
 
 
 @pytest.mark.slow
@@ -180,27 +185,27 @@ def test_a_bad_pipeline_split_is_refused_before_the_model_is_built(one_rank_case
     assert r["good"]["megatron"] is None and r["good"]["ours"].startswith("passed the check")
 
 
+@pytest.fixture(scope="module")
+def runtime_steps(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One GRPO step through the runtime per sync transport, one after another against one
+    `agentrl engine serve` process (set back to the initial weights between runs)."""
+    from tests.megatron_venv import free_port, run_case
+
+    tmp = tmp_path_factory.mktemp("megatron-runtime")
+    return run_case("runtime", tmp, "--port", str(free_port()), "--transport", "tensor,distributed,disk")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
 def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(
-    tmp_path: Path, transport: str
+    runtime_steps: dict, transport: str
 ) -> None:
-    from tests.megatron_venv import free_port, run_case
-
-    r = run_case(
-        "runtime",
-        tmp_path,
-        "--port",
-        str(free_port()),
-        "--transport",
-        transport,
-        "--sync-port",
-        str(free_port()),
-    )
+    r = runtime_steps[transport]
     assert r["steps"] == 1 and r["trainer"]["skipped_steps"] == 0 and r["trainer"]["step"] == 1
     assert r["version"] == 1 and r["engine_version"] == "1"
-    # Before the step the engine's rollout log-probs were the trainer's (no mismatch) ...
+    # Before the step the engine's rollout log-probs were the trainer's (no mismatch: for the
+    # second and third transports this also shows the server was set back to the initial weights) ...
     assert r["mismatch_kl"] <= 1e-6
     # ... and after the sync the engine serves the trained weights: its log-probs moved away from
     # the initial model's and equal the trainer's.
@@ -208,48 +213,14 @@ def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(
     assert r["engine_vs_trainer_max_abs_diff"] <= 1e-4
 
 
-@pytest.fixture(scope="module")
-def eight_layer_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The one-rank GRPO step of an 8-layer variant (odd layers compute their DSA indices):
-    the reference for virtual pipeline stages of two layers."""
-    from tests.megatron_venv import run_case
-
-    tmp = tmp_path_factory.mktemp("megatron-ref8")
-    run_case("grads", tmp, "--layers", "8", "--save", str(tmp / "l8.pt"))
-    return tmp / "l8.pt"
-
-
-def _same_step(r: dict) -> None:
-    assert r["logprob_max_abs_diff"] <= 1e-5
-    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
-    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
-    assert r["weight_max_abs_diff"] <= 1e-5
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_two_uneven_pipeline_stages_take_the_same_grpo_step_as_one_rank(
-    tmp_path: Path, one_rank_step: Path
-) -> None:
+def test_two_uneven_pipeline_stages_take_the_same_grpo_step_as_one_rank(two_rank_layouts: dict) -> None:
     """megatron-core's 1F1B schedule over gloo (layers 1-3 | 4: layer 4 computes its own DSA
     indices), two micro-batches in flight; the step's log-probs, loss, gradients and updated
     weights (exported in HF names from both stages) equal the one-rank step."""
-    from tests.megatron_venv import run_case
-
-    r = run_case(
-        "grads",
-        tmp_path,
-        "--pp",
-        "2",
-        "--first",
-        "3",
-        "--last",
-        "1",
-        "--reference",
-        str(one_rank_step),
-        nproc=2,
-    )
-    assert r["pp"] == 2 and r["micro_batches"] == 2
+    r = two_rank_layouts["pp2"]
+    assert r["pp"] == 2 and r["chunks"] == 1
     assert [x["stage_layers"] for x in r["ranks"]] == [[[1, 2, 3]], [[4]]]
     assert [x["indexer_layers"] for x in r["ranks"]] == [[[1, 2]], [[4]]]  # index sharing per stage
     _same_step(r)
@@ -257,29 +228,29 @@ def test_two_uneven_pipeline_stages_take_the_same_grpo_step_as_one_rank(
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_virtual_pipeline_stages_take_the_same_grpo_step_as_one_rank(
-    tmp_path: Path, eight_layer_step: Path
-) -> None:
+def test_virtual_pipeline_stages_take_the_same_grpo_step_as_one_rank(two_rank_layouts: dict) -> None:
     """The interleaved schedule: 8 layers over 2 ranks x 2 virtual stages (1-2, 3-4 | 5-6, 7-8,
-    each starting on a computing layer); idle micro-batches fill the schedule's groups."""
-    from tests.megatron_venv import run_case
-
-    r = run_case(
-        "grads",
-        tmp_path,
-        "--layers",
-        "8",
-        "--pp",
-        "2",
-        "--vpp",
-        "2",
-        "--reference",
-        str(eight_layer_step),
-        nproc=2,
-    )
-    assert r["chunks"] == 2
+    each starting on a computing layer); idle micro-batches fill the schedule's groups. Compared
+    with the one-rank step of the same 8-layer model."""
+    r = two_rank_layouts["vpp2"]
+    assert r["pp"] == 2 and r["chunks"] == 2
     assert [x["stage_layers"] for x in r["ranks"]] == [[[1, 2], [5, 6]], [[3, 4], [7, 8]]]
     assert [x["indexer_layers"] for x in r["ranks"]] == [[[1], [5]], [[3], [7]]]
+    _same_step(r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("layout", ["cp2", "cp2-ep2"])
+def test_context_parallel_ranks_take_the_same_grpo_step_as_one(two_rank_layouts: dict, layout: str) -> None:
+    """CP=2: every packed sequence split over the two ranks in megatron's zigzag THD layout, DSA's
+    all-gather CP (keys / values and indexer keys gathered, top-k over the whole sequence, the
+    shared-index layer 3 reusing layer 2's indices), log-probs gathered back for the loss;
+    gradients summed over the CP ranks. With cp2-ep2 the experts are spread over the CP ranks."""
+    r = two_rank_layouts[layout]
+    assert (r["cp"], r["dp"], r["tp"], r["ep"]) == (2, 1, 1, 2 if layout == "cp2-ep2" else 1)
+    # Each rank ran half of every sequence (sequences padded to a multiple of 2 x CP).
+    assert [x["cp_local_tokens"] for x in r["ranks"]] == [r["cp_global_tokens"] // 2] * 2
     _same_step(r)
 
 

@@ -28,3 +28,19 @@ def test_bf16_logprobs_match_hf_and_a_grpo_step_runs_on_the_gpu(tmp_path: Path) 
     r = run_case("gpu", tmp_path, interpreter=sys.executable)
     assert r["logprob_max_abs_diff_bf16"] < 0.1  # bf16 weights and activations on both sides
     assert r["skipped"] == 0 and r["loss"] == r["loss"]
+
+
+def test_megatrons_distributed_optimizer_resumes_to_the_same_next_step(tmp_path: Path) -> None:
+    """torch's Adam under megatron's distributed optimizer (no TE / apex on the machine): a fresh
+    trainer loads the checkpoint (no `KeyError: 'step'`), gets the saved optimizer state exactly,
+    and takes the same next step as the trainer that saved it."""
+    from tests.megatron_venv import run_case
+
+    r = run_case("gpu_resume", tmp_path, interpreter=sys.executable)
+    assert r["states"] > 0 and {"param", "exp_avg", "exp_avg_sq", "step"} <= set(r["state_keys"])
+    assert r["loaded_state_max_abs_diff"] == 0.0
+    assert r["skipped"] == [0.0, 0.0] and r["next_loss"][0] == r["next_loss"][1]
+    # One Adam step per parameter after the resume (a shared step tensor would count one per
+    # parameter), and the weights after it equal the uninterrupted trainer's.
+    assert r["adam_steps_after"] == [2.0] and r["trainer_steps"] == [2, 2]
+    assert r["next_step_moved"] > 0 and r["after_next_step_max_abs_diff"] <= 1e-6 * r["next_step_moved"]

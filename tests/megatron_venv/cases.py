@@ -227,23 +227,29 @@ def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def case_grads(args: argparse.Namespace) -> dict[str, Any]:
-    """One GRPO step at this TP size: old log-probs, loss, gradient norm, the gradients and the
-    updated weights in HF layout. With --save, stores them (the TP=1 reference); with
-    --reference, reports the largest differences from it."""
-    hf = tiny_hf(**_shape(args))
+# Two-rank layouts (name -> trainer settings, plus "layers"): each takes the same GRPO step as one
+# rank. The 4-layer model: layers 1, 2, 4 compute their DSA indices; the 8-layer one: odd layers.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tp": 2},  # experts TP-sharded too (expert TP = TP)
+    "tp2-ep2": {"tp": 2, "ep": 2, "etp": 1},  # experts spread over the two ranks instead
+    "dp2": {},  # DP=2: one micro-batch per rank, gradients summed
+    "dp2-ep2": {"ep": 2},  # DP=2 with experts spread over the data-parallel ranks
+    "pp2": {"pp": 2, "first_stage_layers": 3, "last_stage_layers": 1},  # 1F1B, layers 1-3 | 4
+    "vpp2": {"layers": 8, "pp": 2, "vpp": 2},  # interleaved: 1-2, 5-6 | 3-4, 7-8
+    "cp2": {"cp": 2},  # every sequence split over two ranks (zigzag THD, all-gather CP in DSA)
+    "cp2-ep2": {"cp": 2, "ep": 2},  # CP with experts spread over the CP ranks
+}
+
+
+def grads_step(
+    *, layers: int = 4, save: str | None = None, reference: str | None = None, **settings: Any
+) -> dict[str, Any]:
+    """One GRPO step: old log-probs, loss, gradient norm, the gradients and the updated weights in
+    HF layout. With `save`, stores them (the one-rank reference); with `reference`, reports the
+    largest differences from it."""
+    hf = tiny_hf(**_shape(layers))
     # A budget of 32 tokens makes two micro-batches: one per data-parallel rank at DP=2.
-    tr = trainer(
-        hf,
-        tp=args.tp,
-        ep=args.ep,
-        etp=args.etp,
-        mb_tokens=32,
-        pp=args.pp,
-        vpp=args.vpp,
-        first_stage_layers=args.first,
-        last_stage_layers=args.last,
-    )
+    tr = trainer(hf, mb_tokens=32, **settings)
     batch = build_batch(samples(), max_tokens_per_micro_batch=32)
     tr.model.eval()
     with torch.no_grad():
@@ -260,9 +266,11 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
         "micro_batches": len(batch.micro_batches),
-        "tp": args.tp,
+        "tp": tr.tp_size,
         "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
         "chunks": len(tr.chunks),
         "stage_layers": [[i + 1 for i in c.agentrl_stage_layers] for c in tr.chunks],
         # Global numbers of the layers whose indexer weights this rank's chunks own.
@@ -276,19 +284,22 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
             )
             for c in tr.chunks
         ],
-        "ep": args.ep,
-        "etp": args.etp,
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
     }
+    if tr.cp_size > 1:  # what each CP rank ran: its share of the first micro-batch's packed row
+        rows = packed_rows_of(tr, batch.micro_batches[0])
+        out["cp_local_tokens"] = int(rows.model_inputs()[0].shape[1])
+        out["cp_global_tokens"] = rows.total
     if dist.get_world_size() > 1:
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, {k: out[k] for k in ("stage_layers", "indexer_layers")})
+        mine = {k: out[k] for k in ("stage_layers", "indexer_layers", "cp_local_tokens") if k in out}
+        dist.all_gather_object(everyone, mine)
         out["ranks"] = everyone
-    if args.save and dist.get_rank() == 0:
-        torch.save(result, args.save)
-    if args.reference:
-        ref = torch.load(args.reference, weights_only=True)
+    if save and dist.get_rank() == 0:
+        torch.save(result, save)
+    if reference:
+        ref = torch.load(reference, weights_only=True)
         out.update(
             logprob_max_abs_diff=float((result["logp"] - ref["logp"]).abs().max()),
             loss_abs_diff=abs(result["loss"] - ref["loss"]),
@@ -300,12 +311,51 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _shape(args: argparse.Namespace) -> dict[str, Any]:
-    """--layers 8: eight layers whose odd layers compute their DSA indices and even ones reuse
-    them (HF offset 1, frequency 2), so two-layer virtual stages all start on a computing layer."""
-    if args.layers == 4:
+def packed_rows_of(tr: Any, mb: Any) -> Any:
+    from agentrl.train.megatron.trainer import PackedRows
+
+    return PackedRows(mb, multiple=tr.tp_size, cp=tr.cp_size, cp_rank=tr.cp_rank)
+
+
+def case_grads(args: argparse.Namespace) -> dict[str, Any]:
+    """One layout's GRPO step (by hand, or on the GPU machine): --tp/--ep/--pp/... as settings."""
+    settings = dict(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, vpp=args.vpp, cp=args.cp)
+    settings.update(first_stage_layers=args.first, last_stage_layers=args.last)
+    return grads_step(layers=args.layers, save=args.save, reference=args.reference, **settings)
+
+
+def case_references(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-rank steps the layouts are compared with: the 4- and the 8-layer model."""
+    out = {}
+    for layers in (4, 8):
+        path = str(Path(args.tmp) / f"reference-{layers}.pt")
+        out[str(layers)] = {"path": path, **grads_step(layers=layers, save=path)}
+    return out
+
+
+def case_layouts(args: argparse.Namespace) -> dict[str, Any]:
+    """Several two-rank layouts (--layouts a,b,...) one after another in one torchrun world (one
+    start-up; each builds its own trainer and model-parallel groups), each against the one-rank
+    reference of its model (--reference-dir: `case_references`' files)."""
+    out = {}
+    for name in args.layouts.split(","):
+        settings = dict(LAYOUTS[name])
+        layers = settings.pop("layers", 4)
+        t0 = time.perf_counter()
+        ref = str(Path(args.reference_dir) / f"reference-{layers}.pt")
+        out[name] = {
+            **grads_step(layers=layers, reference=ref, **settings),
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
+def _shape(layers: int) -> dict[str, Any]:
+    """8 layers: odd layers compute their DSA indices and even ones reuse them (HF offset 1,
+    frequency 2), so two-layer virtual stages all start on a computing layer."""
+    if layers == 4:
         return {}
-    return {"num_hidden_layers": args.layers, "index_skip_topk_offset": 1}
+    return {"num_hidden_layers": layers, "index_skip_topk_offset": 1}
 
 
 def case_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
@@ -372,12 +422,12 @@ def case_split(args: argparse.Namespace) -> dict[str, Any]:
 def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
     """One GRPO step of `agentrl.runtime.train` with trainer.backend=megatron on the tiny
     glm_moe_dsa model (agentrl.models.tiny), rollouts from an `agentrl engine serve` process, and
-    a weight sync to it; then the engine's log-probs of a sampled episode against the trainer's."""
+    a weight sync to it; then the engine's log-probs of a sampled episode against the trainer's.
+    --transport a,b,...: one run per transport against the same server (one start-up), the
+    server set back to the initial weights (`/update_weights_from_disk`, version 0) between runs."""
     import urllib.request
 
     from agentrl.models.tiny import tiny_model_dir
-    from agentrl.runtime import RunConfig, close_parts, resolve, train
-    from agentrl.runtime.build import build_parts
 
     model = Path(tiny_model_dir())
     port = int(args.port)
@@ -400,97 +450,122 @@ def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
                         f"engine serve did not start: {server.stdout.read()[-3000:]}"
                     ) from None
                 time.sleep(0.5)
-        tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
-        cfg = resolve(
-            RunConfig,
-            defaults={
-                "out": str(Path(args.tmp) / "run"),
-                "steps": 1,
-                "env": {
-                    "name": "tbench2",
-                    "tasks": str(tasks),
-                    "max_solution_chars": 64,
-                    "backend": "fake",
-                    "action_format": "fenced-bash",
-                    "agent": {
-                        "max_turns": 1,
-                        "max_new_tokens": 12,
-                        "min_turn_tokens": 4,
-                        "max_total_tokens": 2048,
-                    },
-                },
-                "engine": {"model": str(model), "kind": "sglang", "urls": [url]},
-                "rollout": {
-                    "batch_size": 4,
-                    "n_samples_per_prompt": 2,
-                    "max_in_flight": 4,
-                    "max_staleness": 1,
-                },
-                "trainer": {"backend": "megatron", "lr": 1e-3},
-                "sync": {"transport": args.transport, "master_port": int(args.sync_port or 29555)},
-                "eval": {"before": False, "after": False},
-            },
-        )
-        parts = build_parts(cfg)
-        # A random-init model never solves a task: alternate rewards so groups carry signal.
-        parts.env.provider.grader = lambda sb: float(int(sb.sandbox_id.rsplit("-", 1)[-1]) % 2)
-        try:
-            result = asyncio.run(train(cfg, parts))
-            rows = [json.loads(line) for line in (cfg.out_dir / "metrics.jsonl").read_text().splitlines()]
-            record = sorted((cfg.out_dir / "records").glob("*.jsonl"))[0]
-            tokens = _episode_tokens(record)
-            body = json.dumps(
-                {
-                    "input_ids": tokens,
-                    "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                    "return_logprob": True,
-                    "logprob_start_len": 0,
-                }
-            ).encode()
-            req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                meta = json.loads(resp.read())["meta_info"]
-            engine_lp = torch.tensor([e[0] for e in meta["input_token_logprobs"]][1:])
-            sample = Sample(
-                prompt_id="x",
-                tokens=tokens,
-                prompt_length=1,
-                loss_mask=[1] * (len(tokens) - 1),
-                rollout_logprobs=[0.0] * (len(tokens) - 1),
-                reward=1.0,
-                advantage=0.0,
-            )
-            mb = build_batch([sample], max_tokens_per_micro_batch=10**6).micro_batches[0]
-            parts.trainer.model.eval()
-            with torch.no_grad():
-                trainer_lp = parts.trainer.logprobs(mb)[0][0, 1:]
-            version = meta["weight_version"]  # the version that served this request
-            from transformers import AutoModelForCausalLM
-
-            initial = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-            with torch.no_grad():
-                ids = torch.tensor([tokens])
-                initial_lp = torch.log_softmax(initial(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[
-                    :, 0
-                ]
-        finally:
-            asyncio.run(close_parts(parts))
-        return {
-            "steps": result.steps,
-            "trainer": rows[0]["extra"]["trainer"],
-            "version": rows[0]["extra"]["version"],
-            "engine_version": version,
-            "tokens": len(tokens),
-            "engine_vs_trainer_max_abs_diff": float((engine_lp - trainer_lp).abs().max()),
-            "engine_vs_initial_max_abs_diff": float((engine_lp - initial_lp).abs().max()),
-            "mismatch_kl": rows[0]["extra"]["trainer"].get("mismatch_kl"),
-        }
+        out = {}
+        for i, transport in enumerate(args.transport.split(",")):
+            if i:
+                reset = json.dumps({"model_path": str(model), "weight_version": "0"}).encode()
+                req = urllib.request.Request(
+                    url + "/update_weights_from_disk", reset, {"Content-Type": "application/json"}
+                )
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    assert json.loads(resp.read())["success"]
+            t0 = time.perf_counter()
+            out[transport] = _runtime_step(args, model, url, transport, Path(args.tmp) / f"run-{transport}")
+            out[transport]["seconds"] = time.perf_counter() - t0
+        return out
     finally:
         server.terminate()
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def _runtime_step(
+    args: argparse.Namespace, model: Path, url: str, transport: str, out_dir: Path
+) -> dict[str, Any]:
+    import socket
+    import urllib.request
+
+    from agentrl.runtime import RunConfig, close_parts, resolve, train
+    from agentrl.runtime.build import build_parts
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sync_port = int(sock.getsockname()[1])
+    tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
+    cfg = resolve(
+        RunConfig,
+        defaults={
+            "out": str(out_dir),
+            "steps": 1,
+            "env": {
+                "name": "tbench2",
+                "tasks": str(tasks),
+                "max_solution_chars": 64,
+                "backend": "fake",
+                "action_format": "fenced-bash",
+                "agent": {
+                    "max_turns": 1,
+                    "max_new_tokens": 12,
+                    "min_turn_tokens": 4,
+                    "max_total_tokens": 2048,
+                },
+            },
+            "engine": {"model": str(model), "kind": "sglang", "urls": [url]},
+            "rollout": {
+                "batch_size": 4,
+                "n_samples_per_prompt": 2,
+                "max_in_flight": 4,
+                "max_staleness": 1,
+            },
+            "trainer": {"backend": "megatron", "lr": 1e-3},
+            "sync": {"transport": transport, "master_port": sync_port},
+            "eval": {"before": False, "after": False},
+        },
+    )
+    parts = build_parts(cfg)
+    # A random-init model never solves a task: alternate rewards so groups carry signal.
+    parts.env.provider.grader = lambda sb: float(int(sb.sandbox_id.rsplit("-", 1)[-1]) % 2)
+    try:
+        result = asyncio.run(train(cfg, parts))
+        rows = [json.loads(line) for line in (cfg.out_dir / "metrics.jsonl").read_text().splitlines()]
+        record = sorted((cfg.out_dir / "records").glob("*.jsonl"))[0]
+        tokens = _episode_tokens(record)
+        body = json.dumps(
+            {
+                "input_ids": tokens,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            meta = json.loads(resp.read())["meta_info"]
+        engine_lp = torch.tensor([e[0] for e in meta["input_token_logprobs"]][1:])
+        sample = Sample(
+            prompt_id="x",
+            tokens=tokens,
+            prompt_length=1,
+            loss_mask=[1] * (len(tokens) - 1),
+            rollout_logprobs=[0.0] * (len(tokens) - 1),
+            reward=1.0,
+            advantage=0.0,
+        )
+        mb = build_batch([sample], max_tokens_per_micro_batch=10**6).micro_batches[0]
+        parts.trainer.model.eval()
+        with torch.no_grad():
+            trainer_lp = parts.trainer.logprobs(mb)[0][0, 1:]
+        version = meta["weight_version"]  # the version that served this request
+        from transformers import AutoModelForCausalLM
+
+        initial = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+        with torch.no_grad():
+            ids = torch.tensor([tokens])
+            initial_lp = torch.log_softmax(initial(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+    finally:
+        asyncio.run(close_parts(parts))
+    return {
+        "steps": result.steps,
+        "trainer": rows[0]["extra"]["trainer"],
+        "version": rows[0]["extra"]["version"],
+        "engine_version": version,
+        "tokens": len(tokens),
+        "engine_vs_trainer_max_abs_diff": float((engine_lp - trainer_lp).abs().max()),
+        "engine_vs_initial_max_abs_diff": float((engine_lp - initial_lp).abs().max()),
+        "mismatch_kl": rows[0]["extra"]["trainer"].get("mismatch_kl"),
+    }
 
 
 def _episode_tokens(record: Path) -> list[int]:
@@ -619,16 +694,73 @@ def case_gpu(args: argparse.Namespace) -> dict[str, Any]:
     return {"logprob_max_abs_diff_bf16": diff, "loss": step["loss"], "skipped": step["skipped"]}
 
 
+def _optimizer_state(tr: Any) -> list[dict[str, torch.Tensor]]:
+    """Every wrapped optimizer's per-parameter state (fp32 main params, Adam moments, step), in
+    parameter-group order: the same order in two trainers of one layout."""
+    out = []
+    for opt in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                out.append({"param": p.detach().clone(), **{k: v.detach().clone() for k, v in st.items()}})
+    return out
+
+
+def case_gpu_resume(args: argparse.Namespace) -> dict[str, Any]:
+    """GPU only: megatron's DDP and distributed optimizer (torch's Adam without TE / apex) save
+    after one step; a fresh trainer (another initialisation, no step taken: a new process
+    resuming) loads it; its optimizer state equals the saved one, and both take the same next
+    step."""
+    root = Path(args.tmp) / "ckpt-gpu"
+    a = trainer(tiny_hf(), params_dtype="bfloat16", lr=1e-3)
+    a.train_step(samples(1))
+    a.save(root)
+    saved = _optimizer_state(a)
+    b = trainer(tiny_hf(seed=7), params_dtype="bfloat16", lr=1e-3)
+    b.load(root)
+    loaded = _optimizer_state(b)
+    state_diff = max(
+        float((x[k].float() - y[k].float()).abs().max())
+        for x, y in zip(saved, loaded, strict=True)
+        for k in x
+    )
+    keys = sorted({k for x in loaded for k in x})
+    before_a = {k: v.clone() for k, v in a.hf_weights()}
+    ma, mb = a.train_step(samples(2)), b.train_step(samples(2))
+    after_a, after_b = dict(a.hf_weights()), dict(b.hf_weights())
+    steps_b = sorted({float(x["step"]) for x in _optimizer_state(b)})
+    return {
+        "optimizer": type(a.optimizer).__name__,
+        "inner": sorted(
+            {type(o.optimizer).__name__ for o in getattr(b.optimizer, "chained_optimizers", [b.optimizer])}
+        ),
+        "states": len(loaded),
+        "state_keys": keys,
+        "loaded_state_max_abs_diff": state_diff,
+        "next_loss": [ma["loss"], mb["loss"]],
+        "next_grad_norm": [ma["grad_norm"], mb["grad_norm"]],
+        "skipped": [ma["skipped"], mb["skipped"]],
+        "after_next_step_max_abs_diff": max_diff(after_a, after_b),
+        "next_step_moved": max_diff(after_a, before_a),  # what the next step changes, for scale
+        "adam_steps_after": steps_b,
+        "trainer_steps": [a.step, b.step],
+    }
+
+
 CASES = {
     "build": case_build,
     "hf_parity": case_hf_parity,
     "grads": case_grads,
+    "references": case_references,
+    "layouts": case_layouts,
     "checkpoint": case_checkpoint,
     "split": case_split,
     "runtime": case_runtime,
     "kl": case_kl,
     "fp8": case_fp8,
     "gpu": case_gpu,
+    "gpu_resume": case_gpu_resume,
 }
 
 
@@ -645,6 +777,9 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=None)
     parser.add_argument("--last", type=int, default=None)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--layouts", default="")
+    parser.add_argument("--reference-dir")
     parser.add_argument("--save")
     parser.add_argument("--reference")
     parser.add_argument("--port", default="0")

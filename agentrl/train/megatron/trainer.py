@@ -61,25 +61,67 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 class PackedRows:
     """A micro-batch's rows packed into one THD row: real tokens only, positions restarting per
     sequence, `cu_seqlens` at the boundaries, plus a padding sequence up to `length` and to a
-    multiple of `multiple` (the TP size: sequence parallelism splits the row)."""
+    multiple of `multiple` (the TP size: sequence parallelism splits the row).
 
-    def __init__(self, mb: MicroBatch, *, multiple: int = 1, length: int = 0) -> None:
+    With context parallelism (`cp` > 1) the layout is the one megatron-core's packed-THD code
+    expects (`dsa_layout.build_packed_allgather_cp_local_positions`, `rope_utils`'
+    `_get_thd_freqs_on_this_cp_rank`): every sequence is padded at its end to a multiple of
+    2 x cp (its padding belongs to it: causal attention never lets a real token see it),
+    `cu_seqlens` are the padded global boundaries, and CP rank r keeps, of every sequence, chunk r
+    and chunk 2 x cp - 1 - r of its 2 x cp equal chunks (the "zigzag" that balances causal work).
+    `local` indexes this rank's tokens in the global packed row; `gather_order` puts the
+    all-gathered per-rank values back in global order."""
+
+    def __init__(
+        self, mb: MicroBatch, *, multiple: int = 1, length: int = 0, cp: int = 1, cp_rank: int = 0
+    ) -> None:
         lengths = mb.attention_mask.sum(-1).tolist()
-        ids = [mb.input_ids[r, :n] for r, n in enumerate(lengths)]
+        device = mb.input_ids.device
+        self.real = [int(n) for n in lengths]
+        self.cp = cp
+        ids = [mb.input_ids[r, :n] for r, n in enumerate(self.real)]
+        if cp > 1:
+            padded = [n + (-n) % (2 * cp) for n in self.real]
+            ids = [
+                torch.cat([x, torch.zeros(p - n, dtype=x.dtype, device=device)])
+                for x, n, p in zip(ids, self.real, padded, strict=True)
+            ]
+            lengths = padded
+            multiple = 2 * cp * multiple  # each rank's share stays a multiple of the TP size
         pad = max(length - sum(lengths), 0)
         pad += (-(sum(lengths) + pad)) % multiple
         if pad:
             lengths = [*lengths, pad]
-            ids.append(torch.zeros(pad, dtype=mb.input_ids.dtype, device=mb.input_ids.device))
+            ids.append(torch.zeros(pad, dtype=mb.input_ids.dtype, device=device))
         self.lengths = [int(n) for n in lengths]
+        self.total = sum(self.lengths)
         self.num_rows = mb.num_rows
         self.input_ids = torch.cat(ids)[None]
-        self.position_ids = torch.cat([torch.arange(n, device=mb.input_ids.device) for n in self.lengths])[
-            None
-        ]
+        self.position_ids = torch.cat([torch.arange(n, device=device) for n in self.lengths])[None]
         cu = torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
-        self.cu_seqlens = cu.to(mb.input_ids.device)
+        self.cu_seqlens = cu.to(device)
         self.width = mb.input_ids.shape[1]
+        if cp > 1:
+            every = [self._zigzag(r) for r in range(cp)]
+            self.local = every[cp_rank].to(device)
+            self.gather_order = torch.argsort(torch.cat(every)).to(device)
+
+    def _zigzag(self, rank: int) -> torch.Tensor:
+        """Global packed indices of CP rank `rank`'s tokens: per sequence, its chunk `rank` then
+        its chunk 2 x cp - 1 - rank."""
+        out, start = [], 0
+        for n in self.lengths:
+            half = n // (2 * self.cp)
+            out.append(torch.arange(start + rank * half, start + (rank + 1) * half))
+            out.append(torch.arange(start + n - (rank + 1) * half, start + n - rank * half))
+            start += n
+        return torch.cat(out)
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and position_ids [1, T] of this CP rank (all of them without CP)."""
+        if self.cp == 1:
+            return self.input_ids, self.position_ids
+        return self.input_ids[:, self.local], self.position_ids[:, self.local]
 
     def packed_seq_params(self) -> Any:
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -95,8 +137,9 @@ class PackedRows:
 
     def targets(self) -> torch.Tensor:
         """Token t's target is token t + 1 of the same sequence (a sequence's last token has none:
-        its target is a placeholder, dropped by `unpack`)."""
-        return torch.roll(self.input_ids[0], -1)
+        its target is a placeholder, dropped by `unpack`); this CP rank's targets under CP."""
+        targets = torch.roll(self.input_ids[0], -1)
+        return targets if self.cp == 1 else targets[self.local]
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-position values [T] (for the next token) -> [rows, width] aligned with the batch:
@@ -104,11 +147,28 @@ class PackedRows:
         out = values.new_zeros(self.num_rows, self.width)
         start = 0
         for r in range(self.num_rows):
-            n = self.lengths[r]
+            n = self.real[r]
             if n > 1:
                 out[r, 1:n] = values[start : start + n - 1]
-            start += n
+            start += self.lengths[r]
         return out
+
+
+class _GatherContextParallel(torch.autograd.Function):
+    """All-gather per-token values [T_local] over the CP group -> [cp x T_local] (rank order).
+    Every CP rank then computes the same loss from the same gathered values, so the gradient of
+    rank r's own slice is already complete on rank r: the backward keeps that slice (no sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.n = dist.get_rank(group), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n].contiguous(), None
 
 
 class MegatronTrainer:
@@ -132,14 +192,6 @@ class MegatronTrainer:
         self.hf_config = hf_config
         self.config = config
         self.settings = settings or MegatronSettings()
-        if self.settings.cp > 1:
-            raise ConfigError(
-                f"trainer.megatron.cp={self.settings.cp}: context parallelism is not wired in this trainer. "
-                "megatron-core 0.19.2 has packed-THD DSA under all-gather CP "
-                "(transformer/experimental_attention_variant/dsa.py, `build_packed_allgather_cp_local_positions`), "
-                "but the trainer packs every sequence whole on each rank and does not split its micro-batches "
-                "over CP ranks: use cp=1 (tp / pp / ep / data parallelism)"
-            )
         if hf_config.vocab_size % self.settings.tp:
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
         cuda = torch.cuda.is_available()
@@ -172,6 +224,9 @@ class MegatronTrainer:
         self.ref_model = self.ref_chunks[0] if self.ref_chunks else None
         self.tp_group = parallel.tp_group()
         self.tp_size = dist.get_world_size(self.tp_group)
+        self.cp_group = ps.get_context_parallel_group()
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
         self.pp_size = self.settings.pp
         self.last_stage = self.pp_rank == self.pp_size - 1
         # What the schedules run: megatron's DDP wrappers, or the bare chunks (local reduction).
@@ -195,6 +250,10 @@ class MegatronTrainer:
         chunks = []
         for v in range(vpp):
             chunk = build_model(self.hf_config, self.settings, vp_stage=v if vpp > 1 else None)
+            # The loss weights already normalise (per-token loss weights of the whole step):
+            # megatron must neither divide the loss nor scale gradients by a micro-batch, DP or CP
+            # count. Set before megatron's DDP wraps the chunk: its gradient scaling reads it.
+            chunk.config.calculate_per_token_loss = True
             chunk.agentrl_stage_layers = convert.stage_layers(
                 self.layout, v * self.settings.pp + self.pp_rank
             )
@@ -339,12 +398,15 @@ class MegatronTrainer:
             # The interleaved schedule runs groups of `pp` micro-batches: idle copies fill the last.
             fill = -(-max(real, self.pp_size) // self.pp_size) * self.pp_size - real
             micro_batches = [*micro_batches, *[_idle(micro_batches[0]) for _ in range(fill)]]
-        lengths = [int(mb.attention_mask.sum()) for mb in micro_batches]
-        common = self._common_length(max(lengths)) if (self.pp_size > 1 or self._ep_over_dp()) else 0
-        packed = [PackedRows(mb, multiple=self.tp_size, length=common) for mb in micro_batches]
+        cp = dict(multiple=self.tp_size, cp=self.cp_size, cp_rank=self.cp_rank)
+        packed = [PackedRows(mb, **cp) for mb in micro_batches]
+        if self.pp_size > 1 or self._ep_over_dp():
+            common = self._common_length(max(rows.total for rows in packed))
+            packed = [PackedRows(mb, length=common, **cp) for mb in micro_batches]
         temperature = self.config.temperature
         group = self.tp_group
         tp_size = self.tp_size
+        cp_group = self.cp_group
 
         def head(targets: torch.Tensor) -> Any:
             def fn(hidden_states: torch.Tensor, output_layer: Any, **_: Any) -> Any:
@@ -370,9 +432,10 @@ class MegatronTrainer:
         def step_func(data: Iterator[int], model: Any) -> Any:
             i = next(data)
             rows = packed[i]
+            input_ids, position_ids = rows.model_inputs()
             out = model(
-                rows.input_ids,
-                rows.position_ids,
+                input_ids,
+                position_ids,
                 None,
                 packed_seq_params=rows.packed_seq_params(),
                 output_processor=head(rows.targets()),
@@ -380,6 +443,10 @@ class MegatronTrainer:
 
             def loss_func(output: Any) -> Any:
                 logp, ent = output
+                if rows.cp > 1:  # every CP rank's tokens, in global packed order
+                    logp = _GatherContextParallel.apply(logp, cp_group)[rows.gather_order]
+                    if ent is not None:
+                        ent = _GatherContextParallel.apply(ent, cp_group)[rows.gather_order]
                 if i >= real:  # an idle filler: no loss, no gradient
                     loss = logp.sum() * 0
                 else:
@@ -408,7 +475,7 @@ class MegatronTrainer:
                 data_iterator=[iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n)),
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=n,
-                seq_length=packed[0].input_ids.shape[1],
+                seq_length=packed[0].model_inputs()[0].shape[1],
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
@@ -534,7 +601,8 @@ class MegatronTrainer:
 
     def finalize_grads(self) -> None:
         """The local path's version of what megatron's DDP and `finalize_model_grads` do:
-        gradients are summed over data-parallel ranks (expert weights over expert-DP ranks:
+        gradients are summed over data-parallel and context-parallel ranks (expert weights over
+        expert-DP ranks, which include the CP ranks:
         `allreduce=False`), then weights every TP rank holds are reduced over TP: summed under
         sequence parallelism (partial sums), averaged for the DSA indexer
         (`average_gradients_across_tp_domain`). Each pipeline stage reduces its own weights
@@ -543,7 +611,7 @@ class MegatronTrainer:
 
         params = list(self._params())
         for group, expert in (
-            (ps.get_data_parallel_group(), False),
+            (ps.get_data_parallel_group(with_context_parallel=True), False),
             (ps.get_expert_data_parallel_group(), True),
         ):
             if dist.get_world_size(group) == 1:
@@ -737,6 +805,7 @@ class MegatronTrainer:
         dist_checkpointing.save(self._sharded_state_dict(), str(tmp / "model"))
         if self.megatron_ddp:
             # megatron's optimizer (the distributed one's shards too) as a distributed checkpoint
+            _torch_adam_checkpoint_fixes(self.optimizer)
             opt = self.optimizer.sharded_state_dict(self._sharded_state_dict(), metadata=_OPTIMIZER_FORMAT)
             if dist.get_rank() == 0:
                 (tmp / "optimizer").mkdir()
@@ -801,10 +870,12 @@ class MegatronTrainer:
             for i, chunk in enumerate(self.chunks):
                 chunk.load_state_dict(state[f"model{i}"], strict=False)
         if self.megatron_ddp:
+            _torch_adam_checkpoint_fixes(self.optimizer)
             opt_sd = self.optimizer.sharded_state_dict(
                 self._sharded_state_dict(), is_loading=True, metadata=_OPTIMIZER_FORMAT
             )
             self.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
+            _torch_adam_unshare_steps(self.optimizer)
         else:
             opt = path / f"optimizer-rank{dist.get_rank():05d}.pt"
             self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
@@ -812,6 +883,72 @@ class MegatronTrainer:
         return TrainState(
             step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {})
         )
+
+
+def _torch_adam_checkpoint_fixes(optimizer: Any) -> None:
+    """What megatron-core 0.19.2's distributed optimizer needs to save and resume when it falls
+    back to torch's Adam (no TransformerEngine, no apex: `HAVE_APEX_OR_TE` False), per wrapped
+    optimizer:
+
+    - torch's Adam makes its per-parameter state (`step`, `exp_avg`, `exp_avg_sq`) lazily at its
+      first step, and `DistributedOptimizer.state_dict()` (distrib_optimizer.py:837-839) reads
+      `step` from every state and asserts they agree: a fresh optimizer (a new process resuming)
+      has none. They are made here as torch's Adam would (step a CPU float32 0, zero moments),
+      which changes nothing about the next step.
+    - loading the parameter state (`load_parameter_state_from_fully_reshardable`, line 2390)
+      leaves the 0-dim `step` out of each parameter's tensors (it comes from the param groups and
+      is already set by then: line 1025-1032), but `_set_main_param_and_optimizer_states`
+      (line 1213-1223) copies every tensor of the optimizer's state, `step` included, from them:
+      `KeyError: 'step'`. Its setter gets the missing `step` from the state it already holds
+      (copied onto itself); any other missing key is an error."""
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    if mdo.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, mdo.DistributedOptimizer) or getattr(opt, "_agentrl_step_fix", False):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if "step" not in state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param: Any, tensors: dict, *, _opt: Any = opt, _set: Any = original) -> None:
+            index, order = _opt.model_param_group_index_map[model_param]
+            state = _opt.optimizer.state[_opt.optimizer.param_groups[index]["params"][order]]
+            missing = {k for k, v in state.items() if torch.is_tensor(v)} - set(tensors)
+            if missing - {"step"}:
+                raise CheckpointError(
+                    f"the optimizer checkpoint lacks {sorted(missing)} of a parameter's state"
+                )
+            _set(model_param, {**tensors, **{k: state[k] for k in missing}})
+
+        opt._set_main_param_and_optimizer_states = set_states
+        opt._agentrl_step_fix = True
+
+
+def _torch_adam_unshare_steps(optimizer: Any) -> None:
+    """After megatron-core 0.19.2 loads a distributed optimizer's state for torch's Adam, every
+    parameter's `step` is one shared tensor (distrib_optimizer.py:1027-1032 assigns the same
+    object to each state; torch's `load_state_dict` keeps `step` tensors as they are). torch's
+    multi-tensor Adam then adds 1 to it once per parameter at every step (`_foreach_add_`), and
+    the bias correction runs on a step count thousands too high. Each state gets its own copy."""
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    if mdo.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = False) -> None:
