@@ -91,15 +91,24 @@ def build_parts(cfg: RunConfig) -> RunParts:
     model_dir = check_model_source(cfg.engine.model, "engine.model")
     tok_dir = check_model_source(cfg.engine.tokenizer or cfg.engine.model, "engine.tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.trainer.backend == "megatron":
-        # Needs Python >= 3.12 and megatron-core (docs/megatron.md); the engine keeps the HF model.
+        # Needs Python >= 3.12 and megatron-core (docs/megatron.md). Every rank reads only its own
+        # shard of the checkpoint, one tensor at a time (GLM-5.2 does not fit one host); only an
+        # in-process engine needs the whole HF model.
+        from transformers import AutoConfig
+
+        from agentrl.train.megatron.hf_io import HFCheckpoint
         from agentrl.train.megatron.trainer import MegatronTrainer
 
-        trainer: Any = MegatronTrainer(
-            policy.config, cfg.trainer, cfg.trainer.megatron, hf_state=policy.state_dict()
-        )
+        with HFCheckpoint(model_dir) as hf_state:
+            trainer: Any = MegatronTrainer(
+                AutoConfig.from_pretrained(model_dir), cfg.trainer, cfg.trainer.megatron, hf_state=hf_state
+            )
+        policy = None
+        if cfg.engine.kind == "local":
+            policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
         policy = trainer.model
     engine = build_engine(cfg, policy, tokenizer)
