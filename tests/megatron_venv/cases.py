@@ -238,6 +238,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "vpp2": {"layers": 8, "pp": 2, "vpp": 2},  # interleaved: 1-2, 5-6 | 3-4, 7-8
     "cp2": {"cp": 2},  # every sequence split over two ranks (zigzag THD, all-gather CP in DSA)
     "cp2-ep2": {"cp": 2, "ep": 2},  # CP with experts spread over the CP ranks
+    # Four ranks (by hand, not in CI: four processes on a two-core machine):
+    "cp2-tp2": {"cp": 2, "tp": 2},  # CP with TP and sequence parallelism
+    "cp2-pp2": {"cp": 2, "pp": 2, "first_stage_layers": 3, "last_stage_layers": 1},
+    "cp2-dp2": {"cp": 2},  # CP inside each of two data-parallel replicas
 }
 
 

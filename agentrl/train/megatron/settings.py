@@ -18,6 +18,8 @@ class MegatronSettings:
 
     `tp`, `pp`, `cp`, `ep`, `etp` (expert TP; None: same as `tp`) are megatron-core's sizes;
     sequence parallelism is on whenever `tp > 1` (the absorbed MLA that DSA uses requires it).
+    `cp` splits every packed sequence over CP ranks (zigzag THD, DSA's all-gather CP; each
+    sequence is padded at its end to a multiple of 2 x cp).
     `first_stage_layers` / `last_stage_layers` make the pipeline ends uneven (GLM-5.2: 18 / 20 with
     PP4), `vpp` cuts each rank's layers into virtual stages. Every stage must start on a layer
     that computes its DSA indices (checked before the model is built).

@@ -6,17 +6,20 @@ step, per-token loss weights), old log-probs recomputed before any update, the G
 TIS / KL losses of `agentrl.algo`, a non-finite loss or gradient skips the optimizer step.
 
 What differs is the model side:
-- the model is megatron-core's (`agentrl.train.megatron.model`), sharded over TP / EP ranks;
+- the model is megatron-core's (`agentrl.train.megatron.model`), sharded over TP / PP / EP ranks;
 - each micro-batch runs packed without padding (THD: one row of all its sequences, positions and
   attention restarting at every `cu_seqlens` boundary); its log-probs are scattered back into the
   batch's [rows, length] layout, so the loss sees exactly what the torch backend's sees;
+- with context parallelism every sequence is split over the CP ranks in megatron's zigzag THD
+  layout (`PackedRows`); DSA's all-gather CP attends over the whole sequence, and the per-token
+  log-probs are all-gathered back before the loss, which every CP rank computes whole;
 - token log-probs and entropy come from the vocabulary-parallel LM head
   (`agentrl.algo.vocab_parallel_logprobs`: no [T, V] logits, no gathered vocabulary);
 - data-parallel ranks (world size / (TP x PP x CP)) share each optimizer step's micro-batches;
-  gradients are summed over them (expert weights over expert-DP ranks), then reduced over TP as
-  megatron's `finalize_model_grads` does (sum for sequence-parallel weights, mean for the DSA
-  indexer), and AdamW steps on every rank's shard (megatron's DDP and distributed optimizer are
-  CUDA-only and not used).
+  on CUDA megatron's DDP and (distributed) optimizer reduce and step (`ddp="megatron"`); on a
+  CPU the trainer's own path does (`ddp="local"`): gradients summed over DP x CP (expert weights
+  over expert-DP ranks), then reduced over TP as megatron's `finalize_model_grads` does (sum for
+  sequence-parallel weights, mean for the DSA indexer), and torch AdamW steps.
 
 Every rank calls the same methods with the same samples (SPMD); `export_weights` yields full HF
 tensors on every rank (only one of them needs to push them).
@@ -475,7 +478,7 @@ class MegatronTrainer:
                 data_iterator=[iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n)),
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=n,
-                seq_length=packed[0].model_inputs()[0].shape[1],
+                seq_length=packed[0].total,  # the global packed length: megatron divides by CP (and TP)
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
