@@ -129,6 +129,7 @@ def main() -> None:
                 p.data = p.data.to(torch.bfloat16)
     convert.load_hf_into(hf, model, stage_layers=layers, num_experts=cfg.n_routed_experts)
     loaded_names, loaded_bytes = set(hf.names_read), hf.bytes_read
+    rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = Path(args.out)
     if dist.get_rank() == 0:
         (out / "model").mkdir(parents=True, exist_ok=True)
@@ -173,6 +174,7 @@ def main() -> None:
         "stage_layers": layers,
         "read": read_summary(loaded_names, loaded_bytes),
         "compared": len(compared),
+        "maxrss_after_load_bytes": rss_after_load,
         "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     everyone: list[dict | None] = [None] * dist.get_world_size()
