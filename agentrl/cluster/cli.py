@@ -232,6 +232,9 @@ def make_app(recipe: Recipe) -> typer.Typer:
         convert: Annotated[bool, typer.Option("--convert/--no-convert", help="HF -> Megatron.")] = True,
         fp8_rollout: Fp8 = None,
         tp: Annotated[int, typer.Option(help="Conversion TP.")] = 1,
+        pp: Annotated[int, typer.Option(help="Conversion PP (each rank reads only its stage).")] = 1,
+        first_stage_layers: Annotated[int | None, typer.Option(help="Layers of the first stage.")] = None,
+        last_stage_layers: Annotated[int | None, typer.Option(help="Layers of the last stage.")] = None,
         ep: Annotated[int, typer.Option(help="Conversion EP.")] = 1,
         data: Annotated[bool, typer.Option("--data/--no-data", help="Download the dataset too.")] = True,
         dry_run: DryRun = False,
@@ -245,10 +248,14 @@ def make_app(recipe: Recipe) -> typer.Typer:
         src = model_source or HF_REPOS[model_name]
         fp8 = (recipe == "tbench2") if fp8_rollout is None else fp8_rollout
         hf_dir = Path(root) / "hf" / model_name
+        layout = Layout(
+            tp, pp, 1, ep, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers
+        )
         steps = [f"download {src} -> {hf_dir}", "validate config.json"]
         if convert:
             steps.append(
-                f"convert HF -> Megatron torch_dist (TP{tp} EP{ep}) -> {Path(root) / 'megatron' / model_name}"
+                f"convert HF -> Megatron torch_dist ({layout.short()}, {prep.conversion_ranks(layout)} ranks) "
+                f"-> {Path(root) / 'megatron' / model_name}"
             )
         if fp8:
             steps.append(f"block-FP8 copy -> {Path(root) / 'fp8' / model_name}")
@@ -262,9 +269,7 @@ def make_app(recipe: Recipe) -> typer.Typer:
             prep.validate_checkpoint(local, num_layers=ModelSpec.named(model_name).num_layers)
             typer.echo(f"validated {local}")
             if convert:
-                r = prep.convert_to_megatron(
-                    local, Path(root) / "megatron" / model_name, Layout(tp, 1, 1, ep)
-                )
+                r = prep.convert_to_megatron(local, Path(root) / "megatron" / model_name, layout)
                 typer.echo(
                     f"converted {r['hf_tensors']} tensors on {r['ranks']} ranks, round trip max |diff| {r['max_abs_diff']:.3g}"
                 )
