@@ -238,6 +238,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "vpp2": {"layers": 8, "pp": 2, "vpp": 2},  # interleaved: 1-2, 5-6 | 3-4, 7-8
     "cp2": {"cp": 2},  # every sequence split over two ranks (zigzag THD, all-gather CP in DSA)
     "cp2-ep2": {"cp": 2, "ep": 2},  # CP with experts spread over the CP ranks
+    # CP with the DSA indexer's KL loss on: sequences padded for CP, padding rows marked for it
+    "cp2-indexer-loss": {"cp": 2, "dsa_indexer_loss_coeff": 0.05, "reference": "4-indexer-loss"},
     # Four ranks (by hand, not in CI: four processes on a two-core machine):
     "cp2-tp2": {"cp": 2, "tp": 2},  # CP with TP and sequence parallelism
     "cp2-pp2": {"cp": 2, "pp": 2, "first_stage_layers": 3, "last_stage_layers": 1},
@@ -325,16 +327,26 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
     """One layout's GRPO step (by hand, or on the GPU machine): --tp/--ep/--pp/... as settings."""
     settings = dict(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, vpp=args.vpp, cp=args.cp)
     settings.update(first_stage_layers=args.first, last_stage_layers=args.last)
+    settings.update(dsa_indexer_loss_coeff=args.indexer_loss)
     return grads_step(layers=args.layers, save=args.save, reference=args.reference, **settings)
 
 
 def case_references(args: argparse.Namespace) -> dict[str, Any]:
     """The one-rank steps the layouts are compared with: the 4- and the 8-layer model."""
     out = {}
-    for layers in (4, 8):
-        path = str(Path(args.tmp) / f"reference-{layers}.pt")
-        out[str(layers)] = {"path": path, **grads_step(layers=layers, save=path)}
+    for name, settings in REFERENCES.items():
+        path = str(Path(args.tmp) / f"reference-{name}.pt")
+        out[name] = {"path": path, **grads_step(save=path, **settings)}
     return out
+
+
+# The one-rank steps (name -> settings) the layouts are compared with (a layout's "reference";
+# default: its number of layers).
+REFERENCES: dict[str, dict[str, Any]] = {
+    "4": {"layers": 4},
+    "8": {"layers": 8},
+    "4-indexer-loss": {"layers": 4, "dsa_indexer_loss_coeff": 0.05},
+}
 
 
 def case_layouts(args: argparse.Namespace) -> dict[str, Any]:
@@ -345,8 +357,9 @@ def case_layouts(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.layouts.split(","):
         settings = dict(LAYOUTS[name])
         layers = settings.pop("layers", 4)
+        reference = settings.pop("reference", str(layers))
         t0 = time.perf_counter()
-        ref = str(Path(args.reference_dir) / f"reference-{layers}.pt")
+        ref = str(Path(args.reference_dir) / f"reference-{reference}.pt")
         out[name] = {
             **grads_step(layers=layers, reference=ref, **settings),
             "seconds": time.perf_counter() - t0,
@@ -782,6 +795,7 @@ def main() -> None:
     parser.add_argument("--last", type=int, default=None)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--indexer-loss", type=float, default=None)
     parser.add_argument("--layouts", default="")
     parser.add_argument("--reference-dir")
     parser.add_argument("--save")

@@ -98,6 +98,8 @@ class PackedRows:
             ids.append(torch.zeros(pad, dtype=mb.input_ids.dtype, device=device))
         self.lengths = [int(n) for n in lengths]
         self.total = sum(self.lengths)
+        real = [torch.arange(n) < r for n, r in zip(self.lengths, [*self.real, 0], strict=False)]
+        self.real_mask = torch.cat(real).to(device)  # [T]: False on every padding token
         self.num_rows = mb.num_rows
         self.input_ids = torch.cat(ids)[None]
         self.position_ids = torch.cat([torch.arange(n, device=device) for n in self.lengths])[None]
@@ -126,17 +128,23 @@ class PackedRows:
             return self.input_ids, self.position_ids
         return self.input_ids[:, self.local], self.position_ids[:, self.local]
 
-    def packed_seq_params(self) -> Any:
+    def packed_seq_params(self, *, mark_padding: bool = False) -> Any:
+        """megatron's THD metadata. `mark_padding`: tell the DSA indexer loss which query rows are
+        padding (`real_token_mask_q`, read by `dsa_masking.extract_query_valid_rows_from_packed_seq_params`)
+        so that they add nothing to it, as if the sequences were unpadded."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         longest = max(self.lengths)
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
         )
+        if mark_padding:
+            params.real_token_mask_q = self.real_mask if self.cp == 1 else self.real_mask[self.local]
+        return params
 
     def targets(self) -> torch.Tensor:
         """Token t's target is token t + 1 of the same sequence (a sequence's last token has none:
@@ -410,6 +418,7 @@ class MegatronTrainer:
         group = self.tp_group
         tp_size = self.tp_size
         cp_group = self.cp_group
+        indexer_loss = bool(self.settings.dsa_indexer_loss_coeff)
 
         def head(targets: torch.Tensor) -> Any:
             def fn(hidden_states: torch.Tensor, output_layer: Any, **_: Any) -> Any:
@@ -440,7 +449,7 @@ class MegatronTrainer:
                 input_ids,
                 position_ids,
                 None,
-                packed_seq_params=rows.packed_seq_params(),
+                packed_seq_params=rows.packed_seq_params(mark_padding=indexer_loss),
                 output_processor=head(rows.targets()),
             )
 
