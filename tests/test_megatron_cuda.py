@@ -2,8 +2,9 @@
 DDP and distributed optimizer (the trainer's default on CUDA).
 
 Skipped without CUDA and megatron-core in this interpreter, so skipped in CI; meant for the GPU
-machine (Python 3.12 with the megatron-core wheel on PYTHONPATH: docs/megatron.md). Passed on one
-H200 (2026-12-01). The larger measurement is benchmarks/megatron_gpu.py.
+machine (Python 3.12 with the megatron-core wheel on PYTHONPATH: docs/megatron.md). Both tests
+passed on one H200 (2026-12-01; benchmarks/RESULTS.md). The larger measurement is
+benchmarks/megatron_gpu.py.
 """
 
 from __future__ import annotations
