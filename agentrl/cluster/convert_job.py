@@ -52,36 +52,6 @@ def read_summary(names: set[str], bytes_read: int) -> dict[str, object]:
     }
 
 
-def tp_replicated_sharded_state_dict(model: torch.nn.Module) -> dict:
-    """`model.sharded_state_dict()`, with every TP rank's copy of an unsharded dense tensor marked
-    as its own replica. megatron's duplicated plain `Linear` (the DSA indexer's projections, which
-    `agentrl.train.megatron.model` uses without TransformerEngine) builds its sharded tensors
-    without the TP group, so every TP rank claims TP replica 0 and torch_dist's save rejects the
-    checkpoint under TP > 1 ("Invalid access pattern")."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    sharded = model.sharded_state_dict()
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    if tp_rank == 0:
-        return sharded
-
-    def own_replica(x: object) -> object:
-        if (
-            isinstance(x, ShardedTensor)
-            and ".experts." not in x.key
-            and isinstance(x.replica_id, tuple)
-            and x.replica_id[1] == 0
-            and all(f == 1 for f in x.axis_fragmentations)
-        ):
-            x.replica_id = (x.replica_id[0], tp_rank, *x.replica_id[2:])
-        return x
-
-    dict_list_map_inplace(own_replica, sharded)
-    return sharded
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("--hf", "--out", "--report"):
@@ -134,7 +104,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         (out / "model").mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(tp_replicated_sharded_state_dict(model), str(out / "model"))
+    dist_checkpointing.save(model.sharded_state_dict(), str(out / "model"))
 
     # Round trip in the same model (no second copy): NaN everywhere, so a weight the load misses
     # cannot compare equal.
@@ -143,7 +113,7 @@ def main() -> None:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not convert._SKIP.search(key):
                 t.fill_(float("nan"))
     model.load_state_dict(
-        dist_checkpointing.load(tp_replicated_sharded_state_dict(model), str(out / "model")), strict=False
+        dist_checkpointing.load(model.sharded_state_dict(), str(out / "model")), strict=False
     )
     layout = "checkpoint" if any(_PER_EXPERT.search(n) for n in hf) else "stacked"
     expert_owner = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0

@@ -240,6 +240,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp2-ep2": {"cp": 2, "ep": 2},  # CP with experts spread over the CP ranks
     # CP with the DSA indexer's KL loss on: sequences padded for CP, padding rows marked for it
     "cp2-indexer-loss": {"cp": 2, "dsa_indexer_loss_coeff": 0.05, "reference": "4-indexer-loss"},
+    # torch_dist save at TP=2 and a resume in a fresh trainer (not a step against one rank)
+    "tp2-checkpoint": {"tp": 2, "checkpoint": True},
     # Four ranks (by hand, not in CI: four processes on a two-core machine):
     "cp2-tp2": {"cp": 2, "tp": 2},  # CP with TP and sequence parallelism
     "cp2-pp2": {"cp": 2, "pp": 2, "first_stage_layers": 3, "last_stage_layers": 1},
@@ -268,6 +270,14 @@ def grads_step(
         "grads": hf_grads(tr),
         "weights": {k: v.clone() for k, v in tr.hf_weights()},
     }
+    # The checkpoint layout's export (experts streamed one local slot at a time over EP / expert
+    # TP, never a layer's stack) equals the stacked export split per expert.
+    from agentrl.train.megatron import convert
+
+    streamed = dict(tr.hf_weights("checkpoint"))
+    split = dict(convert.checkpoint_layout(iter(result["weights"].items())))
+    exact_here = set(streamed) == set(split) and all(torch.equal(streamed[k], split[k]) for k in split)
+    checkpoint_layout_exact = _max_over_ranks(float(not exact_here)) == 0.0
     from megatron.core import parallel_state as ps
 
     out: dict[str, Any] = {
@@ -292,6 +302,8 @@ def grads_step(
         ],
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
+        "checkpoint_layout_exact": checkpoint_layout_exact,
+        "checkpoint_layout_tensors": len(streamed),
     }
     if tr.cp_size > 1:  # what each CP rank ran: its share of the first micro-batch's packed row
         rows = packed_rows_of(tr, batch.micro_batches[0])
@@ -356,9 +368,15 @@ def case_layouts(args: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for name in args.layouts.split(","):
         settings = dict(LAYOUTS[name])
+        t0 = time.perf_counter()
+        if settings.pop("checkpoint", False):
+            out[name] = {
+                **checkpoint_step(Path(args.tmp) / f"ckpt-{name}", **settings),
+                "seconds": time.perf_counter() - t0,
+            }
+            continue
         layers = settings.pop("layers", 4)
         reference = settings.pop("reference", str(layers))
-        t0 = time.perf_counter()
         ref = str(Path(args.reference_dir) / f"reference-{reference}.pt")
         out[name] = {
             **grads_step(layers=layers, reference=ref, **settings),
@@ -377,15 +395,44 @@ def _shape(layers: int) -> dict[str, Any]:
 
 def case_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     """torch_dist save after one step, load into a fresh trainer, both take the same next step."""
+    return checkpoint_step(Path(args.tmp) / "ckpt")
+
+
+def local_weights(tr: Any) -> dict[str, torch.Tensor]:
+    """This rank's own shards (every chunk's weights), as megatron holds them."""
+    from agentrl.train.megatron import convert
+
+    return {
+        f"{i}.{k}": v.detach().clone()
+        for i, chunk in enumerate(tr.chunks)
+        for k, v in chunk.state_dict().items()
+        if torch.is_tensor(v) and v.is_floating_point() and not convert._SKIP.search(k)
+    }
+
+
+def _max_over_ranks(x: float) -> float:
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def checkpoint_step(root: Path, **settings: Any) -> dict[str, Any]:
+    """One step, `save`, a fresh trainer with other initial weights `load`s it, both take the same
+    next step. Compared in HF layout (gathered) and on every rank's own shards (so a TP rank's
+    replicated weight, e.g. the DSA indexer's, that the load missed shows too)."""
     hf = tiny_hf()
-    root = Path(args.tmp) / "ckpt"
-    a = trainer(hf)
+    a = trainer(hf, **settings)
     a.train_step(samples(1))
     path = a.save(root, buffer_state={"step": 1, "rollout": {"cursor": 3}})
     saved = {k: v.clone() for k, v in a.hf_weights()}
-    b = trainer(tiny_hf(seed=7))  # other initial weights: the load must replace all of them
+    saved_local = local_weights(a)
+    b = trainer(tiny_hf(seed=7), **settings)  # other initial weights: the load must replace all of them
+    before_local = local_weights(b)
     state = b.load(root)
     loaded = {k: v.clone() for k, v in b.hf_weights()}
+    loaded_local = local_weights(b)
     ma = a.train_step(samples(2))
     mb = b.train_step(samples(2))
     after_a = dict(a.hf_weights())
@@ -396,9 +443,16 @@ def case_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         "latest": (root / "latest").read_text(),
         "state_step": state.step,
         "buffer_state": state.buffer_state,
+        "tp": a.tp_size,
         "loaded_max_abs_diff": max_diff(saved, loaded),
+        "local_loaded_max_abs_diff": _max_over_ranks(max_diff(saved_local, loaded_local)),
+        # What the load had to change on each rank (for scale: the fresh trainer's own init).
+        "local_init_min_max_abs_diff": -_max_over_ranks(
+            -min(float((saved_local[k] - before_local[k]).abs().max()) for k in saved_local)
+        ),
         "next_step_loss": [ma["loss"], mb["loss"]],
-        "after_next_step_max_abs_diff": max_diff(after_a, after_b),
+        "after_next_step_max_abs_diff": _max_over_ranks(max_diff(after_a, after_b)),
+        "local_after_next_step_max_abs_diff": _max_over_ranks(max_diff(local_weights(a), local_weights(b))),
         "steps": [a.step, b.step],
     }
 

@@ -217,10 +217,43 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
     )
 
 
-def _plain_linear() -> type:
-    from megatron.core.post_training.modelopt.layers import Linear
+_DUPLICATED_LINEAR: type | None = None
 
-    return Linear
+
+def _plain_linear() -> type:
+    """megatron's plain duplicated `Linear` (the DSA indexer's projections, the absorbed MLA's
+    down-projections), with a `sharded_state_dict` that gives each TP rank's copy its own replica
+    id. megatron's own (`post_training/modelopt/layers.py`, 0.19.2 line 175) builds its sharded
+    tensors with `tp_group=self.tp_group`, which is None for a duplicated linear, so every TP rank
+    claims TP replica 0 of the same tensor and `dist_checkpointing.save` rejects the checkpoint
+    under TP > 1 ("Invalid access pattern"). Here the TP rank goes into the replica id, as it does
+    for every other replicated weight (norms, the router): TP rank 0 writes, the others are
+    replicas. One class, made once (megatron matches the module class by identity)."""
+    global _DUPLICATED_LINEAR
+    if _DUPLICATED_LINEAR is not None:
+        return _DUPLICATED_LINEAR
+    from megatron.core import parallel_state as ps
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.transformer.utils import (
+        ensure_metadata_has_dp_cp_group,
+        make_sharded_tensors_for_checkpoint,
+    )
+
+    class DuplicatedLinear(Linear):
+        def sharded_state_dict(
+            self, prefix: str = "", sharded_offsets: Any = (), metadata: Any = None
+        ) -> Any:
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True),
+                prefix,
+                sharded_offsets=sharded_offsets,
+                tp_group=self.tp_group or ps.get_tensor_model_parallel_group(),
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+
+    _DUPLICATED_LINEAR = DuplicatedLinear
+    return DuplicatedLinear
 
 
 class SequenceParallelTorchNorm:
@@ -259,8 +292,9 @@ def spec_provider() -> Any:
     from megatron.core.transformer.experimental_attention_variant import absorbed_mla
 
     linear = _plain_linear()
-    # Without TE absorbed_mla binds its `Linear` to None and then refuses the plain linear.
-    if absorbed_mla.Linear is None:
+    # Without TE absorbed_mla binds its `Linear` to None and then refuses the plain linear; it
+    # accepts the down-projections' class by identity (`in [Linear, ...]`), so it gets ours.
+    if absorbed_mla.Linear is None or absorbed_mla.Linear is linear.__base__:
         absorbed_mla.Linear = linear
 
     class Provider(LocalSpecProvider):

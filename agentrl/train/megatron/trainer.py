@@ -330,12 +330,19 @@ class MegatronTrainer:
                     num_experts=self.hf_config.n_routed_experts,
                 )
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF tensors (names and shapes of `GlmMoeDsaForCausalLM`), gathered over TP / EP
-        ranks and, with pipeline stages, broadcast from the stage that holds them, so every rank
-        yields every tensor; every rank must iterate it to the end together.
+    def hf_weights(self, layout: str = "transformers") -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF tensors, gathered over TP / EP ranks and, with pipeline stages, broadcast from
+        the stage that holds them, so every rank yields every tensor; every rank must iterate it
+        to the end together. `layout`: "transformers", the names and shapes of
+        `GlmMoeDsaForCausalLM` (a layer's experts stacked: every EP rank holds all of that layer's
+        experts at once while they are yielded); "checkpoint", one tensor per expert and projection
+        as the checkpoint files name them, gathered one local expert slot at a time (at most EP
+        experts' worth held at once: what a large model's export needs).
         (The state dict's tensors are detached: no grad-mode switch that a paused generator
         would leak into its caller's thread.)"""
+        if layout not in ("transformers", "checkpoint"):
+            raise ConfigError(f"export layout {layout!r}: use 'transformers' or 'checkpoint'")
+        converted = "stacked" if layout == "transformers" else "checkpoint"
 
         def mine() -> Iterator[tuple[str, torch.Tensor]]:
             for chunk in self.chunks:
@@ -343,6 +350,7 @@ class MegatronTrainer:
                     chunk,
                     stage_layers=chunk.agentrl_stage_layers,
                     num_experts=self.hf_config.n_routed_experts,
+                    layout=converted,
                 )
 
         if self.pp_size == 1:
@@ -375,9 +383,9 @@ class MegatronTrainer:
         most `bucket_bytes`, floating tensors cast to `dtype`; with `settings.export_quantization`
         the decoder's linear weights as block FP8 plus their scales (the rest in `dtype`, bf16 by
         default)."""
-        named = self.hf_weights()
-        if self.settings.export_layout == "checkpoint":
-            named = convert.checkpoint_layout(named)
+        # The checkpoint layout streams experts one at a time from the shards (never a layer's
+        # stacked experts: ~19 GB in bf16 per GLM-5.2 layer on every EP rank).
+        named = self.hf_weights(self.settings.export_layout)
         if self.settings.export_quantization == "fp8_block128":
             from agentrl.train.megatron.fp8 import quantize_named
 
