@@ -58,68 +58,118 @@ from agentrl.train.batch import build_batch, with_advantages  # noqa: E402
 from agentrl.train.config import TrainConfig  # noqa: E402
 
 
-def tiny_config(args: argparse.Namespace) -> Any:
-    """`--tiny`: the CI test model's shape (4 layers: 1 dense + 3 MoE with 4 experts top-2 and a
-    shared expert, MLA, DSA top-k 4 with index sharing: layers 1, 2, 4 compute, 3 reuses 2's)."""
+def model_config(args: argparse.Namespace) -> Any:
+    """The `glm_moe_dsa` model the run builds. Default: 8 layers (1 dense + 7 MoE), hidden 1024,
+    16 experts top-4 + a shared expert, MLA, DSA top-k 64 with index sharing (frequency 2: layers
+    1, 2, 4, 6, 8 compute their indices, 3, 5, 7 reuse them). `--layers/--experts/--hidden/...`
+    resize it (issue 23: `--layers 16 --experts 32`, index sharing kept). `--tiny`: the CI test
+    model's shape (hidden 64, 4 layers: 1 dense + 3 MoE with 4 experts top-2, DSA top-k 4), whose
+    layer and expert counts the same flags change."""
     from transformers import GlmMoeDsaConfig
 
+    tiny = args.tiny
+    layers = args.layers or (4 if tiny else 8)
+    hidden = args.hidden or (64 if tiny else 1024)
+    heads = 4 if tiny else max(hidden // 64, 1)
     return GlmMoeDsaConfig(
         vocab_size=args.vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=128 if tiny else hidden * 11 // 4,
+        moe_intermediate_size=32 if tiny else hidden // 2,
+        num_hidden_layers=layers,
+        first_k_dense_replace=args.dense_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        index_topk=4,
-        index_head_dim=16,
-        index_n_heads=8,
-        index_topk_freq=2,
+        n_routed_experts=args.experts or (4 if tiny else 16),
+        num_experts_per_tok=args.experts_per_token or (2 if tiny else 4),
+        kv_lora_rank=16 if tiny else 256,
+        q_lora_rank=32 if tiny else 512,
+        qk_rope_head_dim=8 if tiny else 32,
+        qk_nope_head_dim=16 if tiny else 64,
+        v_head_dim=16 if tiny else 64,
+        index_topk=args.index_topk or (4 if tiny else 64),
+        index_head_dim=16 if tiny else 64,
+        index_n_heads=8 if tiny else 16,
+        index_topk_freq=args.index_topk_freq,
         index_skip_topk_offset=2,
-        max_position_embeddings=256,
+        max_position_embeddings=256 if tiny else 4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
 
-def small_config(args: argparse.Namespace) -> Any:
-    """8 layers (1 dense + 7 MoE), hidden 1024, 16 experts top-4 + a shared expert, MLA, DSA top-k
-    64 with index sharing (layers 1, 2, 4, 6, 8 compute their indices; 3, 5, 7 reuse them)."""
-    from transformers import GlmMoeDsaConfig
+def model_summary(cfg: Any) -> dict[str, Any]:
+    return {
+        "layers": cfg.num_hidden_layers,
+        "dense_layers": cfg.first_k_dense_replace,
+        "hidden": cfg.hidden_size,
+        "experts": cfg.n_routed_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "index_topk": cfg.index_topk,
+        "index_topk_freq": cfg.index_topk_freq,
+        "vocab": cfg.vocab_size,
+    }
 
-    return GlmMoeDsaConfig(
-        vocab_size=args.vocab,
-        hidden_size=1024,
-        intermediate_size=2816,
-        moe_intermediate_size=512,
-        num_hidden_layers=8,
-        first_k_dense_replace=1,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        n_shared_experts=1,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        kv_lora_rank=256,
-        q_lora_rank=512,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        index_topk=64,
-        index_head_dim=64,
-        index_n_heads=16,
-        index_topk_freq=2,
-        index_skip_topk_offset=2,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+
+def valid_splits(cfg: Any, pp: int) -> list[tuple[int, int]]:
+    """Every (first, last) stage size whose pipeline split `check_pipeline_split` accepts (the
+    middle stages share the rest evenly)."""
+    from agentrl.train.megatron.plan import PipelineSplitError, check_pipeline_split, pipeline_layout
+
+    out = []
+    n = cfg.num_hidden_layers
+    for first in range(1, n):
+        for last in range(1, n - first + 1):
+            try:
+                check_pipeline_split(
+                    cfg, pipeline_layout(n, pp, first_stage_layers=first, last_stage_layers=last)
+                )
+            except PipelineSplitError:
+                continue
+            out.append((first, last))
+    return out
+
+
+def check_split(cfg: Any, args: argparse.Namespace, parallel: dict[str, Any], lead: bool) -> dict[str, Any]:
+    """The pipeline split and the expert split, checked (and printed) before any weight exists:
+    a stage that starts on a layer reusing an earlier stage's DSA indices is refused here."""
+    from agentrl.train.megatron.model import layout_of
+    from agentrl.train.megatron.plan import (
+        ModelConfigError,
+        PipelineSplitError,
+        check_pipeline_split,
+        computing_layers,
     )
+    from agentrl.train.megatron.settings import MegatronSettings
+
+    info: dict[str, Any] = {"computing_layers": computing_layers(cfg)}
+    if args.pp > 1:
+        info["valid_first_last_stage_layers"] = valid_splits(cfg, args.pp)
+    if cfg.n_routed_experts % args.ep:
+        raise ModelConfigError(
+            f"--ep {args.ep} does not divide the {cfg.n_routed_experts} routed experts: "
+            f"pick an expert count (--experts) that it divides"
+        )
+    layout = layout_of(cfg, MegatronSettings(**parallel))
+    info["stage_layers"] = [[i + 1 for i in st] for st in layout.stages]
+    if lead:
+        print(f"model {model_summary(cfg)}", flush=True)
+        print(f"DSA: layers {info['computing_layers']} compute their indices (a stage may start there)")
+        if args.pp > 1:
+            print(
+                f"valid (--first-stage-layers, --last-stage-layers) at --pp {args.pp}: "
+                f"{info['valid_first_last_stage_layers']}",
+                flush=True,
+            )
+        print(f"stages {info['stage_layers']}", flush=True)
+    try:
+        check_pipeline_split(cfg, layout)
+    except PipelineSplitError as exc:
+        raise PipelineSplitError(
+            f"refused before building: {exc}. Valid (first, last) stage sizes at --pp {args.pp}: "
+            f"{info.get('valid_first_last_stage_layers')}"
+        ) from None
+    return info
 
 
 def hf_model(cfg: Any, seed: int = 0) -> Any:
@@ -142,9 +192,13 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def parity(tr: Any, hf: Any | None, samples: list[Sample]) -> dict[str, float] | None:
+def parity(
+    tr: Any, hf: Any | None, samples: list[Sample], keep: dict[int, list[float]] | None = None
+) -> dict[str, float] | None:
     """Packed Megatron log-probs vs the HF model, row by row, on the trainer's micro-batches.
-    Every rank runs the trainer's forward (collectives); rank 0 (`hf` given) compares."""
+    Every rank runs the trainer's forward (collectives); rank 0 (`hf` given) compares. `keep`:
+    filled with the trainer's log-probs per sample (by its index in `samples`), on every rank."""
+    index = {tuple(s.tokens): i for i, s in enumerate(samples)}
     batch = build_batch(samples, max_tokens_per_micro_batch=tr.config.max_tokens_per_micro_batch)
     for chunk in tr.chunks:
         chunk.eval()
@@ -154,6 +208,9 @@ def parity(tr: Any, hf: Any | None, samples: list[Sample]) -> dict[str, float] |
         for mb in batch.micro_batches:
             mb = mb.to(tr.device)
             logp = tr.logprobs(mb)[0]
+            for r in range(mb.num_rows if keep is not None else 0):
+                n = int(mb.attention_mask[r].sum())
+                keep[index[tuple(mb.input_ids[r, :n].tolist())]] = logp[r, 1:n].float().cpu().tolist()
             if hf is None:
                 continue
             for r in range(mb.num_rows):
@@ -280,14 +337,198 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
-def max_over_ranks(x: float, device: torch.device) -> float:
+def compare_rows(a: dict[Any, list[float]], b: dict[Any, list[float]]) -> dict[str, float]:
+    """Max / mean abs difference of two sets of per-sample log-prob rows (same keys, same lengths)."""
+    if sorted(map(str, a)) != sorted(map(str, b)):
+        raise ValueError(f"different samples: {sorted(a)[:4]}... vs {sorted(b)[:4]}...")
+    worst = total = 0.0
+    count = 0
+    for k, row in a.items():
+        other = b[k] if k in b else b[str(k)]
+        if len(row) != len(other):
+            raise ValueError(f"sample {k}: {len(row)} vs {len(other)} log-probs")
+        d = (torch.tensor(row) - torch.tensor(other)).abs()
+        worst = max(worst, float(d.max()))
+        total += float(d.sum())
+        count += len(row)
+    return {"max_abs_diff": worst, "mean_abs_diff": total / max(count, 1), "tokens": count}
+
+
+def load_reference(path: str, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The probe log-probs of an earlier run (normally one rank, no torchrun) on the same weights:
+    the same model shape, seed-built weights and probe, else the comparison means nothing."""
+    ref = json.loads(Path(path).read_text())
+    if "probe_logprobs" not in ref:
+        raise SystemExit(f"--reference-json {path}: no probe_logprobs (written by this script's --json)")
+    mine = model_summary(cfg)
+    if ref.get("model") != mine or ref["args"].get("probe_len") != args.probe_len:
+        raise SystemExit(
+            f"--reference-json {path} is another model or probe: {ref.get('model')} probe "
+            f"{ref['args'].get('probe_len')} vs this run's {mine} probe {args.probe_len}"
+        )
+    return ref
+
+
+def peak_memory_per_rank(device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's peak (GPU: torch's allocated maximum and what the allocator reserved)."""
+    import socket
+
     import torch.distributed as dist
 
+    mine: dict[str, Any] = {"rank": rank(), "host": socket.gethostname(), "peak_gib": peak_memory_gib(device)}
+    if device.type == "cuda":
+        mine["device"] = f"cuda:{device.index}"
+        mine["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return x
-    t = torch.tensor(x, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_engine_model(hf: Any, directory: Path) -> None:
+    """The initial weights as a transformers directory for `agentrl engine serve`, with a word-level
+    tokenizer of the model's vocabulary (the benchmark sends token ids; the server loads one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf.save_pretrained(directory)
+    vocab = {f"<t{i}>": i for i in range(hf.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>", pad_token="<t0>", eos_token="<t1>")
+    fast.save_pretrained(directory)
+
+
+def start_engine(model_dir: Path, port: int, device: str) -> Any:
+    """`agentrl engine serve` in its own process (the same interpreter and source tree)."""
+    import subprocess
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # not a member of the trainer's torchrun job
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", str(model_dir)]
+    cmd += ["--port", str(port), "--device", device, "--no-request-log"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_engine(server: Any, url: str, timeout: float = 600) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"engine serve did not start: {server.stdout.read()[-3000:]}") from None
+            time.sleep(0.5)
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 600) -> Any:
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def engine_logprobs(url: str, samples: list[Sample]) -> tuple[dict[int, list[float]], set[str]]:
+    """The engine's log-probs of each sample's tokens (SGLang /generate, `logprob_start_len` 0) and
+    the weight versions that served them."""
+    rows, versions = {}, set()
+    for i, s in enumerate(samples):
+        body = {
+            "input_ids": s.tokens,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        meta = post(url + "/generate", body)["meta_info"]
+        rows[i] = [float(e[0]) for e in meta["input_token_logprobs"]][1:]
+        versions.add(str(meta.get("weight_version")))
+    return rows, versions
+
+
+def engine_export(
+    tr: Any,
+    url: str | None,
+    model_dir: Path | None,
+    transports: list[str],
+    probe: list[Sample],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Per transport: the engine set back to the initial weights (`/update_weights_from_disk`,
+    version 0), its log-probs against the trainer's (they differ: the trainer has trained), then
+    the trainer's export pushed through the library's transport (`agentrl.train.weight_sync`, as
+    `agentrl.runtime` builds it) and the log-probs compared again. Every rank iterates the export
+    (its gathers are collectives); rank 0 (`url` given) pushes and compares."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from agentrl.engine.sglang import SGLangEngine
+    from agentrl.train import weight_sync as ws
+
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    trainer_rows: dict[int, list[float]] = {}
+    parity(tr, None, probe, trainer_rows)
+    out: dict[str, Any] = {}
+    for i, name in enumerate(transports):
+        version = 100 + i
+        if url is None:
+            for _ in tr.export_weights(dtype):  # rank 0 pushes; the gathers need every rank
+                pass
+            if multi:
+                dist.barrier()
+            continue
+        post(url + "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "0"})
+        before, _ = engine_logprobs(url, probe)
+
+        async def push(name: str = name, version: int = version) -> float:
+            engine = SGLangEngine([url])
+            await engine.refresh_weight_version()
+            if name == "tensor":
+                transport: Any = ws.TensorTransport([engine])
+            else:
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                transport = ws.DistributedTransport([engine], master_port=free_port(), backend=backend)
+            t0 = time.perf_counter()
+            try:
+                await transport.push(tr.export_weights(dtype), version=version)
+                synchronize(device)
+                return time.perf_counter() - t0
+            finally:
+                await transport.aclose()
+                await engine.aclose()
+
+        seconds = asyncio.run(push())
+        after, versions = engine_logprobs(url, probe)
+        out[name] = {
+            "push_seconds": seconds,
+            "version_served": sorted(versions),
+            "engine_vs_trainer_before_push": compare_rows(before, trainer_rows),
+            "engine_vs_trainer_after_push": compare_rows(after, trainer_rows),
+        }
+        print(f"engine export {name}: {json.dumps(out[name])}", flush=True)
+        if multi:
+            dist.barrier()
+    return out
 
 
 def main() -> None:
@@ -310,25 +551,62 @@ def main() -> None:
     parser.add_argument("--probe-len", type=int, default=320, help="parity probe length (> the DSA top-k)")
     parser.add_argument("--mb-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --tiny: 4)")
+    parser.add_argument("--dense-layers", type=int, default=1, help="leading dense layers")
+    parser.add_argument("--experts", type=int, default=None, help="routed experts (default 16; --tiny: 4)")
+    parser.add_argument("--experts-per-token", type=int, default=None, help="default 4 (--tiny: 2)")
+    parser.add_argument("--hidden", type=int, default=None, help="default 1024 (--tiny: 64)")
+    parser.add_argument("--index-topk", type=int, default=None, help="DSA top-k (default 64; --tiny: 4)")
+    parser.add_argument("--index-topk-freq", type=int, default=2, help="DSA index sharing: 1 = none")
+    parser.add_argument(
+        "--reference-json",
+        help="a --json of an earlier run on the same model (normally one rank): its probe log-probs "
+        "are compared with this run's (fp32 and training dtype)",
+    )
+    parser.add_argument(
+        "--engine-export",
+        default="",
+        help="comma list of 'tensor', 'distributed': after training, push the trainer's weights into an "
+        "`agentrl engine serve` process on this host through each, then compare its log-probs",
+    )
+    parser.add_argument(
+        "--engine-device",
+        default=None,
+        help="the engine's device (default: cpu; GPU: cuda:1 when there are 2+)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check and print the model, split and layout, then stop"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    transports = [t for t in args.engine_export.split(",") if t]
+    if set(transports) - {"tensor", "distributed"}:
+        parser.error(f"--engine-export {args.engine_export}: give tensor, distributed or both")
     if args.vocab is None:
         args.vocab = 128 if args.tiny else 16384
     on_gpu = args.device == "cuda"
-    if on_gpu and not torch.cuda.is_available():
+    if on_gpu and not torch.cuda.is_available() and not args.dry_run:
         parser.error("--device cuda: no GPU here (use --device cpu --tiny to check the code path)")
     if not on_gpu:
         torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
-    if on_gpu:
+    if on_gpu and not args.dry_run:
         torch.cuda.set_device(device)
     lead = rank() == 0
+    if args.engine_device is None:
+        args.engine_device = (
+            "cpu" if not on_gpu else ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+        )
+    if on_gpu and "distributed" in transports and args.engine_device in ("cuda", "cuda:0"):
+        parser.error(
+            "--engine-export distributed on GPUs: NCCL refuses two members of the weight-update group "
+            "on one GPU, and the trainer's rank 0 is on cuda:0: give --engine-device cuda:1 (2+ GPUs)"
+        )
 
     import torch.distributed as dist
 
     from agentrl.algo import LossConfig
     from agentrl.train.megatron.settings import MegatronSettings
-    from agentrl.train.megatron.trainer import MegatronTrainer
 
     parallel = dict(
         tp=args.tp,
@@ -339,18 +617,38 @@ def main() -> None:
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
     )
-    cfg = tiny_config(args) if args.tiny else small_config(args)
-    from agentrl.train.megatron.model import layout_of
-    from agentrl.train.megatron.plan import check_pipeline_split
-
-    check_pipeline_split(cfg, layout_of(cfg, MegatronSettings(**parallel)))  # before any weight exists
-    hf = hf_model(cfg)  # every rank: the trainer's initial weights (each keeps its shard)
+    cfg = model_config(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    split = check_split(cfg, args, parallel, lead)  # before any weight exists
+    model_parallel = args.tp * args.pp * args.cp
+    if world % model_parallel or (world // model_parallel * args.tp * args.cp) % (
+        args.ep * (args.etp or args.tp)
+    ):
+        parser.error(
+            f"{world} rank(s) do not fit TP {args.tp} x PP {args.pp} x CP {args.cp} with EP {args.ep} x "
+            f"expert TP {args.etp or args.tp}: ranks = TP x PP x CP x DP, and EP x expert TP must divide TP x CP x DP"
+        )
+    reference = load_reference(args.reference_json, cfg, args) if args.reference_json else None
+    if args.dry_run:
+        if lead:
+            print(f"dry run: {world} rank(s), DP {world // model_parallel}: the split and layout are valid")
+        return
+    from agentrl.train.megatron.trainer import MegatronTrainer
+
+    hf = hf_model(cfg)  # every rank: the trainer's initial weights (each keeps its shard)
     result: dict[str, Any] = {
         "args": vars(args),
+        "model": model_summary(cfg),
+        "split": split,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "world_size": world,
     }
+    server = url = model_dir = None
+    if transports and lead:  # the engine starts while the trainer builds
+        model_dir = Path(tempfile.mkdtemp(prefix="megatron-bench-engine-"))
+        write_engine_model(hf, model_dir)
+        url = f"http://127.0.0.1:{free_port()}"
+        server = start_engine(model_dir, int(url.rsplit(":", 1)[1]), args.engine_device)
     probe = random_samples(cfg, 8, args.probe_len, seed=5)  # longer than top-k: DSA selects
     if lead:
         hf = hf.to(device)
@@ -363,7 +661,8 @@ def main() -> None:
         hf_state=hf.state_dict(),
     )
     result["fp32_build_seconds"] = time.perf_counter() - t0
-    result["fp32_parity"] = parity(fp32, hf if lead else None, probe)
+    probe_fp32: dict[int, list[float]] = {}
+    result["fp32_parity"] = parity(fp32, hf if lead else None, probe, probe_fp32)
     if lead:
         print("fp32 parity", result["fp32_parity"], flush=True)
     del fp32
@@ -411,7 +710,16 @@ def main() -> None:
         hf32 = hf_model(cfg).to(device)  # the same weights, kept in fp32: the yardstick for bf16
     else:
         del hf
-    result["train_parity"] = parity(tr, engine, probe)
+    probe_train: dict[int, list[float]] = {}
+    result["train_parity"] = parity(tr, engine, probe, probe_train)
+    result["probe_logprobs"] = {"fp32": probe_fp32, "train": probe_train}
+    if reference is not None:  # the same seed-built weights in an earlier (1-rank) run
+        result["vs_reference"] = {
+            k: compare_rows(result["probe_logprobs"][k], reference["probe_logprobs"][k])
+            for k in ("fp32", "train")
+        }
+        if lead:
+            print("vs reference run", result["vs_reference"], flush=True)
     if lead:
         result["train_vs_hf_fp32"] = parity(tr, hf32, probe)
         if on_gpu:
@@ -458,6 +766,22 @@ def main() -> None:
     if lead:
         print("parity after training (engine = synced weights)", result["parity_after_training"])
 
+    if transports:
+        try:
+            if lead:
+                wait_engine(server, url)
+            result["engine_export"] = engine_export(
+                tr, url, model_dir, transports, probe, args, device, engine_dtype
+            )
+        finally:
+            if server is not None:
+                server.terminate()
+                try:
+                    server.wait(timeout=30)
+                except Exception:
+                    server.kill()
+                shutil.rmtree(model_dir, ignore_errors=True)
+
     # torch_dist checkpoint: save, step, load, the same step again (one directory for every rank).
     box: list[Any] = [tempfile.mkdtemp(prefix="megatron-bench-") if lead else None]
     if world > 1:
@@ -484,13 +808,15 @@ def main() -> None:
         print("checkpoint", result.get("checkpoint_resume_max_abs_diff", result.get("checkpoint_error")))
     losses = [r["loss"] for r in rows]
     result["all_finite"] = all(math.isfinite(x) for x in losses)
-    result["peak_memory_gib_rank0"] = peak_memory_gib(device)
-    result["peak_memory_gib_max_rank"] = max_over_ranks(peak_memory_gib(device), device)
+    result["peak_memory_per_rank"] = peak_memory_per_rank(device)
+    result["peak_memory_gib_max_rank"] = max(r["peak_gib"] for r in result["peak_memory_per_rank"])
     result["peak_memory_kind"] = "cuda max_memory_allocated" if on_gpu else "CPU max resident set"
     if lead:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-        print(json.dumps({k: v for k, v in result.items() if k != "steps"}, default=str))
+        print(
+            json.dumps({k: v for k, v in result.items() if k not in ("steps", "probe_logprobs")}, default=str)
+        )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
