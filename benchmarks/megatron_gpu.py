@@ -121,11 +121,12 @@ def valid_splits(cfg: Any, pp: int) -> list[tuple[int, int]]:
     for first in range(1, n):
         for last in range(1, n - first + 1):
             try:
-                check_pipeline_split(
-                    cfg, pipeline_layout(n, pp, first_stage_layers=first, last_stage_layers=last)
-                )
+                layout = pipeline_layout(n, pp, first_stage_layers=first, last_stage_layers=last)
+                check_pipeline_split(cfg, layout)
             except PipelineSplitError:
                 continue
+            if not all(layout.stages):
+                continue  # an empty middle stage
             out.append((first, last))
     return out
 
@@ -458,7 +459,7 @@ def engine_logprobs(url: str, samples: list[Sample]) -> tuple[dict[int, list[flo
             "logprob_start_len": 0,
         }
         meta = post(url + "/generate", body)["meta_info"]
-        rows[i] = [float(e[0]) for e in meta["input_token_logprobs"]][1:]
+        rows[i] = [float(e[0]) for e in meta["input_token_logprobs"][1:]]  # the first has none
         versions.add(str(meta.get("weight_version")))
     return rows, versions
 
