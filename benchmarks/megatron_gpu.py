@@ -11,6 +11,20 @@ Run on a CUDA machine with megatron-core 0.19 importable (docs/megatron.md):
 
 (`--pp 2` needs a split whose second stage starts on a layer that computes its DSA indices: the
 8-layer model's layers 1, 2, 4, 6, 8 do, so 5 | 3 or 3 | 5; an even 4 | 4 split is refused.)
+
+Issue 23 (4 and 8 GPUs): `--layers 16 --experts 32` (index sharing kept: layers 1, 2, 4, ..., 16
+compute), e.g. `--pp 4 --first-stage-layers 5 --last-stage-layers 3` (stages start on 1, 6, 10,
+14; the even 4 | 4 | 4 | 4 is refused), `--ep 4`, `--tp 2 --pp 2 --ep 2 --first-stage-layers 9
+--last-stage-layers 7` on 8. `--dry-run` checks and prints the split (the computing layers, every
+valid `--first-stage-layers/--last-stage-layers` pair, the stages) and the rank layout, then stops:
+it needs neither megatron nor torchrun (set WORLD_SIZE). `--reference-json one.json` compares the
+probe log-probs with an earlier run's (a 1-GPU run on the same seed-built weights). `--engine-export
+tensor,distributed` starts `agentrl engine serve` on this host (`--engine-device`, default cuda:1
+on a GPU host: NCCL refuses two group members on one GPU), and after training, per transport: the
+engine is set back to the initial weights, the trainer's export is pushed through
+`agentrl.train.weight_sync`'s transport, and the engine's log-probs of the probe are compared with
+the trainer's (before the push too, so a push that did nothing shows). The commands are in
+benchmarks/RESULTS.md.
 `--device cpu --tiny` runs the same code over gloo with a tiny model (fp32, the local gradient
 reduction: megatron's DDP needs CUDA), which is how the multi-rank path is checked without a GPU.
 
@@ -26,7 +40,7 @@ In one go, printed side by side (rank 0 prints and writes `--json`; every rank r
 3. a `torch_dist` checkpoint of the model and the optimizer: save, step, load, the same step
    again: the weights after both must be equal.
 Per step: loss, mismatch KL, reward, gradient norm, rollout and train seconds, train tokens/s;
-at the end the peak memory of the busiest rank (GPU: allocated; CPU: resident set).
+at the end every rank's peak memory (GPU: allocated and reserved; CPU: resident set).
 """
 
 from __future__ import annotations
