@@ -345,7 +345,7 @@ def image_exists(cli: str, image: str) -> bool:
     return _run(cli, "image", "inspect", image, check=False, timeout=60).returncode == 0
 
 
-def _rootfs_tarball(recipe: BaseRecipe, cache: Path, log) -> Path:  # type: ignore[no-untyped-def]
+def _rootfs_tarball(recipe: BaseRecipe, cache: Path, log) -> Path:
     tarball = cache / f"rootfs-{recipe.suite}-{recipe.variant}-{recipe.digest}.tar"
     if tarball.exists():
         return tarball
@@ -382,7 +382,7 @@ def _pullable(cli: str, name: str) -> bool:
 
 def build_standin(
     *, cli: str = "podman", recipe: BaseRecipe | None = None, cache: Path | None = None, log=print
-) -> str:  # type: ignore[no-untyped-def]
+) -> str:
     """Build the stand-in of `recipe` (default: the root family; a language family builds the
     root first) only under its own name, unless it exists with this recipe's label."""
     from agentrl.progress import progress_bar
@@ -427,7 +427,7 @@ def ensure_standins(
     dockerfile: str,
     *,
     cli: str = "podman",
-    log=None,  # type: ignore[no-untyped-def]
+    log=None,
 ) -> list[str]:
     """Build the stand-in families a Dockerfile needs, and only those: a family whose stand-in is
     missing is built when a `FROM` it serves names an image that is neither local nor pullable.
@@ -461,7 +461,7 @@ def build_bases(
     try_pull: bool = True,
     families: tuple[str, ...] = (),
     cache: Path | None = None,
-    log=print,  # type: ignore[no-untyped-def]
+    log=print,
 ) -> dict[str, str]:
     """Build the root stand-in (and the language `families` asked for; task builds build any
     other one when a task needs it) and say how each base name in their recipes will be served.

@@ -11,9 +11,11 @@ import math
 import os
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.errors import TaskFormatError
+
+_T = TypeVar("_T")
 
 NETWORK_MODES = ("no-network", "public", "allowlist")
 
@@ -284,13 +286,11 @@ def _healthcheck(file: str, env: _Reader, unknown: list[str]) -> HealthcheckConf
         raise hc.err("command", "a healthcheck needs a command", 'e.g. command = "curl -fsS localhost:8000"')
     config = HealthcheckConfig(
         command=command,
-        interval_sec=hc.number("interval_sec") if table.get("interval_sec") is not None else 5.0,
+        interval_sec=_or(hc.number("interval_sec"), 5.0),
         timeout_sec=hc.number("timeout_sec", positive=True) or 30.0,
         start_period_sec=hc.number("start_period_sec") or 0.0,
-        start_interval_sec=hc.number("start_interval_sec")
-        if table.get("start_interval_sec") is not None
-        else 5.0,
-        retries=hc.integer("retries") if table.get("retries") is not None else 3,
+        start_interval_sec=_or(hc.number("start_interval_sec"), 5.0),
+        retries=_or(hc.integer("retries"), 3),
     )
     hc.finish()
     return config
@@ -463,3 +463,8 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         deprecations=tuple(deprecations),
         steps=steps,
     )
+
+
+def _or(value: _T | None, default: _T) -> _T:
+    """A value read from task.toml, or the default where the key is absent."""
+    return default if value is None else value

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict
 
@@ -37,7 +37,7 @@ class TrainConfig:
     num_minibatches: int = 1
     normalize_adv_std: bool = True
     logprob_chunk_size: int | None = 1024
-    logprob_impl: str = "auto"
+    logprob_impl: Literal["auto", "fused", "chunked"] = "auto"
     temperature: float = 1.0
     gradient_checkpointing: bool = False
     dtype: str = "auto"

@@ -726,7 +726,7 @@ class MegatronTrainer:
 
             finalize_model_grads(self.train_chunks, None)
             finite = all(
-                bool(torch.isfinite(p.main_grad).all())
+                bool(torch.isfinite(p.main_grad).all())  # type: ignore[attr-defined]
                 for p in self._params()
                 if getattr(p, "main_grad", None) is not None
             )
