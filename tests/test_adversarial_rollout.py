@@ -1,4 +1,4 @@
-"""A 20-step rollout through the real rollout manager, episode runner, agent loop, verifier and
+"""A 12-step rollout through the real rollout manager, episode runner, agent loop, verifier and
 podman sandboxes, with a scripted model that answers one sample of every group honestly and the
 other with an attack: every hostile episode is a policy failure (reward 0, with its cause), every
 honest one scores 1, the run never stops, and no container is left behind."""
@@ -44,7 +44,7 @@ HOSTILE = [
         "system_files",
     ),
 ]
-STEPS = 20
+STEPS = 12  # 24 hostile episodes: every attack's cause is seen (asserted below)
 
 
 def plan(session_id: str | None, turn: int, input_ids: list[int]) -> str:
@@ -58,7 +58,7 @@ def plan(session_id: str | None, turn: int, input_ids: list[int]) -> str:
     return fenced(HOSTILE[sum(group.encode()) % len(HOSTILE)][0])
 
 
-async def test_twenty_steps_mixing_hostile_and_honest_episodes() -> None:
+async def test_twelve_steps_mixing_hostile_and_honest_episodes() -> None:
     run_id = f"adv-roll-{uuid.uuid4().hex[:8]}"
     tok = byte_tokenizer()
     engine = ScriptedEngine(plan, tok)
