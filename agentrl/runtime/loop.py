@@ -169,6 +169,7 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
         rollout_state = state.buffer_state.get("rollout")
         if evals_path.exists():
             evals = [e for e in json.loads(evals_path.read_text()) if e.get("step", 0) <= start_step]
+        keep_metrics_through(metrics_path, start_step)
         _report(reporter, f"resumed from {ckpt_root} at step {start_step}")
         # The checkpoint holds the weights of step N, which were version N (one per step): the
         # engines serve them under that version again, so versions keep counting steps.
@@ -302,3 +303,23 @@ async def evaluate_engine(
     finally:
         await env.aclose()
         await engine.aclose()
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Drop the metrics rows after `step` (and a row cut short) before a resumed run appends: a
+    crash between a step's metrics row and its checkpoint leaves a row the resumed run redoes."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
