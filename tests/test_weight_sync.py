@@ -213,3 +213,46 @@ async def test_a_hanging_engine_times_out_as_a_weight_sync_error_naming_it(tiny,
     finally:
         await good.aclose()
         await hang.aclose()
+
+
+async def test_the_distributed_group_is_formed_again_when_a_server_restarts_or_goes(tiny) -> None:
+    """A server restarted on its address (a new process with its launch weights, not a member of
+    the group) or gone: the next push forms the group again from the servers that answer, under
+    a new name (SGLang refuses a name it holds), destroys the old one on the survivors, and the
+    restarted server gets the whole model and the version."""
+    model, tok = tiny
+    port_b = free_port()
+    engines = [LocalEngine(copy.deepcopy(model), tok) for _ in range(3)]
+    async with EngineServer(engines[0], port=0) as a:
+        fleet = SGLangEngine([a.url, f"http://127.0.0.1:{port_b}"], retries=1)
+        transport = DistributedTransport([fleet], master_port=free_port(), backend="gloo", timeout=120)
+
+        def same(engine: LocalEngine, new: Any) -> bool:
+            mine = engine.model.state_dict()
+            return all(torch.equal(mine[n], t.to(mine[n].dtype)) for n, t in new.state_dict().items())
+
+        try:
+            async with EngineServer(engines[1], port=port_b) as b:
+                await transport.push(buckets(trained(model, seed=1), 256 * 1024), version=1)
+                assert transport.group_name == "weight_update_group" and "weight_update_group" in b._groups
+                await transport.push(buckets(trained(model, seed=2), 256 * 1024), version=2)
+                assert transport.group_name == "weight_update_group"  # same servers: same group
+            # b restarts: a fresh process on the same address, launch weights, version 0, no group.
+            async with EngineServer(engines[2], port=port_b) as b2:
+                assert await fleet.weight_versions() == {a.url: 2, b2.url: 0}
+                new = trained(model, seed=3)
+                await transport.push(buckets(new, 256 * 1024), version=3)
+                assert transport.group_name == "weight_update_group-2"
+                assert list(a._groups) == ["weight_update_group-2"] == list(b2._groups)
+                assert same(engines[0], new) and same(engines[2], new)
+                assert await fleet.weight_versions() == {a.url: 3, b2.url: 3}
+            # b is gone for good: the group shrinks to a alone and the push goes on.
+            new = trained(model, seed=4)
+            await transport.push(buckets(new, 256 * 1024), version=4)
+            assert transport.group_name == "weight_update_group-3" and list(a._groups) == ["weight_update_group-3"]
+            assert same(engines[0], new) and list(fleet.dead_workers) == [f"http://127.0.0.1:{port_b}"]
+        finally:
+            await transport.aclose()
+            await fleet.aclose()
+    for e in engines:
+        await e.aclose()

@@ -36,6 +36,11 @@ Fleet semantics (one client over many servers implements the `Engine` control pl
 - A server that refuses connections during a control call is counted dead (`dead_workers`, logged):
   later control calls skip it after one try each, so the run goes on with the others; a server that
   answers again is used again (its weights are then overwritten by the next update).
+- Re-admission through the router (`router_url` with `worker_urls`, as the cluster runtime sets
+  it): a restarted server leaves the router before it starts (`agentrl.cluster.actors`), so it
+  serves nothing on its launch weights; every update reaches every configured worker that answers,
+  and once an update has confirmed a new version on it, `admit_workers` registers it with the router
+  again (`POST /workers`).
 - Data plane through the router: when a worker dies, the router replays its in-flight requests in
   full on another worker, which answers with its own weight version. A turn whose
   `meta_info.weight_version` is neither the fleet's version when it was sent nor when it came back is
@@ -527,8 +532,11 @@ class SGLangEngine(Engine):
             raise EngineBadRequest(
                 f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
             )
+        before = self._weight_version
         updated = await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True)
         await self._confirm_version(int(weight_version), list(updated))
+        if int(weight_version) != before:  # a whole new version is in: servers that caught up rejoin
+            await self.admit_workers()
 
     async def _confirm_version(self, version: int, urls: list[str]) -> None:
         versions = await self.weight_versions()
@@ -598,19 +606,76 @@ class SGLangEngine(Engine):
 
         await asyncio.gather(*(one(u) for u in urls))
 
+    async def destroy_weights_update_group(self, group_name: str) -> list[str]:
+        """`/destroy_weights_update_group` on every live worker, best effort (a server that never
+        joined answers 400 "does not exist"); returns the workers that had the group."""
+
+        async def one(url: str) -> str | None:
+            try:
+                status, reply = await self._request(
+                    "POST", f"{url}/destroy_weights_update_group", json_body={"group_name": group_name}
+                )
+            except EngineError as e:
+                log.info("destroy_weights_update_group %s on %s: %s", group_name, url, e)
+                return None
+            return url if status == 200 and isinstance(reply, dict) and reply.get("success") else None
+
+        urls = [u for u in await self.worker_urls() if u not in self.dead_workers]
+        return [u for u in await asyncio.gather(*(one(u) for u in urls)) if u is not None]
+
+    async def routed_workers(self) -> dict[str, str]:
+        """{worker URL: router worker id} of the workers the router routes to now."""
+        assert self.router_url is not None
+        status, body = await self._request("GET", f"{self.router_url}/workers")
+        self._raise_for(status, body, "router GET /workers")
+        workers = body.get("workers", []) if isinstance(body, dict) else []
+        return {
+            str(w.get("url", "")).rstrip("/"): str(w.get("id", "")) for w in workers if isinstance(w, dict)
+        }
+
+    async def admit_workers(self) -> list[str]:
+        """Register with the router every configured worker (`worker_urls`) that is not routed to
+        but answers on the fleet's weight version (a restarted server the last update caught up);
+        returns them. Without a router, or without a fixed worker list, there is nothing to do."""
+        if not (self.router_url and self._workers):
+            return []
+        routed = await self.routed_workers()
+        missing = [u for u in self._workers if u not in routed and u not in self.dead_workers]
+        if not missing:
+            return []
+        versions = await self.weight_versions()
+        ready = [u for u in missing if versions.get(u) == self._weight_version]
+        for url in ready:
+            status, reply = await self._request(
+                "POST", f"{self.router_url}/workers", json_body={"url": url, "worker_type": "regular"}
+            )
+            if status not in (200, 201, 202, 409):  # 409: already there (a concurrent admission)
+                self._raise_for(status, reply, f"router POST /workers {url}")
+            log.warning(
+                "SGLang worker %s serves weight version %d: registered with the router again",
+                url,
+                self._weight_version,
+            )
+        return ready
+
     async def model_info(self) -> dict[str, dict[str, Any]]:
         """`/model_info` of every live worker, by URL (falls back to the deprecated
-        `/get_model_info` of older servers)."""
+        `/get_model_info` of older servers); a worker that refuses the connection is counted dead
+        and left out."""
         urls = [u for u in await self.worker_urls() if u not in self.dead_workers]
 
-        async def one(url: str) -> tuple[str, dict[str, Any]]:
-            status, body = await self._request("GET", f"{url}/model_info")
-            if status == 404:
-                status, body = await self._request("GET", f"{url}/get_model_info")
+        async def one(url: str) -> tuple[str, dict[str, Any]] | None:
+            try:
+                status, body = await self._request("GET", f"{url}/model_info")
+                if status == 404:
+                    status, body = await self._request("GET", f"{url}/get_model_info")
+            except _WorkerDown as e:
+                self._mark_dead(url, str(e))
+                return None
             self._raise_for(status, body, f"SGLang /model_info on {url}")
             return url, body if isinstance(body, dict) else {}
 
-        return dict(await asyncio.gather(*(one(u) for u in urls)))
+        return dict(r for r in await asyncio.gather(*(one(u) for u in urls)) if r is not None)
 
     async def weight_versions(self) -> dict[str, int]:
         """The version each live worker reports in `/model_info`, by URL."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import logging
 import shutil
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -43,6 +44,8 @@ from agentrl.errors import InfraError
 from agentrl.train.checkpoint import atomic_dir
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+log = logging.getLogger("agentrl.train.weight_sync")
 
 # Files of a Hugging Face model directory that a server reading weights from disk may need besides
 # the weights (SGLang's loader reads the config of `model_path`).
@@ -254,11 +257,18 @@ class TensorTransport(Transport):
 class DistributedTransport(Transport):
     """Broadcast buckets from the trainer (rank 0) to every server through a process group.
 
-    The first push sets the group up: each engine's servers report their TP sizes, each server
-    gets a `rank_offset` (1, then one more per TP rank before it), and the trainer joins as rank 0
-    while the servers join through `/init_weights_update_group`. Each bucket then is one
-    `DistributedWeights` call per engine, concurrent with the trainer's broadcast of each tensor
-    in order. Tensors travel from `device` ("cpu" for gloo; a CUDA device for NCCL)."""
+    A push first makes sure the group holds exactly the servers that serve now: each engine's live
+    servers and their weight versions are read, and the group is (re)formed when there is none yet,
+    when a member is gone or a new server answers, or when a member reports a version other than
+    the fleet's (a server restarted between two checks: a new process, not in the group). Forming:
+    each live server gets a `rank_offset` (1, then one more per TP rank before it), the trainer joins
+    as rank 0 on its rendezvous store (kept across groups, so the port stays its own) while the
+    servers join through `/init_weights_update_group`. Each group has its own name (`group_name`,
+    then `group_name-2`, ...): SGLang refuses a name it already holds, so the previous group and any
+    stale one under the new name are destroyed on the servers first. Each bucket then is one
+    `DistributedWeights` call per engine, concurrent with the trainer's broadcast of each tensor in
+    order, and a restarted server gets the whole model in that push. Tensors travel from `device`
+    ("cpu" for gloo; a CUDA device for NCCL). A push that fails leaves no group: the next forms one."""
 
     def __init__(
         self,
@@ -275,36 +285,71 @@ class DistributedTransport(Transport):
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend
+        self.base_group_name = group_name
         self.group_name = group_name
         self.device = device or ("cuda" if backend == "nccl" else "cpu")
         self._group: Any = None
+        self._store: Any = None
+        self._formed = 0  # groups formed so far
+        self._members: list[set[str]] = []  # per engine: the servers in the group
 
-    async def _init_group(self) -> None:
-        from agentrl.engine.weight_group import WeightGroup
-
+    async def _live(self) -> list[dict[str, int]]:
+        """Per engine, {server URL: weight version} of the servers that answer now."""
         for e in self.engines:
             if not hasattr(e, "init_weights_update_group"):
                 raise WeightSyncError(f"{e!r} cannot join a weight-update group: serve it over HTTP")
+        return [await e.weight_versions() for e in self.engines]  # type: ignore[attr-defined]
+
+    def _stale(self, live: list[dict[str, int]]) -> str | None:
+        """Why the group must be formed again, or None when it holds exactly the live servers."""
+        if self._group is None:
+            return "no group yet"
+        for e, now, members in zip(self.engines, live, self._members, strict=True):
+            if set(now) != members:
+                gone, new = sorted(members - set(now)), sorted(set(now) - members)
+                return f"servers changed (gone: {gone or 'none'}, new: {new or 'none'})"
+            restarted = sorted(u for u, v in now.items() if v != e.weight_version)
+            if restarted:
+                return f"{restarted} report another version than {e.weight_version} (restarted)"
+        return None
+
+    async def _form(self, live: list[dict[str, int]]) -> None:
+        from agentrl.engine.weight_group import WeightGroup, rendezvous_store
+
+        previous = self.group_name if self._formed else None
+        self._drop_group()
+        self._formed += 1
+        name = self.base_group_name if self._formed == 1 else f"{self.base_group_name}-{self._formed}"
         offsets: list[dict[str, int]] = []
         rank = 1
-        for e in self.engines:
+        for e, now in zip(self.engines, live, strict=True):
             sizes = await e.server_tp_sizes()  # type: ignore[attr-defined]
             mine = {}
-            for url, tp in sorted(sizes.items()):
-                mine[url] = rank
-                rank += tp
+            for url in sorted(now):
+                if url in sizes:
+                    mine[url] = rank
+                    rank += sizes[url]
             offsets.append(mine)
         world_size = rank
+        for e in self.engines:  # the group being replaced, and a stale one under the new name
+            for old in {previous, name} - {None}:
+                await e.destroy_weights_update_group(old)  # type: ignore[attr-defined]
 
-        def join() -> WeightGroup:
+        def join() -> Any:
+            if self._store is None:  # the first group: the servers connect while it waits for them
+                self._store = rendezvous_store(
+                    self.master_address, self.master_port, rank=0, world_size=world_size,
+                    timeout_s=self.timeout,
+                )  # fmt: skip
             return WeightGroup(
                 master_address=self.master_address,
                 master_port=self.master_port,
                 rank=0,
                 world_size=world_size,
-                group_name=self.group_name,
+                group_name=name,
                 backend=self.backend,
                 timeout_s=self.timeout,
+                store=self._store,
             )
 
         async def servers_join() -> None:
@@ -315,7 +360,7 @@ class DistributedTransport(Transport):
                         master_port=self.master_port,
                         world_size=world_size,
                         rank_offsets=off,
-                        group_name=self.group_name,
+                        group_name=name,
                         backend=self.backend,
                         timeout_s=self.timeout,
                     )
@@ -326,15 +371,36 @@ class DistributedTransport(Transport):
         # The rendezvous needs every rank at once: the trainer's join and the servers' together.
         group, _ = await asyncio.gather(asyncio.to_thread(join), servers_join())
         self._group = group
+        self.group_name = name
+        self._members = [set(off) for off in offsets]
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.destroy()
+            self._group = None
+        self._members = []
 
     async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
-        if self._group is None:
-            try:
-                await self._init_group()
-            except WeightSyncError:
-                raise
-            except Exception as exc:
-                raise WeightSyncError(f"could not set up the weight-update group: {exc}") from exc
+        try:
+            live = await self._live()
+            why = self._stale(live)
+            if why is not None:
+                if self._group is not None:
+                    log.warning("weight-update group %s formed again: %s", self.group_name, why)
+                await self._form(live)
+        except WeightSyncError:
+            self._drop_group()
+            raise
+        except Exception as exc:
+            self._drop_group()
+            raise WeightSyncError(f"could not set up the weight-update group: {exc}") from exc
+        try:
+            await self._broadcast(buckets, version)
+        except BaseException:
+            self._drop_group()  # a rank may be half-way through a tensor: never reuse the group
+            raise
+
+    async def _broadcast(self, buckets: Iterable[Bucket], version: int) -> None:
         start = {id(e): e.weight_version for e in self.engines}
         for bucket, last in _with_last(buckets):
             tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
@@ -357,6 +423,5 @@ class DistributedTransport(Transport):
             )
 
     async def aclose(self) -> None:
-        if self._group is not None:
-            self._group.destroy()
-            self._group = None
+        self._drop_group()
+        self._store = None
