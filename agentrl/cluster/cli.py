@@ -13,7 +13,7 @@ import json
 import shlex
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -29,6 +29,10 @@ from agentrl.cluster.recipe import (
     validate_overrides,
 )
 from agentrl.errors import AgentRLError
+
+if TYPE_CHECKING:
+    from agentrl.cluster.planner import Layout
+    from agentrl.cluster.prepare import ConvertPlacement
 
 ModelName = Annotated[str, typer.Option("--model-name", help=f"One of {', '.join(MODELS)}.")]
 NumNodes = Annotated[int, typer.Option("--num-nodes", min=1)]
@@ -68,6 +72,25 @@ Local = Annotated[
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Run setting on top of the plan's (local mode): --set steps=8 (dotted)."),
+]
+PrepLocal = Annotated[
+    bool,
+    typer.Option(
+        "--local", help="Through the same Ray code on simulated nodes of this machine (agentrl_node_NN)."
+    ),
+]
+SingleHost = Annotated[
+    bool,
+    typer.Option("--single-host", help="One torchrun on this host, no Ray (refused if it does not fit)."),
+]
+RayAddress = Annotated[str | None, typer.Option("--ray-address", help="Ray cluster address (default: auto).")]
+HostMemory = Annotated[
+    float | None,
+    typer.Option(
+        "--host-memory-gib",
+        help="Host memory of a node, GiB (default: the hardware's reference system: H200 / B200 2048, GB300 960; "
+        "--local: this machine's divided among the simulated nodes).",
+    ),
 ]
 LOCAL_MODEL = "GLM-5.2_5layer"  # the plan of a few simulated nodes: the pruned model's branch
 
@@ -125,6 +148,44 @@ def write_launch(plan: ClusterPlan, out: Path) -> list[Path]:
 
 def _run_dir(plan: ClusterPlan) -> Path:
     return Path(plan.options.root) / "runs" / plan.options.recipe
+
+
+def _prep_options(
+    recipe: Recipe, model_name: str, num_nodes: int, gpus_per_node: int | None, hardware: str,
+    fp8_rollout: bool | None, local: bool, root: str,
+) -> RecipeOptions:  # fmt: skip
+    """The plan `prepare` and `prepare-cp` work for: its training and rollout nodes, its layout."""
+    return _options(
+        recipe, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
+        fp8_rollout=fp8_rollout, enable_pd=False if local else None, root=root,
+    )  # fmt: skip
+
+
+def _this_host_gib() -> float:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _convert_lines(
+    placement: ConvertPlacement, layout: Layout, hf_dir: Path, out: Path, single_host: bool, local: bool
+) -> list[str]:
+    """What each node of the conversion runs (`prepare --dry-run`); in local mode the port is picked
+    at launch, on a cluster node 0's name becomes its address."""
+    from agentrl.cluster.prepare import CONVERT_PORT, MEGATRON_PYTHON, convert_argv
+    from agentrl.cluster.prepare_ray import conversion_specs
+
+    report = out.parent / f".{out.name}-report-<id>.json"
+    if single_host:
+        argv = convert_argv(
+            MEGATRON_PYTHON, hf_dir, out, report, layout, nnodes=1, node_rank=0, nproc=placement.ranks,
+            master_addr="127.0.0.1", master_port=CONVERT_PORT,
+        )  # fmt: skip
+        return [f"[this host] {shlex.join(argv)}"]
+    master = "127.0.0.1" if local else f"node-{placement.nodes[0]:02d}"
+    port = "<free port>" if local else CONVERT_PORT
+    specs = conversion_specs(placement, layout, hf_dir, out, report, master_addr=master, master_port=port)
+    return [f"[node-{s.node:02d}] node rank {r}: {shlex.join(s.argv)}" for r, s in enumerate(specs)]
 
 
 def _render_local(plan: ClusterPlan, overrides: list[str]) -> str:
@@ -231,50 +292,125 @@ def make_app(recipe: Recipe) -> typer.Typer:
         root: Root = "/shared/glm52",
         convert: Annotated[bool, typer.Option("--convert/--no-convert", help="HF -> Megatron.")] = True,
         fp8_rollout: Fp8 = None,
-        tp: Annotated[int, typer.Option(help="Conversion TP.")] = 1,
-        pp: Annotated[int, typer.Option(help="Conversion PP (each rank reads only its stage).")] = 1,
+        num_nodes: NumNodes = 16,
+        gpus_per_node: GpusPerNode = None,
+        hardware: Hw = default_hw,
+        tp: Annotated[int | None, typer.Option(help="Conversion TP (default: the plan's layout).")] = None,
+        pp: Annotated[
+            int | None, typer.Option(help="Conversion PP (each rank reads only its stage).")
+        ] = None,
         first_stage_layers: Annotated[int | None, typer.Option(help="Layers of the first stage.")] = None,
         last_stage_layers: Annotated[int | None, typer.Option(help="Layers of the last stage.")] = None,
-        ep: Annotated[int, typer.Option(help="Conversion EP.")] = 1,
+        ep: Annotated[int | None, typer.Option(help="Conversion EP.")] = None,
+        convert_nodes: Annotated[
+            int | None,
+            typer.Option(help="Training nodes the conversion spreads over (default: the fewest that fit)."),
+        ] = None,
+        host_memory_gib: HostMemory = None,
         data: Annotated[bool, typer.Option("--data/--no-data", help="Download the dataset too.")] = True,
         dry_run: DryRun = False,
+        local: PrepLocal = False,
+        single_host: SingleHost = False,
+        ray_address: RayAddress = None,
     ) -> None:
-        """Download the checkpoint (and data), validate it, convert it, optionally FP8-quantise."""
+        """Download the checkpoint (and data), validate it, convert it across the training nodes
+        (one torchrun per node through Ray), optionally FP8-quantise."""
         from agentrl.cluster import prepare as prep
-        from agentrl.cluster.planner import Layout
+        from agentrl.cluster.planner import Layout, find_pipeline_split
 
         if model_name not in MODELS:
             raise typer.BadParameter(f"--model-name {model_name}: choose one of {', '.join(MODELS)}")
+        if local and single_host:
+            raise typer.BadParameter("--local and --single-host: choose one")
         src = model_source or HF_REPOS[model_name]
         fp8 = (recipe == "tbench2") if fp8_rollout is None else fp8_rollout
         hf_dir = Path(root) / "hf" / model_name
-        layout = Layout(
-            tp, pp, 1, ep, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers
-        )
-        steps = [f"download {src} -> {hf_dir}", "validate config.json"]
-        if convert:
-            steps.append(
-                f"convert HF -> Megatron torch_dist ({layout.short()}, {prep.conversion_ranks(layout)} ranks) "
-                f"-> {Path(root) / 'megatron' / model_name}"
+        out = Path(root) / "megatron" / model_name
+        explicit = any(v is not None for v in (tp, pp, ep, first_stage_layers, last_stage_layers))
+        plan = None
+        if not (single_host and explicit):
+            plan = _plan(_prep_options(recipe, model_name, num_nodes, gpus_per_node, hardware, fp8_rollout, local,
+                                       root))  # fmt: skip
+        if explicit:
+            if (pp or 1) > 1 and first_stage_layers is None and last_stage_layers is None:
+                try:  # the split that starts every stage on a layer computing its DSA indices
+                    first_stage_layers, last_stage_layers = find_pipeline_split(
+                        ModelSpec.named(model_name), pp or 1
+                    )
+                except LayoutError as exc:
+                    typer.echo(f"error: {exc}", err=True)
+                    raise typer.Exit(2) from None
+            layout = Layout(tp or 1, pp or 1, 1, ep or 1, first_stage_layers=first_stage_layers,
+                            last_stage_layers=last_stage_layers)  # fmt: skip
+        else:
+            assert plan is not None
+            layout = plan.layout
+
+        def placement(model: ModelSpec, bytes_per_param: int) -> prep.ConvertPlacement:
+            if single_host:
+                memory = host_memory_gib or _this_host_gib()
+                return prep.place_conversion(model, layout, train_nodes=[0], host_memory_gib=memory,
+                                             gpus_per_node=None, bytes_per_param=bytes_per_param, nodes=1,
+                                             scope="this host (--single-host)")  # fmt: skip
+            assert plan is not None
+            memory = host_memory_gib or (
+                _this_host_gib() / num_nodes if local else prep.HOST_MEMORY_GIB[plan.options.hardware]
             )
-        if fp8:
-            steps.append(f"block-FP8 copy -> {Path(root) / 'fp8' / model_name}")
-        if data and recipe == "dapo_math":
-            steps.append(f"download dapo-math-17k and aime-2024 -> {Path(root) / 'data' / 'dapo_math'}")
-        if dry_run:
-            typer.echo("\n".join(f"prepare: {s}" for s in steps))
-            return
+            return prep.place_conversion(
+                model, layout, train_nodes=plan.train_nodes, host_memory_gib=memory,
+                gpus_per_node=None if local else plan.gpus_per_node, bytes_per_param=bytes_per_param,
+                nodes=convert_nodes,
+            )  # fmt: skip
+
+        where = "this host" if single_host else ("simulated nodes, local Ray" if local else "Ray")
         try:
-            local = prep.download_model(src, hf_dir)
-            prep.validate_checkpoint(local, num_layers=ModelSpec.named(model_name).num_layers)
-            typer.echo(f"validated {local}")
+            if dry_run:
+                steps = [f"download {src} -> {hf_dir}", "validate config.json"]
+                if convert:
+                    spec = ModelSpec.named(model_name)
+                    bpp = prep.param_bytes(spec.config) if "torch_dtype" in spec.config else 2
+                    pl = placement(spec, bpp)
+                    steps.append(
+                        f"convert HF -> Megatron torch_dist ({layout.short()}, {pl.ranks} ranks on "
+                        f"{len(pl.nodes)} node{'s' if len(pl.nodes) > 1 else ''}, {where}) -> {out}"
+                    )
+                    steps += [f"  {line}" for line in pl.explain(layout, bpp)]
+                    steps += [
+                        f"  {line}" for line in _convert_lines(pl, layout, hf_dir, out, single_host, local)
+                    ]
+                if fp8:
+                    steps.append(f"block-FP8 copy -> {Path(root) / 'fp8' / model_name}")
+                if data and recipe == "dapo_math":
+                    steps.append(
+                        f"download dapo-math-17k and aime-2024 -> {Path(root) / 'data' / 'dapo_math'}"
+                    )
+                typer.echo("\n".join(s if s.startswith("  ") else f"prepare: {s}" for s in steps))
+                return
+            local_dir = prep.download_model(src, hf_dir)
+            cfg = prep.validate_checkpoint(local_dir, num_layers=ModelSpec.named(model_name).num_layers)
+            typer.echo(f"validated {local_dir}")
             if convert:
-                r = prep.convert_to_megatron(local, Path(root) / "megatron" / model_name, layout)
+                bpp = prep.param_bytes(cfg)
+                pl = placement(ModelSpec(model_name, cfg), bpp)
+                typer.echo("\n".join(pl.explain(layout, bpp)))
+                if single_host:
+                    r = prep.convert_to_megatron(local_dir, out, layout)
+                else:
+                    from agentrl.cluster import prepare_ray
+
+                    r = prepare_ray.run_conversion(
+                        pl, layout, local_dir, out, num_nodes=num_nodes, log_dir=Path(root) / "prepare" / "logs",
+                        local=local, ray_address=ray_address,
+                    )  # fmt: skip
+                    for n in r["nodes"]:
+                        typer.echo(f"node-{n['node']:02d} ({n['host']}): node rank {n['node_rank']}, "
+                                   f"{n['ranks']} ranks, done in {n['seconds']:.0f} s")  # fmt: skip
                 typer.echo(
-                    f"converted {r['hf_tensors']} tensors on {r['ranks']} ranks, round trip max |diff| {r['max_abs_diff']:.3g}"
+                    f"converted {r['hf_tensors']} tensors on {r['ranks']} ranks over {len(pl.nodes)} "
+                    f"node{'s' if len(pl.nodes) > 1 else ''}, round trip max |diff| {r['max_abs_diff']:.3g}"
                 )
             if fp8:
-                n = prep.quantize_fp8(local, Path(root) / "fp8" / model_name)
+                n = prep.quantize_fp8(local_dir, Path(root) / "fp8" / model_name)
                 typer.echo(f"quantised {n} weights to block FP8")
             if data and recipe == "dapo_math":
                 from envs.dapo_math.hub import download_datasets
@@ -289,31 +425,76 @@ def make_app(recipe: Recipe) -> typer.Typer:
         model_name: ModelName = "GLM-5.2",
         root: Root = "/shared/glm52",
         local_root: LocalRoot = "/local/glm52",
+        num_nodes: NumNodes = 16,
+        gpus_per_node: GpusPerNode = None,
+        hardware: Hw = default_hw,
+        fp8_rollout: Fp8 = None,
         dry_run: DryRun = False,
+        local: PrepLocal = False,
+        single_host: Annotated[
+            bool,
+            typer.Option("--single-host", help="Copy every prepared checkpoint to this host only (no Ray)."),
+        ] = False,
+        ray_address: RayAddress = None,
     ) -> None:
-        """Copy the prepared checkpoints from shared storage to this node's local disk."""
+        """Copy the prepared checkpoints from shared storage to node-local disk on every node of the
+        plan, through Ray: training nodes the Megatron checkpoint, rollout nodes the one their
+        engines load (FP8 or HF)."""
         from agentrl.cluster import prepare as prep
 
-        pairs = [
-            (Path(root) / kind / model_name, Path(local_root) / kind / model_name)
-            for kind in ("megatron", "fp8", "hf")
-            if (Path(root) / kind / model_name).is_dir() or dry_run
-        ]
-        if not pairs:
-            typer.echo(
-                f"error: nothing prepared under {root} for {model_name}: run `prepare` first", err=True
-            )
-            raise typer.Exit(2)
-        for src, dest in pairs:
-            if dry_run:
-                typer.echo(f"prepare-cp: {src} -> {dest}")
-                continue
-            try:
-                prep.copy_to_local(src, dest)
-            except AgentRLError as exc:
-                typer.echo(f"error: {exc}", err=True)
-                raise typer.Exit(2) from None
-            typer.echo(f"copied {src} -> {dest}")
+        if local and single_host:
+            raise typer.BadParameter("--local and --single-host: choose one")
+        if single_host:
+            pairs = [
+                (Path(root) / kind / model_name, Path(local_root) / kind / model_name)
+                for kind in ("megatron", "fp8", "hf")
+                if (Path(root) / kind / model_name).is_dir() or dry_run
+            ]
+            if not pairs:
+                typer.echo(
+                    f"error: nothing prepared under {root} for {model_name}: run `prepare` first", err=True
+                )
+                raise typer.Exit(2)
+            for src, dest in pairs:
+                if dry_run:
+                    typer.echo(f"prepare-cp: {src} -> {dest}")
+                    continue
+                try:
+                    prep.copy_to_local(src, dest)
+                except AgentRLError as exc:
+                    typer.echo(f"error: {exc}", err=True)
+                    raise typer.Exit(2) from None
+                typer.echo(f"copied {src} -> {dest}")
+            return
+        plan = _plan(
+            _prep_options(recipe, model_name, num_nodes, gpus_per_node, hardware, fp8_rollout, local, root)
+        )
+        needs = prep.node_needs(plan)
+        if dry_run:
+            for node, kinds in needs.items():
+                dest = Path(local_root) / f"node-{node:02d}" if local else Path(local_root)
+                roles = "+".join(r for r, ns in (("train", plan.train_nodes), ("rollout", plan.rollout_nodes))
+                                 if node in ns)  # fmt: skip
+                for kind in kinds:
+                    typer.echo(f"prepare-cp: [node-{node:02d}] {roles}: {Path(root) / kind / model_name} -> "
+                               f"{dest / kind / model_name}")  # fmt: skip
+            return
+        from agentrl.cluster import prepare_ray
+
+        try:
+            copies, notes = prepare_ray.copy_to_nodes(
+                needs, root=Path(root).resolve(), local_root=Path(local_root).resolve(), model_name=model_name,
+                num_nodes=num_nodes, local=local, ray_address=ray_address,
+            )  # fmt: skip
+        except AgentRLError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        for note in notes:
+            typer.echo(f"note: {note}")
+        for c in copies:
+            for item in c.copied:
+                typer.echo(f"[node-{c.node:02d}] ({c.host}) copied {item['source']} -> {item['dest']}: "
+                           f"{item['files']} files, {item['bytes'] / 1e6:.1f} MB in {item['seconds']:.1f} s")  # fmt: skip
 
     @app.command("full-train")
     def full_train(
@@ -333,8 +514,11 @@ def make_app(recipe: Recipe) -> typer.Typer:
     ) -> None:
         """prepare, prepare-cp, then train."""
         prepare(model_name=model_name, model_source=None, root=root, convert=True, fp8_rollout=fp8_rollout,
-                tp=1, ep=1, data=True, dry_run=dry_run)  # fmt: skip
-        prepare_cp(model_name=model_name, root=root, local_root=local_root, dry_run=dry_run)
+                num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware, data=True,
+                dry_run=dry_run)  # fmt: skip
+        prepare_cp(model_name=model_name, root=root, local_root=local_root, num_nodes=num_nodes,
+                   gpus_per_node=gpus_per_node, hardware=hardware, fp8_rollout=fp8_rollout,
+                   dry_run=dry_run)  # fmt: skip
         train(model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
               sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp, enable_pd=enable_pd,
               use_deepep=use_deepep, enable_optimizer_offload=enable_optimizer_offload, root=root,
