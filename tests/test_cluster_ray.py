@@ -69,7 +69,11 @@ def test_local_processes_are_the_plans_with_engine_serve_in_place_of_sglang(tmp_
     assert list(workers) == urls and set(router.ready.workers) == set(urls)
     sets = _sets(specs["trainer-0"].argv)
     assert sets["engine.router_url"] == router.ready.url.removesuffix("/workers")
-    assert "engine.urls" not in sets  # the fleet client asks the router for its workers
+    # The fleet client generates through the router and sends control calls to every configured
+    # server (a restarted one is off the router until an update has caught it up).
+    assert json.loads(sets["engine.urls"]) == urls
+    router_url = router.ready.url.removesuffix("/workers")
+    assert [(s.router_url, s.worker_url) for s in engines] == [(router_url, u) for u in urls]
     assert sets["engine.kind"] == "sglang" and sets["trainer.backend"] == "torch"
     assert sets["trainer.loss.tis_clip"] == "2.0" and sets["checkpoint.resume"] == "true"
     assert sets["env.backend"] == "podman" and sets["sync.transport"] == "disk"
@@ -88,12 +92,17 @@ def test_cluster_processes_keep_the_plans_command_lines_with_real_hosts() -> Non
         proc = next(p for p in plan.processes if p.name == spec.name)
         assert list(spec.argv) == proc.argv  # bound to 0.0.0.0: nothing to rewrite
         assert spec.ready.url == f"http://{hosts[proc.node]}:30000/health"
+        assert (
+            spec.router_url == f"http://{hosts[0]}:8000"
+            and spec.worker_url == f"http://{hosts[proc.node]}:30000"
+        )
     router = next(s for s in specs if s.role == "router")
     assert f"http://{hosts[8]}:30000" in router.argv and "--pd-disaggregation" not in router.argv
     trainers = [s for s in specs if s.role == "trainer"]
     assert len(trainers) == 8 and trainers[3].argv[0] == "torchrun"
     assert f"--master-addr={hosts[0]}" in trainers[3].argv
     assert _sets(trainers[3].argv)["engine.router_url"] == f"http://{hosts[0]}:8000"
+    assert all(f"http://{hosts[n]}:30000" in _sets(trainers[3].argv)["engine.urls"] for n in range(8, 16))
 
 
 def test_placement_groups_per_role() -> None:

@@ -249,10 +249,30 @@ async def test_the_distributed_group_is_formed_again_when_a_server_restarts_or_g
             # b is gone for good: the group shrinks to a alone and the push goes on.
             new = trained(model, seed=4)
             await transport.push(buckets(new, 256 * 1024), version=4)
-            assert transport.group_name == "weight_update_group-3" and list(a._groups) == ["weight_update_group-3"]
+            assert transport.group_name == "weight_update_group-3" and list(a._groups) == [
+                "weight_update_group-3"
+            ]
             assert same(engines[0], new) and list(fleet.dead_workers) == [f"http://127.0.0.1:{port_b}"]
         finally:
             await transport.aclose()
+            await fleet.aclose()
+    for e in engines:
+        await e.aclose()
+
+
+async def test_a_resumed_fleet_takes_the_newest_version_and_a_fresh_one_refuses_to_disagree(tiny) -> None:
+    from agentrl.engine.base import EngineVersionMismatch
+
+    model, tok = tiny
+    engines = [LocalEngine(copy.deepcopy(model), tok) for _ in range(2)]
+    await engines[0].load_state_dict(model.state_dict(), weight_version=5)  # b restarted: still 0
+    async with EngineServer(engines[0], port=0) as a, EngineServer(engines[1], port=0) as b:
+        fleet = SGLangEngine([a.url, b.url], retries=1)
+        try:
+            with pytest.raises(EngineVersionMismatch, match="disagree"):
+                await fleet.refresh_weight_version()
+            assert await fleet.refresh_weight_version(allow_laggards=True) == 5
+        finally:
             await fleet.aclose()
     for e in engines:
         await e.aclose()

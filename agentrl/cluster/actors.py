@@ -7,6 +7,12 @@ so a killed or crashed actor never leaves its server behind, and a restarted act
 command line again. Readiness is an HTTP probe of the process's own endpoint. The class is plain
 Python (tested without Ray); `agentrl.cluster.ray_runtime` wraps it with `ray.remote`.
 
+An engine's spec names the router in front of it (`router_url`, `worker_url`): when Ray restarts
+the actor, it first takes the worker off the router (`DELETE /workers/{id}`, waiting until the
+router lists it no more) and only then starts the server, so a server on its launch weights gets
+no rollout traffic; the trainer's fleet client registers it again once a weight update has
+brought it to the fleet's version (`SGLangEngine.admit_workers`).
+
 Credentials never travel through here by value: an actor's environment is the plan's (a Daytona
 key is `DAYTONA_API_KEY_FILE`, a path), on top of the node's own environment.
 """
@@ -57,6 +63,8 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready: Readiness | None = None
     drop_env: tuple[str, ...] = ()  # inherited variables the process must not see
+    router_url: str = ""  # engines: the router a restarted server leaves before it starts
+    worker_url: str = ""  # engines: this server's URL as the router lists it
 
 
 def _die_with_parent() -> None:
@@ -69,13 +77,18 @@ def _die_with_parent() -> None:
 class ProcessActor:
     """Starts `spec.argv` on construction; `status`, `wait_ready`, `stop`."""
 
-    def __init__(self, spec: ProcessSpec, log_dir: str) -> None:
+    def __init__(self, spec: ProcessSpec, log_dir: str, *, restarted: bool | None = None) -> None:
         self.spec = spec
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_dir) / f"{spec.name}.log"
         env = {k: v for k, v in os.environ.items() if k not in spec.drop_env}
         env.update(spec.env)
+        if restarted is None:
+            restarted = _restarted_by_ray()
         with open(self.log_path, "ab") as log:
+            if restarted and spec.router_url and spec.worker_url:
+                note = leave_router(spec.router_url, spec.worker_url)
+                log.write(f"\n=== restarted: {note}\n".encode())
             log.write(f"\n=== start {time.strftime('%H:%M:%S')}: {' '.join(spec.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(  # the plan's own command line
@@ -144,6 +157,70 @@ class ProcessActor:
         with contextlib.suppress(ProcessLookupError):  # anything it left in its group
             os.killpg(self.proc.pid, signal.SIGKILL)
         return self.proc.returncode
+
+
+def _restarted_by_ray() -> bool:
+    """True in an actor that Ray constructs again after it died (`max_restarts`)."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        return False
+    if not ray.is_initialized():
+        return False
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not inside an actor
+        return False
+
+
+def _http_json(method: str, url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw or b"null")
+    except ValueError:
+        return status, None
+
+
+def leave_router(router_url: str, worker_url: str, *, timeout_s: float = 60.0) -> str:
+    """Take `worker_url` off the router (smg: `GET /workers` for its id, `DELETE /workers/{id}`,
+    then until the router lists it no more); what happened, in words. A router that does not
+    answer within `timeout_s` is left as it is (a router that restarts registers its command
+    line's workers anyway): the caller goes on."""
+    router_url, worker_url = router_url.rstrip("/"), worker_url.rstrip("/")
+    deadline = time.monotonic() + timeout_s
+    asked = False
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            status, body = _http_json("GET", f"{router_url}/workers")
+        except (urllib.error.URLError, OSError) as e:
+            last = f"router {router_url} unreachable: {e}"
+            time.sleep(0.5)
+            continue
+        listed = {
+            str(w.get("url", "")).rstrip("/"): str(w.get("id", ""))
+            for w in (body.get("workers", []) if status == 200 and isinstance(body, dict) else [])
+            if isinstance(w, dict)
+        }
+        if worker_url not in listed:
+            return (
+                f"{worker_url} is off the router {router_url}"
+                if asked
+                else f"{worker_url} was not on the router"
+            )
+        if not asked:
+            with contextlib.suppress(urllib.error.URLError, OSError):
+                status, _ = _http_json("DELETE", f"{router_url}/workers/{listed[worker_url]}")
+                asked = status in (200, 202, 204, 404)
+                last = f"DELETE answered {status}"
+        time.sleep(0.3)
+    return f"could not take {worker_url} off the router {router_url} within {timeout_s:.0f} s ({last})"
 
 
 def _probe(ready: Readiness) -> bool:

@@ -9,10 +9,13 @@ torchrun on clusters), which runs the library's loop: rollout manager through th
 weight sync to every server, checkpoints. Ray fills in the `node-NN` host names of the plan.
 
 Supervision (`ClusterRun.supervise`): an engine or router actor whose process died is restarted by
-Ray (`max_restarts`), which starts the same command line again; the trainer's fleet client counts
-the dead server out of the control plane and back in when it answers (its weights are overwritten at
-the next sync), the router replays its in-flight requests elsewhere and the rollout manager retries
-any episode that failed with it (an infra failure, never a reward). A trainer that crashes is
+Ray (`max_restarts`), which starts the same command line again. A restarted engine actor first takes
+its server off the router, so nothing is generated on its launch weights; the trainer's fleet client
+(the router for generation, every configured server for control) counts the dead server out of the
+control plane and back in when it answers, the next weight sync gives it the whole model (the
+distributed transport forms its group again with it), and the client then registers it with the
+router again. The router replays the dead server's in-flight requests elsewhere and the rollout
+manager retries any episode that failed with it (an infra failure, never a reward). A trainer that crashes is
 restarted with `checkpoint.resume=true` (always on under the supervisor): it continues from its
 last checkpoint.
 
@@ -166,18 +169,6 @@ def _flag(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-def _without_worker_urls(argv: list[str]) -> list[str]:
-    """The trainer's `--set` list without `engine.urls`: a fleet client given only the router asks
-    it for its workers on every control call, so a restarted server is found again."""
-    out: list[str] = []
-    for a in argv:
-        if a.startswith("engine.urls=") and out and out[-1] == "--set":
-            out.pop()
-            continue
-        out.append(a)
-    return out
-
-
 def engine_processes(plan: ClusterPlan) -> list[tuple[int, Process]]:
     """(engine index, process) for every SGLang process of the plan, in engine order."""
     out = []
@@ -197,16 +188,28 @@ def build_specs(
     def host(text: str) -> str:
         return _NODE.sub(lambda m: hosts[int(m.group(1))], text)
 
-    urls: dict[str, str] = {}  # plan URL -> real URL
+    router = next(p for p in plan.processes if p.name == "router")
+    plan_router = f"http://node-{router.node:02d}:{_flag(router.argv, '--port')}"
+    if local is None:
+        router_url = host(plan_router)
+    else:
+        router_port = _free_port()
+        router_url = f"http://127.0.0.1:{router_port}"
+    urls: dict[str, str] = {plan_router: router_url}  # plan URL -> real URL
     specs: list[ProcessSpec] = []
     for index, p in engine_processes(plan):
         e = plan.engines[index]
+        # A restarted server leaves the router until an update brings it to the fleet's version;
+        # prefill servers of a PD pair are registered with their decode peers, not by this path.
+        leave = {"router_url": router_url, "worker_url": ""}
         if local is None:
             real = host(e.url)
             urls[e.url] = real
             argv = tuple(host(a) for a in p.argv)
+            if e.role != "prefill" and (p.name == f"sglang-{e.role}-{e.index}" or p.name.endswith("-node0")):
+                leave["worker_url"] = real
             specs.append(ProcessSpec(p.name, "engine", p.node, argv, dict(p.env), Readiness(f"{real}/health"),
-                                     drop_env=("CUDA_VISIBLE_DEVICES",)))  # fmt: skip
+                                     drop_env=("CUDA_VISIBLE_DEVICES",), **leave))  # fmt: skip
             continue
         if p.name.endswith("-node0") is False and "-node" in p.name:
             continue  # the other ranks of a multi-node engine: one local server stands for it
@@ -220,8 +223,11 @@ def build_specs(
             "--tp-size", _flag(p.argv, "--tp-size") or "1",
         )  # fmt: skip
         name = p.name.removesuffix("-node0")
+        leave["worker_url"] = real
         specs.append(
-            ProcessSpec(name, "engine", p.node, argv, {"OMP_NUM_THREADS": "1"}, Readiness(f"{real}/health"))
+            ProcessSpec(
+                name, "engine", p.node, argv, {"OMP_NUM_THREADS": "1"}, Readiness(f"{real}/health"), **leave
+            )
         )
 
     def swap(text: str) -> str:
@@ -229,19 +235,11 @@ def build_specs(
             text = text.replace(plan_url, real)
         return host(text)
 
-    router = next(p for p in plan.processes if p.name == "router")
-    if local is None:
-        router_url = host(f"http://node-{router.node:02d}:{_flag(router.argv, '--port')}")
-        r_argv = [swap(a) for a in router.argv]
-    else:
-        port = _free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        r_argv = [swap(a) for a in router.argv]
-        r_argv = _set_flag(_set_flag(r_argv, "--host", "127.0.0.1"), "--port", str(port))
+    r_argv = [swap(a) for a in router.argv]
+    if local is not None:
+        r_argv = _set_flag(_set_flag(r_argv, "--host", "127.0.0.1"), "--port", str(router_port))
         metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
         r_argv = [_smg(), *r_argv[1:], *LOCAL_ROUTER_FLAGS, *metrics]
-    plan_router = f"http://node-{router.node:02d}:{_flag(router.argv, '--port')}"
-    urls[plan_router] = router_url
     workers = tuple(urls[e.url] for e in plan.engines if e.url in urls)
     specs.append(ProcessSpec("router", "router", router.node, tuple(r_argv), dict(router.env),
                              Readiness(f"{router_url}/workers", workers)))  # fmt: skip
@@ -249,7 +247,7 @@ def build_specs(
     trainers = [p for p in plan.processes if p.name.startswith("trainer-")]
     if local is None:
         for p in trainers:
-            argv = _without_worker_urls([swap(a) for a in p.argv])
+            argv = [swap(a) for a in p.argv]
             for s in SUPERVISED_OVERRIDES:
                 argv += ["--set", s]
             specs.append(ProcessSpec(p.name, "trainer", p.node, tuple(argv), dict(p.env),
@@ -259,7 +257,6 @@ def build_specs(
         argv = [local.python, "-m", "agentrl.cli", "train", "run"]
         for s in sets:
             argv += ["--set", s]
-        argv = _without_worker_urls(argv)
         env = {k: v for k, v in trainers[0].env.items() if not k.startswith("CUDA_")}
         env["OMP_NUM_THREADS"] = "1"
         specs.append(ProcessSpec("trainer-0", "trainer", trainers[0].node, tuple(argv), env))

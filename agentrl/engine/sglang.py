@@ -548,16 +548,25 @@ class SGLangEngine(Engine):
             )
         self._weight_version = version
 
-    async def refresh_weight_version(self) -> int:
+    async def refresh_weight_version(self, *, allow_laggards: bool = False) -> int:
         """Read every live server's version (they must agree) into `weight_version`. Call once
-        before handing the fleet to a rollout manager: a fleet may not start at 0."""
+        before handing the fleet to a rollout manager: a fleet may not start at 0.
+
+        `allow_laggards`: for a caller that pushes weights right away (a resumed trainer), servers
+        behind the newest version (restarted on their launch weights) are logged instead of
+        refused; the fleet takes the newest version and the push brings them to it."""
         versions = await self.weight_versions()
+        if not versions:
+            raise EngineError("no SGLang worker answers /model_info", cause="engine_unavailable")
         if len(set(versions.values())) != 1:
-            raise EngineVersionMismatch(
-                "SGLang servers disagree on the weight version: "
-                + ", ".join(f"{u} reports {v}" for u, v in versions.items())
+            listing = ", ".join(f"{u} reports {v}" for u, v in versions.items())
+            if not allow_laggards:
+                raise EngineVersionMismatch(f"SGLang servers disagree on the weight version: {listing}")
+            log.warning(
+                "SGLang servers disagree on the weight version (%s): the next update brings them level",
+                listing,
             )
-        self._weight_version = next(iter(versions.values()))
+        self._weight_version = max(versions.values())
         return self._weight_version
 
     async def server_tp_sizes(self) -> dict[str, int]:

@@ -162,7 +162,8 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
     evals: list[dict[str, Any]] = []
     refresh = getattr(parts.engine, "refresh_weight_version", None)
     if refresh is not None:  # a fleet of servers: start from the version they really serve
-        await refresh()
+        # A resumed run pushes its checkpoint's weights next, which levels servers that restarted.
+        await refresh(allow_laggards=cfg.checkpoint.resume and (ckpt_root / "latest").exists())
     if cfg.checkpoint.resume and (ckpt_root / "latest").exists():
         state = parts.trainer.load(ckpt_root)
         start_step = int(state.buffer_state.get("step", state.step))
