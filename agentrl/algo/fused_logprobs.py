@@ -8,20 +8,25 @@ With z = h W^T / temperature per position, p = softmax(z) and y the target:
 
 On CUDA (Triton) forward is one matrix product whose epilogue reduces each [tokens x vocab] tile
 to per-row partials (max, sum exp, sum exp * z, the target's logit); a small combine gives lse and
-E_p[z], the only per-token state kept for backward. Backward walks the vocabulary in slices of
-`TileConfig.vocab_chunk` rows of W: a second Triton product recomputes the slice's logits and writes
-dL/dz in bf16 (fp32 in registers), then two cuBLAS products give that slice's dL/dW (the whole
-token sum in one product: fp32 accumulation, one rounding) and add its share of dL/dh into an fp32
-accumulator. Work: four products of the head's size (the plain forward + backward is three; the
-fourth is the logit recompute that buys the memory). Memory: the gradients themselves, an fp32
-[T, H] accumulator and one [T, vocab_chunk] slice. An fp32 weight (fp32 master weights under bf16
+E_p[z], the only per-token state kept for backward. On Hopper the kernels are persistent (one
+program per multiprocessor walking the tiles, so the next tile's bulk tensor copies overlap this
+tile's epilogue). Backward walks the vocabulary in slices of `TileConfig.vocab_chunk` rows of W: a
+second Triton product recomputes the slice's logits and writes dL/dz in bf16 (fp32 in registers;
+bulk tensor stores), then two cuBLAS products give that slice's dL/dW (the whole token sum in one
+product: fp32 accumulation, one rounding) and add its share of dL/dh into an fp32 accumulator.
+Work: four products of the head's size (the plain forward + backward is three; the fourth is the
+logit recompute that buys the memory). Memory: the gradients themselves, an fp32 [T, H]
+accumulator and one [T, vocab_chunk] slice. An fp32 weight (fp32 master weights under bf16
 autocast) gets an fp32 dL/dW from dL/dz carried as a bf16 pair (hi + lo: a fifth product).
 
-Precision: the tensor cores' fp32 accumulation truncates, so over a 6,144-wide hidden state the
-default forward's log-probs are ~6e-5 from exact (bf16-logit paths: ~2e-2); `TileConfig(promote=n)`
-moves the partial sums into an fp32 register accumulator every n k-blocks (~3e-6 with n=4) at the
-cost of ~20% of forward time (benchmarks/RESULTS.md). Backward's recompute needs no such care: its
-dL/dz is rounded to bf16 anyway.
+Precision: the tensor cores' fp32 accumulation truncates toward zero, so each logit comes out
+shrunk by a relative ~1e-5 over a 6,144-wide hidden state, and log-probs ~6e-5 from exact at
+GLM-5.2's head (bf16-logit paths: ~2e-2). Forward therefore adds the tensor cores' partial sums
+into an fp32 register accumulator every `TileConfig.promote` k-blocks (default 16: six times over
+6,144; ~1e-5 from exact, closer than an fp32 cuBLAS reference; ~6% of forward time; 0 turns it
+off). Replacing only the target's logit by an exact fp32 dot product was tried and loses: the
+target's and the log-sum-exp's shrinkage cancel where the target is likely (benchmarks/RESULTS.md).
+Backward's recompute needs no such care: its dL/dz is rounded to bf16 anyway.
 
 Off the GPU, or with `kernel="torch"`, the same function runs the chunked torch passes of
 `agentrl.algo.logprobs` (the reference semantics the CPU tests check).
@@ -67,6 +72,8 @@ class TileConfig:
     `promote` > 0: forward adds the tensor cores' partial logits into an fp32 register accumulator
     every `promote` k-blocks (the module docstring says why and what it costs); 0 leaves the whole
     sum to the tensor cores.
+    `persistent`: one program per multiprocessor walking the tiles (the default on Hopper) instead
+    of one program per tile.
     """
 
     block_t: int = 128
@@ -77,7 +84,8 @@ class TileConfig:
     num_stages: int = 3
     load: Literal["tma", "ptr"] = "tma"
     vocab_chunk: int = 8192
-    promote: int = 0
+    promote: int = 16
+    persistent: bool = True
 
     def __post_init__(self) -> None:
         if self.vocab_chunk % self.block_v:
@@ -89,7 +97,9 @@ class TileConfig:
 def default_tiles(device: torch.device) -> TileConfig:
     """Bulk tensor copies on Hopper and newer, pointer loads before."""
     major, _ = torch.cuda.get_device_capability(device)
-    return TileConfig() if major >= 9 else TileConfig(load="ptr", num_stages=3, block_v=128, num_warps=4)
+    if major >= 9:
+        return TileConfig()
+    return TileConfig(load="ptr", num_stages=3, block_v=128, num_warps=4, persistent=False)
 
 
 def fused_kernel_available(device: torch.device | str) -> bool:
@@ -331,6 +341,7 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig):
     meta = dict(
         WITH_ENT=with_entropy,
         EVEN_K=hid % cfg.block_k == 0,
+        EVEN_V=v % cfg.block_v == 0,
         PROMOTE=cfg.promote,
         BLOCK_T=cfg.block_t,
         BLOCK_V=cfg.block_v,
@@ -340,15 +351,24 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig):
         num_stages=cfg.num_stages,
     )
     ha, wa, load = _operands(h, w, cfg)
-    _stats_kernel[(triton.cdiv(n, cfg.block_t) * n_vt,)](
-        ha, wa, y, pm, ps, pa, zy, n, v, hid, h.stride(0), w.stride(0), inv_temp, LOAD=load, **meta
-    )
+    n_tiles = triton.cdiv(n, cfg.block_t) * n_vt
+    args = (ha, wa, y, pm, ps, pa, zy, n, v, hid, h.stride(0), w.stride(0), inv_temp)
+    if cfg.persistent:
+        progs = min(n_tiles, _sm_count(dev))
+        _stats_kernel_persistent[(progs,)](*args, LOAD=load, NUM_PROGS=progs, **meta)
+    else:
+        _stats_kernel[(n_tiles,)](*args, LOAD=load, **meta)
     top = pm.amax(0)
     scale = pm.sub_(top).exp_()
     total = (ps * scale).sum(0)
     lse = top + torch.log(total)
     ez = (pa * scale).sum(0) / total if with_entropy else None
     return zy, lse, ez
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _triton_grads(h, w, y, lse, ez, g_logp, g_ent, inv_temp, need_h, need_w, w_grad_dtype, cfg: TileConfig):
@@ -387,12 +407,23 @@ def _triton_grads(h, w, y, lse, ez, g_logp, g_ent, inv_temp, need_h, need_w, w_g
         wc = w[v0 : v0 + vc]
         dz = dz_buf[: n * vc].view(n, vc)
         lo = lo_buf[: n * vc].view(n, vc)
-        grid = (triton.cdiv(n, cfg.block_t) * triton.cdiv(vc, cfg.block_v),)
+        n_tiles = triton.cdiv(n, cfg.block_t) * triton.cdiv(vc, cfg.block_v)
         ha, wa, load = _operands(h, wc, cfg)
-        _dz_kernel[grid](
-            ha, wa, y - v0, lse, ez if with_ent else lse, g_logp, g_ent if with_ent else g_logp, dz, lo,
-            n, vc, hid, h.stride(0), wc.stride(0), dz.stride(0), inv_temp, LOAD=load, **meta,
+        da, la, store = dz, lo, 0
+        if load == 1 and _tma_ok(dz):
+            da = TensorDescriptor.from_tensor(dz, [cfg.block_t, cfg.block_v])
+            la = TensorDescriptor.from_tensor(lo, [cfg.block_t, cfg.block_v]) if split else da
+            store = 1
+        args = (
+            ha, wa, y - v0, lse, ez if with_ent else lse, g_logp, g_ent if with_ent else g_logp, da, la,
+            n, vc, hid, h.stride(0), wc.stride(0), dz.stride(0), inv_temp,
         )  # fmt: skip
+        kw = dict(LOAD=load, STORE=store, OUT_F16=h.dtype == torch.float16, **meta)
+        if cfg.persistent:
+            progs = min(n_tiles, _sm_count(dev))
+            _dz_kernel_persistent[(progs,)](*args, NUM_PROGS=progs, **kw)
+        else:
+            _dz_kernel[(n_tiles,)](*args, **kw)
         if grad_w is not None:
             gw = grad_w[v0 : v0 + vc]
             if split:
@@ -416,18 +447,33 @@ def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_pl
 if triton is not None:
 
     @triton.jit
-    def _tile_coords(T, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_V: tl.constexpr):
-        """Program id -> (token tile, vocab tile): GROUP_V vocab tiles sweep all token tiles
+    def _tile_coords(tile, T, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_V: tl.constexpr):
+        """Tile id -> (token tile, vocab tile): GROUP_V vocab tiles sweep all token tiles
         together, so a group's W rows stay in L2 while h streams past."""
-        pid = tl.program_id(0)
         n_t = tl.cdiv(T, BLOCK_T)
         n_v = tl.cdiv(V, BLOCK_V)
         per_group = GROUP_V * n_t
-        first_v = (pid // per_group) * GROUP_V
+        first_v = (tile // per_group) * GROUP_V
         size = tl.minimum(n_v - first_v, GROUP_V)
-        pid_v = first_v + (pid % per_group) % size
-        pid_t = (pid % per_group) // size
+        pid_v = first_v + (tile % per_group) % size
+        pid_t = (tile % per_group) // size
         return pid_t, pid_v
+
+    @triton.jit
+    def _load_ab(h, w, a_ptrs, b_ptrs, off_t, off_v, k, H, LOAD: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+        rk = tl.arange(0, BLOCK_K)
+        if LOAD == 1:
+            a = h.load([off_t, k * BLOCK_K])
+            b = w.load([off_v, k * BLOCK_K]).T
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs + k * BLOCK_K)
+                b = tl.load(b_ptrs + k * BLOCK_K)
+            else:
+                a = tl.load(a_ptrs + k * BLOCK_K, mask=rk[None, :] < H - k * BLOCK_K, other=0.0)
+                b = tl.load(b_ptrs + k * BLOCK_K, mask=rk[:, None] < H - k * BLOCK_K, other=0.0)
+        return a, b
 
     @triton.jit
     def _logit_tile(
@@ -439,84 +485,110 @@ if triton is not None:
         PROMOTE > 0 adds the tensor cores' partial sum into a register accumulator every PROMOTE
         k-blocks (their own fp32 accumulation truncates)."""
         acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
-        part = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
         rk = tl.arange(0, BLOCK_K)
+        a_ptrs = h
+        b_ptrs = w
         if LOAD == 0:
             rt = (off_t + tl.arange(0, BLOCK_T)) % T
             rv = (off_v + tl.arange(0, BLOCK_V)) % V
             a_ptrs = h + rt[:, None].to(tl.int64) * stride_h + rk[None, :]
             b_ptrs = w + rv[None, :].to(tl.int64) * stride_w + rk[:, None]
-        for k in range(0, tl.cdiv(H, BLOCK_K)):
-            if LOAD == 1:
-                a = h.load([off_t, k * BLOCK_K])
-                b = w.load([off_v, k * BLOCK_K]).T
-            else:
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    a = tl.load(a_ptrs, mask=rk[None, :] < H - k * BLOCK_K, other=0.0)
-                    b = tl.load(b_ptrs, mask=rk[:, None] < H - k * BLOCK_K, other=0.0)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K
-            if PROMOTE > 0:
-                part = tl.dot(a, b, part)
-                if k % PROMOTE == PROMOTE - 1:
-                    acc += part
-                    part = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
-            else:
+        n_k = tl.cdiv(H, BLOCK_K)
+        if PROMOTE == 0:
+            for k in range(0, n_k):
+                a, b = _load_ab(h, w, a_ptrs, b_ptrs, off_t, off_v, k, H, LOAD, EVEN_K, BLOCK_K)
                 acc = tl.dot(a, b, acc)
-        if PROMOTE > 0:
-            acc += part
+        else:
+            for k0 in range(0, n_k, PROMOTE):
+                part = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+                for k in range(k0, tl.minimum(k0 + PROMOTE, n_k)):
+                    a, b = _load_ab(h, w, a_ptrs, b_ptrs, off_t, off_v, k, H, LOAD, EVEN_K, BLOCK_K)
+                    part = tl.dot(a, b, part)
+                acc += part
         return acc
 
-    @triton.jit(do_not_specialize=["T", "V"])
-    def _stats_kernel(
-        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr,
-        T, V, H, stride_h, stride_w, inv_temp,
-        LOAD: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+    @triton.jit
+    def _stats_epilogue(
+        acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, T, V, inv_temp,
+        WITH_ENT: tl.constexpr, EVEN_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
         """Per row of one logit tile: max m, sum exp(z - m), sum exp(z - m) z into row pid_v of
         the [n_tiles, T] partials; the target's logit where the tile holds it."""
-        pid_t, pid_v = _tile_coords(T, V, BLOCK_T, BLOCK_V, GROUP_V)
         off_t = pid_t * BLOCK_T
         off_v = pid_v * BLOCK_V
-        acc = _logit_tile(
-            h, w, off_t, off_v, T, V, H, stride_h, stride_w, LOAD, EVEN_K, PROMOTE, BLOCK_T, BLOCK_V, BLOCK_K,
-        )  # fmt: skip
         rt = off_t + tl.arange(0, BLOCK_T)
         rv = off_v + tl.arange(0, BLOCK_V)
         row_ok = rt < T
-        col_ok = rv < V
-        zt = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
+        if EVEN_V:
+            zt = acc * inv_temp
+        else:
+            zt = tl.where((rv < V)[None, :], acc * inv_temp, float("-inf"))
         m = tl.max(zt, axis=1)
         e = tl.exp(zt - m[:, None])
         out = pid_v.to(tl.int64) * T + rt
         tl.store(pm_ptr + out, m, mask=row_ok)
         tl.store(ps_ptr + out, tl.sum(e, axis=1), mask=row_ok)
         if WITH_ENT:
-            tl.store(pa_ptr + out, tl.sum(e * tl.where(col_ok[None, :], zt, 0.0), axis=1), mask=row_ok)
-        y = tl.load(y_ptr + rt, mask=row_ok, other=-1)
-        hit = (rv[None, :] == y[:, None]) & col_ok[None, :]
-        zy = tl.sum(tl.where(hit, zt, 0.0), axis=1)
-        tl.store(zy_ptr + rt, zy, mask=row_ok & (y >= off_v) & (y < off_v + BLOCK_V) & (y < V))
+            if EVEN_V:
+                tl.store(pa_ptr + out, tl.sum(e * zt, axis=1), mask=row_ok)
+            else:
+                tl.store(pa_ptr + out, tl.sum(e * tl.where((rv < V)[None, :], zt, 0.0), axis=1), mask=row_ok)
+        y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)  # a vocabulary fits int32
+        here = row_ok & (y >= off_v) & (y < off_v + BLOCK_V) & (y < V)
+        zy = tl.sum(tl.where(rv[None, :] == y[:, None], zt, 0.0), axis=1)
+        tl.store(zy_ptr + rt, zy, mask=here)
 
     @triton.jit(do_not_specialize=["T", "V"])
-    def _dz_kernel(
-        h, w, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr,
-        T, V, H, stride_h, stride_w, stride_dz, inv_temp,
-        LOAD: tl.constexpr, WITH_ENT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    def _stats_kernel(
+        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr,
+        T, V, H, stride_h, stride_w, inv_temp,
+        LOAD: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+        PROMOTE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
     ):  # fmt: skip
-        """dL/dz / temperature for one logit tile, written in dz's dtype; with SPLIT, its rounding
-        error too (lo, same dtype and layout: dz + lo carries ~16 bits)."""
-        pid_t, pid_v = _tile_coords(T, V, BLOCK_T, BLOCK_V, GROUP_V)
+        """One logit tile per program: the tile's per-row softmax partials (`_stats_epilogue`)."""
+        pid_t, pid_v = _tile_coords(tl.program_id(0), T, V, BLOCK_T, BLOCK_V, GROUP_V)
+        acc = _logit_tile(
+            h, w, pid_t * BLOCK_T, pid_v * BLOCK_V, T, V, H, stride_h, stride_w,
+            LOAD, EVEN_K, PROMOTE, BLOCK_T, BLOCK_V, BLOCK_K,
+        )  # fmt: skip
+        _stats_epilogue(
+            acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, T, V, inv_temp,
+            WITH_ENT, EVEN_V, BLOCK_T, BLOCK_V,
+        )  # fmt: skip
+
+    @triton.jit(do_not_specialize=["T", "V"])
+    def _stats_kernel_persistent(
+        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr,
+        T, V, H, stride_h, stride_w, inv_temp,
+        LOAD: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+        PROMOTE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+        NUM_PROGS: tl.constexpr,
+    ):  # fmt: skip
+        """`_stats_kernel` with one program per multiprocessor walking the tiles, so the next
+        tile's loads (and, warp-specialized, its products) overlap this tile's epilogue."""
+        n_tiles = tl.cdiv(T, BLOCK_T) * tl.cdiv(V, BLOCK_V)
+        for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGS, flatten=True):
+            pid_t, pid_v = _tile_coords(tile, T, V, BLOCK_T, BLOCK_V, GROUP_V)
+            acc = _logit_tile(
+                h, w, pid_t * BLOCK_T, pid_v * BLOCK_V, T, V, H, stride_h, stride_w,
+                LOAD, EVEN_K, PROMOTE, BLOCK_T, BLOCK_V, BLOCK_K,
+            )  # fmt: skip
+            _stats_epilogue(
+                acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, T, V, inv_temp,
+                WITH_ENT, EVEN_V, BLOCK_T, BLOCK_V,
+            )  # fmt: skip
+
+    @triton.jit
+    def _dz_epilogue(
+        acc, pid_t, pid_v, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr, T, V, stride_dz, inv_temp,
+        WITH_ENT: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr, OUT_F16: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        """dL/dz / temperature of one tile into dz (STORE 0: pointers, 1: a tensor descriptor)."""
         off_t = pid_t * BLOCK_T
         off_v = pid_v * BLOCK_V
-        acc = _logit_tile(
-            h, w, off_t, off_v, T, V, H, stride_h, stride_w, LOAD, EVEN_K, 0, BLOCK_T, BLOCK_V, BLOCK_K,
-        )  # fmt: skip
         rt = off_t + tl.arange(0, BLOCK_T)
         rv = off_v + tl.arange(0, BLOCK_V)
         row_ok = rt < T
@@ -531,12 +603,59 @@ if triton is not None:
             dz = p * (ge[:, None] * (ez[:, None] - zt) - gl[:, None])
         else:
             dz = -p * gl[:, None]
-        y = tl.load(y_ptr + rt, mask=row_ok, other=-1)
+        y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)  # a vocabulary fits int32
         hit = (rv[None, :] == y[:, None]) & col_ok[None, :]
         dz = tl.where(hit, dz + gl[:, None], dz) * inv_temp
-        dzc = dz.to(dz_ptr.dtype.element_ty)
-        offs = rt[:, None].to(tl.int64) * stride_dz + rv[None, :]
-        inside = row_ok[:, None] & col_ok[None, :]
-        tl.store(dz_ptr + offs, dzc, mask=inside)
-        if SPLIT:
-            tl.store(lo_ptr + offs, (dz - dzc.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=inside)
+        if STORE == 1:  # tensor descriptors: the bulk copy engine clips the tile at T and V
+            dzc = dz.to(tl.float16 if OUT_F16 else tl.bfloat16)
+            dz_ptr.store([off_t, off_v], dzc)
+            if SPLIT:
+                lo_ptr.store(
+                    [off_t, off_v], (dz - dzc.to(tl.float32)).to(tl.float16 if OUT_F16 else tl.bfloat16)
+                )
+        else:
+            dzc = dz.to(dz_ptr.dtype.element_ty)
+            offs = rt[:, None].to(tl.int64) * stride_dz + rv[None, :]
+            inside = row_ok[:, None] & col_ok[None, :]
+            tl.store(dz_ptr + offs, dzc, mask=inside)
+            if SPLIT:
+                tl.store(lo_ptr + offs, (dz - dzc.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit(do_not_specialize=["T", "V"])
+    def _dz_kernel(
+        h, w, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr,
+        T, V, H, stride_h, stride_w, stride_dz, inv_temp,
+        LOAD: tl.constexpr, WITH_ENT: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
+        OUT_F16: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+    ):  # fmt: skip
+        """dL/dz / temperature for one logit tile, written in dz's dtype; with SPLIT, its rounding
+        error too (lo, same dtype and layout: dz + lo carries ~16 bits)."""
+        pid_t, pid_v = _tile_coords(tl.program_id(0), T, V, BLOCK_T, BLOCK_V, GROUP_V)
+        acc = _logit_tile(
+            h, w, pid_t * BLOCK_T, pid_v * BLOCK_V, T, V, H, stride_h, stride_w,
+            LOAD, EVEN_K, 0, BLOCK_T, BLOCK_V, BLOCK_K,
+        )  # fmt: skip
+        _dz_epilogue(
+            acc, pid_t, pid_v, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr, T, V, stride_dz,
+            inv_temp, WITH_ENT, SPLIT, STORE, OUT_F16, BLOCK_T, BLOCK_V,
+        )  # fmt: skip
+
+    @triton.jit(do_not_specialize=["T", "V"])
+    def _dz_kernel_persistent(
+        h, w, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr,
+        T, V, H, stride_h, stride_w, stride_dz, inv_temp,
+        LOAD: tl.constexpr, WITH_ENT: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
+        OUT_F16: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+        NUM_PROGS: tl.constexpr,
+    ):  # fmt: skip
+        n_tiles = tl.cdiv(T, BLOCK_T) * tl.cdiv(V, BLOCK_V)
+        for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGS, flatten=True):
+            pid_t, pid_v = _tile_coords(tile, T, V, BLOCK_T, BLOCK_V, GROUP_V)
+            acc = _logit_tile(
+                h, w, pid_t * BLOCK_T, pid_v * BLOCK_V, T, V, H, stride_h, stride_w,
+                LOAD, EVEN_K, 0, BLOCK_T, BLOCK_V, BLOCK_K,
+            )  # fmt: skip
+            _dz_epilogue(
+                acc, pid_t, pid_v, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr, T, V, stride_dz,
+                inv_temp, WITH_ENT, SPLIT, STORE, OUT_F16, BLOCK_T, BLOCK_V,
+            )  # fmt: skip
