@@ -254,6 +254,12 @@ def test_tbench2_two_steps_on_two_simulated_nodes_survive_a_killed_engine(
     assert all(r["samples_exhausted"] == 0 for r in rows)
     # Weights really moved and reached the servers by disk (weight decay moves every weight).
     assert (out / "weights").is_dir() and any((out / "weights").iterdir())
+    # The restarted server left the router before it started, so nothing ran on its launch
+    # weights; a sync brought it to the fleet's version and the trainer registered it again.
+    engine_log = (out / "logs" / f"{killed['name']}.log").read_text()
+    assert engine_log.count("=== start") == 2 and "is off the router" in engine_log, engine_log[-2000:]
+    assert "registered with the router again" in (out / "run.log").read_text()
+    assert all(r["version_mismatches"] == 0 for r in rows), [r["version_mismatches"] for r in rows]
     results, runs = _results(out)
     assert len(results) >= 8
     for rec in results:  # an episode the dead engine broke is retried, never scored
