@@ -165,6 +165,18 @@ def _free_port() -> int:
     raise ClusterError("no free loopback port between 20100 and 32700")
 
 
+def init_local_ray(num_nodes: int) -> None:
+    """A local Ray cluster whose simulated nodes are the custom resources `agentrl_node_NN` (as
+    `ray_runtime`'s local mode starts it)."""
+    ray = _ray()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+        resources={NODE_RESOURCE.format(n): 1.0 for n in range(num_nodes)},
+        namespace=NAMESPACE, object_store_memory=80 * 2**20, configure_logging=False,
+    )  # fmt: skip
+
+
 @dataclass
 class PrepareCluster:
     """One placement group with a bundle per plan node in `nodes`, on a Ray cluster
@@ -201,16 +213,7 @@ class PrepareCluster:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if not ray.is_initialized():
             if self.local:
-                ray.init(
-                    num_cpus=2,
-                    num_gpus=0,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    resources={NODE_RESOURCE.format(n): 1.0 for n in range(self.num_nodes)},
-                    namespace=NAMESPACE,
-                    object_store_memory=80 * 2**20,
-                    configure_logging=False,
-                )
+                init_local_ray(self.num_nodes)
             else:
                 ray.init(address=self.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
             self._owns_ray = True
@@ -325,7 +328,6 @@ def run_conversion(
     report = report_path(out)
     use_gpus = (not local) if gpus is None else gpus
     bundle = {"CPU": 1.0, **({"GPU": float(placement.nproc_per_node)} if use_gpus else {})}
-    t0 = time.monotonic()
     with PrepareCluster(
         list(placement.nodes), num_nodes, local=local, ray_address=ray_address, bundle=bundle
     ) as c:
@@ -339,30 +341,8 @@ def run_conversion(
         (log_dir / "convert-specs.json").write_text(
             json.dumps([{"node": s.node, "host": hosts[s.node], "argv": s.argv} for s in specs], indent=1)
         )
-        done: dict[int, tuple[int, float]] = {}
-        while len(done) < len(actors):
-            if time.monotonic() - t0 > timeout_s:
-                raise CheckpointError(
-                    f"the conversion did not finish within {timeout_s:.0f} s; logs in {log_dir}"
-                    + _tails(actors, done)
-                )
-            for node, actor in actors.items():
-                if node in done:
-                    continue
-                try:
-                    code = ray.get(actor.wait_exit.remote(1.0), timeout=120)
-                except ray.exceptions.RayError as exc:
-                    raise CheckpointError(
-                        f"the conversion actor of node-{node:02d} died ({type(exc).__name__}); logs in {log_dir}"
-                    ) from None
-                if code is None:
-                    continue
-                done[node] = (code, time.monotonic() - t0)
-                if code != 0:
-                    raise CheckpointError(
-                        f"HF -> Megatron conversion of {hf_dir} failed on node-{node:02d} (exit {code}); "
-                        f"the other nodes are stopped; logs in {log_dir}" + _tails(actors, {})
-                    )
+        done = wait_for_nodes(actors, what=f"HF -> Megatron conversion of {hf_dir}", log_dir=log_dir,
+                              timeout_s=timeout_s)  # fmt: skip
         text = ray.get(actors[placement.nodes[0]].read_text.remote(str(report), True), timeout=120)
     if text is None:
         raise CheckpointError(
@@ -375,19 +355,55 @@ def run_conversion(
             "host": hosts[s.node],
             "node_rank": r,
             "ranks": placement.nproc_per_node,
-            "seconds": round(done[s.node][1], 1),
+            "seconds": round(done[s.node], 1),
         }
         for r, s in enumerate(specs)
     ]
     return result
 
 
-def _tails(actors: dict[int, Any], skip: dict[int, Any]) -> str:
+def wait_for_nodes(
+    actors: dict[int, Any], *, what: str, log_dir: Path, timeout_s: float, poll_s: float = 5.0
+) -> dict[int, float]:
+    """Seconds until each node's process (a `ConvertActor` per plan node) exited 0. The first node
+    that fails (a non-zero exit, a dead actor) or the timeout raises `CheckpointError` naming it,
+    with every node's log tail; the caller's `PrepareCluster` then stops the others, which would
+    otherwise wait for the failed node's ranks until the job's own timeouts."""
+    ray = _ray()
+    t0 = time.monotonic()
+    pending = {actor.wait_exit.remote(poll_s): node for node, actor in actors.items()}
+    done: dict[int, float] = {}
+    while pending:
+        if time.monotonic() - t0 > timeout_s:
+            raise CheckpointError(
+                f"{what} did not finish within {timeout_s:.0f} s; logs in {log_dir}" + _tails(actors)
+            )
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s * 2)
+        for ref in ready:
+            node = pending.pop(ref)
+            try:
+                code = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                raise CheckpointError(
+                    f"{what}: the actor of node-{node:02d} died or never started ({str(exc)[-1500:]}); the "
+                    f"other nodes are stopped; logs in {log_dir}" + _tails(actors)
+                ) from None
+            if code is None:
+                pending[actors[node].wait_exit.remote(poll_s)] = node
+            elif code != 0:
+                raise CheckpointError(
+                    f"{what} failed on node-{node:02d} (exit {code}); the other nodes are stopped; logs in "
+                    f"{log_dir}" + _tails(actors)
+                )
+            else:
+                done[node] = time.monotonic() - t0
+    return done
+
+
+def _tails(actors: dict[int, Any]) -> str:
     ray = _ray()
     out = []
     for node, actor in actors.items():
-        if node in skip:
-            continue
         try:
             tail = ray.get(actor.log_tail.remote(1500), timeout=30)
         except Exception as exc:  # a dead actor's log stays on its node's disk
