@@ -478,6 +478,9 @@ def make_app(recipe: Recipe) -> typer.Typer:
                 for kind in kinds:
                     typer.echo(f"prepare-cp: [node-{node:02d}] {roles}: {Path(root) / kind / model_name} -> "
                                f"{dest / kind / model_name}")  # fmt: skip
+            if not local:
+                typer.echo("prepare-cp: (a Ray cluster whose nodes lack the agentrl_node_NN resources does not pin "
+                           "plan nodes to hosts: there every node gets every role's files)")  # fmt: skip
             return
         from agentrl.cluster import prepare_ray
 

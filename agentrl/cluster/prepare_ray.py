@@ -64,10 +64,14 @@ def conversion_specs(
     master_addr: str,
     master_port: int | str,
     dtype: str | None = None,
+    cpu: bool = False,
 ) -> list[ProcessSpec]:
     """One process per node of the placement: its torchrun line, `MEGATRON_PYTHON` standing for
-    the node's own Megatron interpreter (`--dry-run` prints these)."""
+    the node's own Megatron interpreter (`--dry-run` prints these). `cpu`: the ranks see no GPU
+    and run over gloo (simulated nodes share one host's GPUs, where NCCL would put two ranks of
+    different "nodes" on the same device)."""
     n = len(placement.nodes)
+    env = {"OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
     return [
         ProcessSpec(
             f"convert-node-{node:02d}",
@@ -88,7 +92,7 @@ def conversion_specs(
                     dtype=dtype,
                 )
             ),
-            {"OMP_NUM_THREADS": "1"},
+            dict(env),
             drop_env=("CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV"),
         )
         for r, node in enumerate(placement.nodes)
@@ -334,8 +338,9 @@ def run_conversion(
         master = c.host(placement.nodes[0])
         port = _free_port() if local else CONVERT_PORT
         specs = conversion_specs(
-            placement, layout, hf_dir, out, report, master_addr=master, master_port=port, dtype=dtype
-        )
+            placement, layout, hf_dir, out, report, master_addr=master, master_port=port, dtype=dtype,
+            cpu=not use_gpus,
+        )  # fmt: skip
         hosts = {s.node: (master if s.node == placement.nodes[0] else c.host(s.node)) for s in specs}
         actors = {s.node: c.spawn(s, log_dir) for s in specs}
         (log_dir / "convert-specs.json").write_text(
