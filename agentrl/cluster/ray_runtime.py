@@ -201,15 +201,15 @@ def build_specs(
         e = plan.engines[index]
         # A restarted server leaves the router until an update brings it to the fleet's version;
         # prefill servers of a PD pair are registered with their decode peers, not by this path.
-        leave = {"router_url": router_url, "worker_url": ""}
         if local is None:
             real = host(e.url)
             urls[e.url] = real
             argv = tuple(host(a) for a in p.argv)
-            if e.role != "prefill" and (p.name == f"sglang-{e.role}-{e.index}" or p.name.endswith("-node0")):
-                leave["worker_url"] = real
+            first = p.name == f"sglang-{e.role}-{e.index}" or p.name.endswith("-node0")
+            member = real if e.role != "prefill" and first else ""
             specs.append(ProcessSpec(p.name, "engine", p.node, argv, dict(p.env), Readiness(f"{real}/health"),
-                                     drop_env=("CUDA_VISIBLE_DEVICES",), **leave))  # fmt: skip
+                                     drop_env=("CUDA_VISIBLE_DEVICES",), router_url=router_url,
+                                     worker_url=member))  # fmt: skip
             continue
         if p.name.endswith("-node0") is False and "-node" in p.name:
             continue  # the other ranks of a multi-node engine: one local server stands for it
@@ -223,11 +223,10 @@ def build_specs(
             "--tp-size", _flag(p.argv, "--tp-size") or "1",
         )  # fmt: skip
         name = p.name.removesuffix("-node0")
-        leave["worker_url"] = real
+        ready = Readiness(f"{real}/health")
+        env = {"OMP_NUM_THREADS": "1"}
         specs.append(
-            ProcessSpec(
-                name, "engine", p.node, argv, {"OMP_NUM_THREADS": "1"}, Readiness(f"{real}/health"), **leave
-            )
+            ProcessSpec(name, "engine", p.node, argv, env, ready, router_url=router_url, worker_url=real)
         )
 
     def swap(text: str) -> str:
@@ -235,7 +234,7 @@ def build_specs(
             text = text.replace(plan_url, real)
         return host(text)
 
-    r_argv = [swap(a) for a in router.argv]
+    r_argv: list[str] = [swap(a) for a in router.argv]
     if local is not None:
         r_argv = _set_flag(_set_flag(r_argv, "--host", "127.0.0.1"), "--port", str(router_port))
         metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
@@ -247,19 +246,19 @@ def build_specs(
     trainers = [p for p in plan.processes if p.name.startswith("trainer-")]
     if local is None:
         for p in trainers:
-            argv = [swap(a) for a in p.argv]
+            t_argv = [swap(a) for a in p.argv]
             for s in SUPERVISED_OVERRIDES:
-                argv += ["--set", s]
-            specs.append(ProcessSpec(p.name, "trainer", p.node, tuple(argv), dict(p.env),
+                t_argv += ["--set", s]
+            specs.append(ProcessSpec(p.name, "trainer", p.node, tuple(t_argv), dict(p.env),
                                      drop_env=("CUDA_VISIBLE_DEVICES",)))  # fmt: skip
     else:
         sets = [swap(s) for s in local_run_overrides(plan, local)] + list(SUPERVISED_OVERRIDES)
-        argv = [local.python, "-m", "agentrl.cli", "train", "run"]
+        t_argv = [local.python, "-m", "agentrl.cli", "train", "run"]
         for s in sets:
-            argv += ["--set", s]
+            t_argv += ["--set", s]
         env = {k: v for k, v in trainers[0].env.items() if not k.startswith("CUDA_")}
         env["OMP_NUM_THREADS"] = "1"
-        specs.append(ProcessSpec("trainer-0", "trainer", trainers[0].node, tuple(argv), env))
+        specs.append(ProcessSpec("trainer-0", "trainer", trainers[0].node, tuple(t_argv), env))
     return specs
 
 

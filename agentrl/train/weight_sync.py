@@ -298,7 +298,7 @@ class DistributedTransport(Transport):
         for e in self.engines:
             if not hasattr(e, "init_weights_update_group"):
                 raise WeightSyncError(f"{e!r} cannot join a weight-update group: serve it over HTTP")
-        return [await e.weight_versions() for e in self.engines]  # type: ignore[attr-defined]
+        return [await e.weight_versions() for e in self.engines]
 
     def _stale(self, live: list[dict[str, int]]) -> str | None:
         """Why the group must be formed again, or None when it holds exactly the live servers."""
