@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # processes that import torch and meet over TCP
 
 SGLANG_MEMBER = textwrap.dedent(
     """
