@@ -30,9 +30,10 @@ SMG = (
     if (Path(sys.executable).parent / "smg").exists()
     else shutil.which("smg")
 )
-pytestmark = pytest.mark.skipif(
-    SMG is None, reason="smg (the SGLang router, `pip install smg`) is not installed"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(SMG is None, reason="smg (the SGLang router, `pip install smg`) is not installed"),
+]
 
 
 def _port() -> int:
