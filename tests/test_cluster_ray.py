@@ -335,3 +335,43 @@ def test_local_dry_run_prints_the_processes_local_mode_starts() -> None:
     assert "sglang.launch_server" in result.output.split("## local mode", 1)[0]
     refused = CliRunner().invoke(module.app, ["train", "--num-nodes", "2", "--local", "--enable-pd"])
     assert refused.exit_code == 2 and "no prefill/decode split" in refused.output
+
+
+def test_a_multi_node_engine_restarts_all_its_ranks_once(tmp_path: Path) -> None:
+    """One node rank of a multi-node SGLang engine cannot rejoin the others' NCCL world: when one
+    restarts, the supervisor restarts its siblings, once, and their restarts set off nothing more."""
+    from agentrl.cluster.ray_runtime import ClusterRun, engine_siblings
+
+    plan = resolve(RecipeOptions(recipe="dapo_math", num_nodes=16))
+    names = [p.name for p in plan.processes]
+    prefill = [n for n in names if n.startswith("sglang-prefill-0-node")]
+    assert len(prefill) > 1
+    assert engine_siblings(names, "sglang-prefill-0-node1") == [
+        n for n in prefill if n != "sglang-prefill-0-node1"
+    ]
+    assert engine_siblings(names, "sglang-decode-1-node0")  # its other ranks
+    assert engine_siblings(names, "router") == [] and engine_siblings(names, "trainer-1") == []
+    run = ClusterRun(plan, log_dir=tmp_path)
+    run.actors = dict.fromkeys(names)
+    run.pids = {n: [100] for n in names}
+    killed: list[str] = []
+    run.kill = killed.append  # type: ignore[method-assign]
+    handled: set[tuple[str, int]] = set()
+    run.pids["sglang-prefill-0-node1"].append(101)  # Ray restarted rank 1 (its node died)
+    run._restart_siblings("sglang-prefill-0-node1", handled, pending=False)
+    assert killed == [n for n in prefill if n != "sglang-prefill-0-node1"]
+    for sib in killed:  # ... the supervisor's kills restarted them: that sets off nothing more
+        run.pids[sib].append(102)
+        run._restart_siblings(sib, handled, pending=False)
+    run._restart_siblings("sglang-prefill-0-node1", handled, pending=False)  # seen again: nothing
+    assert killed == [n for n in prefill if n != "sglang-prefill-0-node1"]
+    killed.clear()
+    # A rank whose process exits: the supervisor restarts it and its siblings, once.
+    run._restart_siblings("sglang-decode-1-node0", handled, pending=True)
+    first = list(killed)
+    run.pids["sglang-decode-1-node0"].append(103)
+    for sib in engine_siblings(names, "sglang-decode-1-node0"):
+        run.pids[sib].append(104)
+        run._restart_siblings(sib, handled, pending=False)
+    run._restart_siblings("sglang-decode-1-node0", handled, pending=False)
+    assert killed == first == engine_siblings(names, "sglang-decode-1-node0")

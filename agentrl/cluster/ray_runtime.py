@@ -169,6 +169,19 @@ def _flag(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
+_ENGINE_RANK = re.compile(r"^(sglang-\w+-\d+)-node\d+$")
+
+
+def engine_siblings(names: list[str], name: str) -> list[str]:
+    """The other node ranks of the multi-node SGLang engine `name` belongs to (`sglang-<role>-<i>-
+    node<k>`): one rank's process cannot rejoin the others' (their NCCL world has lost a member),
+    so when one restarts, all restart. Empty for a one-node engine or another process."""
+    m = _ENGINE_RANK.match(name)
+    if m is None:
+        return []
+    return [n for n in names if n != name and (g := _ENGINE_RANK.match(n)) and g.group(1) == m.group(1)]
+
+
 def engine_processes(plan: ClusterPlan) -> list[tuple[int, Process]]:
     """(engine index, process) for every SGLang process of the plan, in engine order."""
     out = []
@@ -463,6 +476,20 @@ class ClusterRun:
                 raise ClusterError(f"{n}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
             log.info("%s ready in %.1f s", n, seconds)
 
+    def _restart_siblings(self, name: str, handled: set[tuple[str, int]], *, pending: bool) -> None:
+        """Restart the other node ranks of `name`'s engine, once per restart of `name`.
+        `pending`: `name` itself is about to be restarted (its process exited), not restarted yet.
+        The restarts this causes are remembered in `handled` (as (rank, the pid count it will
+        have)), so they do not set off another round."""
+        count = len(self.pids.get(name, [])) + (1 if pending else 0)
+        if (name, count) in handled:
+            return
+        handled.add((name, count))
+        for sib in engine_siblings(list(self.actors), name):
+            handled.add((sib, len(self.pids.get(sib, [])) + 1))
+            log.warning("%s restarted: restarting %s too (one multi-node engine)", name, sib)
+            self.kill(sib)
+
     def _record(self, name: str, status: dict[str, Any]) -> bool:
         """Note the process's pid; True when it is a new one (the actor was restarted)."""
         seen = self.pids.setdefault(name, [])
@@ -490,6 +517,7 @@ class ClusterRun:
         t0 = time.monotonic()
         trainers = [s.name for s in self.specs if s.role == "trainer"]
         failing: dict[str, int] = {}
+        handled: set[tuple[str, int]] = set()  # (engine rank, its pid count) whose siblings restarted
         while True:
             if time.monotonic() - t0 > timeout_s:
                 raise ClusterError(f"the run did not finish within {timeout_s:.0f} s; logs in {self.log_dir}")
@@ -508,12 +536,14 @@ class ClusterRun:
                         ) from None
                     continue
                 failing.pop(name, None)
-                self._record(name, statuses[name])
+                if self._record(name, statuses[name]) and len(self.pids[name]) > 1:
+                    self._restart_siblings(name, handled, pending=False)  # Ray restarted it
             for name, st in statuses.items():
                 if st["returncode"] is None or name in trainers:
                     continue
                 log.warning("%s exited with %s: restarting it", name, st["returncode"])
                 self.kill(name)
+                self._restart_siblings(name, handled, pending=True)
             codes = [statuses[n]["returncode"] for n in trainers if n in statuses]
             if len(codes) == len(trainers) and all(c == 0 for c in codes):
                 return RunOutcome(time.monotonic() - t0, 0, dict(self.restarts), list(self.specs))
