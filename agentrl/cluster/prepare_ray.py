@@ -219,7 +219,15 @@ class PrepareCluster:
             if self.local:
                 init_local_ray(self.num_nodes)
             else:
-                ray.init(address=self.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
+                address = self.ray_address or "auto"
+                try:
+                    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+                except (ConnectionError, RuntimeError) as exc:
+                    raise ClusterError(
+                        f"no Ray cluster at {address} ({exc}): start one (`ray start --head` here, `ray start "
+                        "--address HEAD:6379` on the other nodes) and pass --ray-address, or use --local "
+                        "(simulated nodes) or --single-host"
+                    ) from None
             self._owns_ray = True
         from ray.util.placement_group import placement_group
 
