@@ -536,7 +536,10 @@ class SGLangEngine(Engine):
         updated = await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True)
         await self._confirm_version(int(weight_version), list(updated))
         if int(weight_version) != before:  # a whole new version is in: servers that caught up rejoin
-            await self.admit_workers()
+            try:
+                await self.admit_workers()
+            except EngineError as e:  # the weights are in; a router that refuses is retried next time
+                log.error("could not register caught-up workers with the router %s: %s", self.router_url, e)
 
     async def _confirm_version(self, version: int, urls: list[str]) -> None:
         versions = await self.weight_versions()
