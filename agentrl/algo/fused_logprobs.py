@@ -23,7 +23,7 @@ Precision: the tensor cores' fp32 accumulation truncates toward zero, so each lo
 shrunk by a relative ~1e-5 over a 6,144-wide hidden state, and log-probs ~6e-5 from exact at
 GLM-5.2's head (bf16-logit paths: ~2e-2). Forward therefore adds the tensor cores' partial sums
 into an fp32 register accumulator every `TileConfig.promote` k-blocks (default 16: six times over
-6,144; ~1e-5 from exact, closer than an fp32 cuBLAS reference; ~6% of forward time; 0 turns it
+6,144; ~1e-5 from exact, closer than an fp32 cuBLAS reference; ~7% of forward time; 0 turns it
 off). Replacing only the target's logit by an exact fp32 dot product was tried and loses: the
 target's and the log-sum-exp's shrinkage cancel where the target is likely (benchmarks/RESULTS.md).
 Backward's recompute needs no such care: its dL/dz is rounded to bf16 anyway.
@@ -566,8 +566,8 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
         NUM_PROGS: tl.constexpr,
     ):  # fmt: skip
-        """`_stats_kernel` with one program per multiprocessor walking the tiles, so the next
-        tile's loads (and, warp-specialized, its products) overlap this tile's epilogue."""
+        """`_stats_kernel` with one program per multiprocessor walking the tiles (one flattened
+        loop), so the next tile's bulk copies are in flight during this tile's epilogue."""
         n_tiles = tl.cdiv(T, BLOCK_T) * tl.cdiv(V, BLOCK_V)
         for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGS, flatten=True):
             pid_t, pid_v = _tile_coords(tile, T, V, BLOCK_T, BLOCK_V, GROUP_V)
