@@ -19,8 +19,8 @@ logit recompute that buys the memory). Memory: the gradients themselves, an fp32
 accumulator and one [T, vocab_chunk] slice. An fp32 weight (fp32 master weights under bf16
 autocast) gets an fp32 dL/dW from dL/dz carried as a bf16 pair (hi + lo: a fifth product).
 
-Precision: the tensor cores' fp32 accumulation truncates toward zero, so each logit comes out
-shrunk by a relative ~1e-5 over a 6,144-wide hidden state, and log-probs ~6e-5 from exact at
+Precision: the tensor cores' fp32 accumulation truncates (the measured errors fit every logit
+shrunk by a relative ~1e-5 over a 6,144-wide hidden state), and log-probs are ~6e-5 from exact at
 GLM-5.2's head (bf16-logit paths: ~2e-2). Forward therefore adds the tensor cores' partial sums
 into an fp32 register accumulator every `TileConfig.promote` k-blocks (default 16: six times over
 6,144; ~1e-5 from exact, closer than an fp32 cuBLAS reference; ~7% of forward time; 0 turns it
