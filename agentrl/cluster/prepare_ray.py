@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -120,9 +121,10 @@ class ConvertActor(ProcessActor):
 
     def wait_exit(self, timeout_s: float) -> int | None:
         """The exit status, or None while it still runs after `timeout_s`."""
-        with contextlib.suppress(Exception):
+        try:
             return self.proc.wait(timeout_s)
-        return None
+        except subprocess.TimeoutExpired:
+            return None
 
     def read_text(self, path: str, remove: bool = False) -> str | None:
         p = Path(path)
