@@ -93,7 +93,11 @@ def bundled_tasks() -> Path:
 # scratch directory and renamed into place; list/remove/prune tests of the stand-in bases use a
 # private podman storage.
 SERIAL: dict[str, tuple[str, ...]] = {
-    "ray": ("tests/test_cluster_ray.py",),
+    "ray": (
+        "tests/test_cluster_ray.py",
+        "tests/test_cluster_prepare.py",
+        "tests/test_cluster_prepare_ray.py",
+    ),
 }
 
 # Order in which the workers take work (the scheduler hands out groups and single tests in collection
