@@ -111,6 +111,11 @@ def test_placement_groups_per_role() -> None:
     tb = ClusterRun(resolve(RecipeOptions(recipe="tbench2", num_nodes=16)), log_dir=Path("/nonexistent"))
     assert tb.role_nodes() == {"trainer": list(range(8)), "rollout": list(range(8, 16))}
     assert tb.bundles()["rollout"] == [{"CPU": 1.0, "GPU": 4.0}] * 8
+    # A cluster whose nodes advertise agentrl_node_NN pins plan node N to that host (where
+    # prepare-cp put node N's files).
+    tb.pinned = True
+    assert tb.bundles()["rollout"][2] == {"CPU": 1.0, "GPU": 4.0, "agentrl_node_10": 1.0}
+    assert tb.bundles()["trainer"][0] == {"CPU": 1.0, "GPU": 4.0, "agentrl_node_00": 1.0}
     math = ClusterRun(
         resolve(RecipeOptions(recipe="dapo_math", num_nodes=16, gpus_per_node=8, hardware="H200")),
         log_dir=Path("/nonexistent"),

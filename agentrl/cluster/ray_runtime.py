@@ -332,6 +332,10 @@ class ClusterRun:
         self.pids: dict[str, list[int]] = {}  # every pid each process has had (leak checks)
         self.restarts: dict[str, int] = {}
         self._owns_ray = False
+        # Plan nodes pinned to hosts: every cluster node advertises its `agentrl_node_NN` resource
+        # (`ray start --resources '{"agentrl_node_03": 1}'`), so node N's processes run where
+        # `prepare-cp` put node N's files. Local mode always is; a cluster is checked on start.
+        self.pinned = local is not None
 
     # --- placement -----------------------------------------------------------------------------
 
@@ -349,7 +353,8 @@ class ClusterRun:
             if self.local is not None:
                 out[role] = [{NODE_RESOURCE.format(n): 1.0} for n in nodes]
             else:
-                out[role] = [{"CPU": 1.0, "GPU": float(self.plan.gpus_per_node)} for _ in nodes]
+                pin = (lambda n: {NODE_RESOURCE.format(n): 1.0}) if self.pinned else (lambda n: {})
+                out[role] = [{"CPU": 1.0, "GPU": float(self.plan.gpus_per_node), **pin(n)} for n in nodes]
         return out
 
     def _where(self, node: int) -> tuple[Any, int]:
@@ -383,6 +388,15 @@ class ClusterRun:
         from ray.util.placement_group import placement_group
 
         ray = _ray()
+        if self.local is None:
+            have = ray.cluster_resources()
+            self.pinned = all(NODE_RESOURCE.format(n) in have for n in range(self.plan.options.num_nodes))
+            if not self.pinned:
+                log.warning(
+                    "the Ray cluster does not pin plan nodes to hosts (no agentrl_node_NN resources): Ray "
+                    "chooses which host runs which plan node, so node-local files from `prepare-cp` may be "
+                    "on another host; start each node's Ray with --resources '{\"agentrl_node_NN\": 1}'"
+                )
         strategy = "PACK" if self.local is not None else "STRICT_SPREAD"
         for role, bundles in self.bundles().items():
             self.groups[role] = placement_group(bundles, strategy=strategy, name=f"agentrl-{role}")
