@@ -92,18 +92,24 @@ def build_parts(cfg: RunConfig) -> RunParts:
     tok_dir = check_model_source(cfg.engine.tokenizer or cfg.engine.model, "engine.tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     if cfg.trainer.backend == "megatron":
-        # Needs Python >= 3.12 and megatron-core (docs/megatron.md). Every rank reads only its own
-        # shard of the checkpoint, one tensor at a time (GLM-5.2 does not fit one host); only an
-        # in-process engine needs the whole HF model.
+        # Needs Python >= 3.12 and megatron-core (docs/megatron.md). The initial weights: the
+        # torch_dist checkpoint of trainer.megatron.init_checkpoint (what `prepare` converted; the
+        # HF weights are then not read: engine.model gives config and tokenizer), else the HF
+        # checkpoint, every rank reading only its own shard, one tensor at a time (GLM-5.2 does
+        # not fit one host). Only an in-process engine needs the whole HF model.
         from transformers import AutoConfig
 
         from agentrl.train.megatron.hf_io import HFCheckpoint
-        from agentrl.train.megatron.trainer import MegatronTrainer
+        from agentrl.train.megatron.trainer import MegatronTrainer, init_checkpoint_dir
 
-        with HFCheckpoint(model_dir) as hf_state:
-            trainer: Any = MegatronTrainer(
-                AutoConfig.from_pretrained(model_dir), cfg.trainer, cfg.trainer.megatron, hf_state=hf_state
-            )
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        trainer: Any
+        if cfg.trainer.megatron.init_checkpoint:
+            init_checkpoint_dir(cfg.trainer.megatron.init_checkpoint)  # before any process group
+            trainer = MegatronTrainer(hf_config, cfg.trainer, cfg.trainer.megatron)
+        else:
+            with HFCheckpoint(model_dir) as hf_state:
+                trainer = MegatronTrainer(hf_config, cfg.trainer, cfg.trainer.megatron, hf_state=hf_state)
         policy = None
         if cfg.engine.kind == "local":
             policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -398,6 +398,18 @@ def case_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     return checkpoint_step(Path(args.tmp) / "ckpt")
 
 
+def local_weights_of(tr: Any) -> list[torch.Tensor]:
+    """This rank's weights and floating buffers (detached views of them, not copies)."""
+    from agentrl.train.megatron import convert
+
+    return [
+        v
+        for chunk in tr.chunks
+        for k, v in chunk.state_dict().items()
+        if torch.is_tensor(v) and v.is_floating_point() and not convert._SKIP.search(k)
+    ]
+
+
 def local_weights(tr: Any) -> dict[str, torch.Tensor]:
     """This rank's own shards (every chunk's weights), as megatron holds them."""
     from agentrl.train.megatron import convert
@@ -455,6 +467,78 @@ def checkpoint_step(root: Path, **settings: Any) -> dict[str, Any]:
         "local_after_next_step_max_abs_diff": _max_over_ranks(max_diff(local_weights(a), local_weights(b))),
         "steps": [a.step, b.step],
     }
+
+
+# Layouts a checkpoint converted at TP1 PP1 is loaded into (torch_dist reshards): TP2, and two
+# pipeline stages of two virtual stages each (8 layers: 1-2, 5-6 | 3-4, 7-8).
+INIT_LAYOUTS: dict[str, dict[str, Any]] = {"tp2": {"tp": 2}, "pp2-vpp2": {"pp": 2, "vpp": 2}}
+
+
+def case_init_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    """Trainers that start from `trainer.megatron.init_checkpoint` (--init: what `prepare`
+    converted from --hf) at the INIT_LAYOUTS: their export in checkpoint names against the HF
+    checkpoint's own tensors. Then a run checkpoint (of moved weights) loaded into a trainer built
+    from the init checkpoint wins over it, and a model of fewer layers refuses the checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from agentrl.train.megatron.settings import MegatronSettings
+    from agentrl.train.megatron.trainer import InitCheckpointError, MegatronTrainer
+
+    cfg = AutoConfig.from_pretrained(args.hf)
+    hf_state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(args.hf).glob("*.safetensors")):
+        hf_state.update(load_file(str(f)))
+    train = TrainConfig(lr=1e-3, max_tokens_per_micro_batch=64, weight_decay=0.0)
+
+    def build(config: Any = cfg, **settings: Any) -> Any:
+        return MegatronTrainer(config, train, MegatronSettings(init_checkpoint=args.init, **settings))
+
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for name, settings in INIT_LAYOUTS.items():
+        tr = build(**settings)
+        exported = {k: v.clone() for k, v in tr.hf_weights("checkpoint")}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [[i + 1 for i in c.agentrl_stage_layers] for c in tr.chunks])
+        out[name] = {
+            "tp": tr.tp_size,
+            "pp": tr.pp_size,
+            "stage_layers": everyone,
+            "missing": sorted(set(hf_state) - set(exported)),
+            "extra": sorted(set(exported) - set(hf_state)),
+            "tensors": len(exported),
+            "dtypes_equal": all(exported[k].dtype == hf_state[k].dtype for k in exported if k in hf_state),
+            "max_abs_diff": _max_over_ranks(
+                max(float((exported[k] - hf_state[k]).abs().max()) for k in exported if k in hf_state)
+            ),
+            "seconds": time.perf_counter() - t0,
+        }
+        t0 = time.perf_counter()
+    a = build(tp=2)
+    # Stands for a step (cheaper): every weight and the router's expert bias move off the init
+    # checkpoint, by the same amount on every rank (replicated weights stay equal).
+    for t in local_weights_of(a):
+        t.add_(0.25)
+    a.step = 1
+    trained = {k: v.clone() for k, v in a.hf_weights("checkpoint")}
+    a.save(Path(args.tmp) / "run-ckpt", buffer_state={"step": 1})
+    # Another spelling of the init checkpoint (its model/ directly): not part of what a resume checks.
+    b = MegatronTrainer(cfg, train, MegatronSettings(init_checkpoint=f"{args.init}/model", tp=2))
+    state = b.load(Path(args.tmp) / "run-ckpt")
+    resumed = dict(b.hf_weights("checkpoint"))
+    out["resume"] = {
+        "step": state.step,
+        "trained_vs_init_min_abs_diff": min(float((trained[k] - hf_state[k]).abs().max()) for k in trained),
+        "resumed_vs_trained_max_abs_diff": _max_over_ranks(max_diff(resumed, trained)),
+        "seconds": time.perf_counter() - t0,
+    }
+    try:
+        build(tiny_config(num_hidden_layers=4, index_skip_topk_offset=1), tp=2)
+        out["fewer_layers_error"] = None
+    except InitCheckpointError as exc:
+        out["fewer_layers_error"] = str(exc)
+    return out
 
 
 def case_split(args: argparse.Namespace) -> dict[str, Any]:
@@ -826,6 +910,7 @@ CASES = {
     "references": case_references,
     "layouts": case_layouts,
     "checkpoint": case_checkpoint,
+    "init_checkpoint": case_init_checkpoint,
     "split": case_split,
     "runtime": case_runtime,
     "kl": case_kl,
@@ -857,6 +942,8 @@ def main() -> None:
     parser.add_argument("--port", default="0")
     parser.add_argument("--transport", default="tensor")
     parser.add_argument("--sync-port")
+    parser.add_argument("--hf", help="an HF checkpoint directory (init_checkpoint)")
+    parser.add_argument("--init", help="its torch_dist conversion (init_checkpoint)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
     names = args.case.split(",")

@@ -42,6 +42,11 @@ class MegatronSettings:
     `export_quantization`: "fp8_block128" exports the decoder's linear weights block-quantised to
     FP8 with their `weight_scale_inv` for FP8 rollout engines (`agentrl.train.megatron.fp8`; needs
     the checkpoint layout); "none" exports every weight as trained (or cast to the sync dtype).
+    `init_checkpoint`: the initial weights as a megatron-core `torch_dist` model checkpoint, the
+    one `prepare` writes (the directory holding `model/`, or `model/` itself), instead of the HF
+    weights of `engine.model` (which then gives only the config and tokenizer). torch_dist
+    reshards on load, so a checkpoint converted for one layout loads into any other. A run
+    checkpoint being resumed replaces these weights (it is not part of the layout a resume checks).
     """
 
     __pydantic_config__ = ConfigDict(extra="forbid")
@@ -64,6 +69,7 @@ class MegatronSettings:
     optimizer_cpu_offload: bool = False
     export_layout: str = "transformers"
     export_quantization: str = "none"
+    init_checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -92,6 +98,8 @@ class MegatronSettings:
             problems.append(
                 "export_quantization fp8_block128 needs export_layout='checkpoint' (2-D expert weights)"
             )
+        if self.init_checkpoint is not None and not self.init_checkpoint.strip():
+            problems.append("init_checkpoint is empty: give a directory prepare wrote, or leave it unset")
         if problems:
             raise ValueError("MegatronSettings: " + "; ".join(problems))
 
@@ -102,3 +110,10 @@ class MegatronSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def layout_dict(self) -> dict[str, Any]:
+        """What a run checkpoint must have been saved with to resume here: every setting but
+        where the initial weights came from."""
+        out = self.to_dict()
+        out.pop("init_checkpoint")
+        return out

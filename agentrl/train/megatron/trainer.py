@@ -182,11 +182,43 @@ class _GatherContextParallel(torch.autograd.Function):
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n].contiguous(), None
 
 
+class InitCheckpointError(CheckpointError):
+    """`trainer.megatron.init_checkpoint` is missing, incomplete or not this model's."""
+
+
+_PREPARE_HINT = (
+    "run the recipe's `prepare` (HF -> Megatron) and then `prepare-cp` (to every node's local disk), "
+    "or leave trainer.megatron.init_checkpoint unset to start from engine.model's HF weights"
+)
+
+
+def init_checkpoint_dir(path: str | Path) -> Path:
+    """The `torch_dist` directory of an initial checkpoint: `path/model` (what `prepare` writes:
+    `model/` beside `convert.json`; a run checkpoint's `step-N/` has the same shape) or `path`
+    itself. Complete means megatron's `metadata.json` (written last, once every shard is saved),
+    torch's `.metadata` and shard files; anything else is an `InitCheckpointError`."""
+    given = Path(path).expanduser()
+    if not given.is_dir():
+        raise InitCheckpointError(f"trainer.megatron.init_checkpoint {given} does not exist: {_PREPARE_HINT}")
+    model = given / "model" if (given / "model").is_dir() else given
+    missing = [name for name in ("metadata.json", ".metadata") if not (model / name).is_file()]
+    if not any(model.glob("*.distcp")):
+        missing.append("*.distcp shards")
+    if missing:
+        raise InitCheckpointError(
+            f"trainer.megatron.init_checkpoint {model} is not a complete torch_dist checkpoint (no "
+            f"{', '.join(missing)}): a conversion or copy that did not finish; {_PREPARE_HINT}"
+        )
+    return model
+
+
 class MegatronTrainer:
     """Owns this rank's model shard (its pipeline stage's chunks), its optimizer and the step counter.
 
-    `hf_config`: a transformers `GlmMoeDsaConfig`; `hf_state`: the initial weights as HF tensors
-    (full, on every rank; each rank keeps its shard), or None to keep megatron's initialisation.
+    `hf_config`: a transformers `GlmMoeDsaConfig`; the initial weights are `hf_state` (HF tensors,
+    full, on every rank; each rank keeps its shard) or `settings.init_checkpoint` (a `torch_dist`
+    checkpoint, `load_init_checkpoint`), at most one of them; neither keeps megatron's
+    initialisation.
     `self.model` is this rank's first (usually only) model chunk; `self.chunks` all of them (one per
     virtual pipeline stage), unwrapped.
     """
@@ -223,8 +255,14 @@ class MegatronTrainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.chunks = self._build_chunks()
         self.model = self.chunks[0]
+        if hf_state is not None and self.settings.init_checkpoint:
+            raise ConfigError(
+                "initial weights given twice (hf_state and trainer.megatron.init_checkpoint): give one"
+            )
         if hf_state is not None:
             self.load_hf(hf_state)
+        elif self.settings.init_checkpoint:
+            self.load_init_checkpoint(self.settings.init_checkpoint)
         # The KL term's reference: a frozen copy of the initial weights, sharded like the policy.
         self.ref_chunks: list[Any] | None = None
         if config.loss.kl_coef:
@@ -329,6 +367,47 @@ class MegatronTrainer:
                     stage_layers=chunk.agentrl_stage_layers,
                     num_experts=self.hf_config.n_routed_experts,
                 )
+
+    def load_init_checkpoint(self, path: str | Path) -> None:
+        """Replace the weights with a `torch_dist` model checkpoint (`init_checkpoint_dir(path)`),
+        e.g. the one `prepare` converted: each rank reads only its shards, and torch_dist reshards,
+        so the checkpoint's TP / PP / EP need not be this trainer's. One load per model chunk: a
+        chunk's sharded state dict names layers by their global numbers, so every virtual stage
+        finds its layers in a checkpoint saved without virtual stages (and the other way round).
+        Every tensor a chunk needs must be in the checkpoint with its shape, and every tensor of
+        the checkpoint must be loaded by some chunk of some rank (a checkpoint of a larger model
+        is refused, not silently cut); else `InitCheckpointError`."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        model_dir = init_checkpoint_dir(path)
+        never_loaded: set[str] | None = None
+        not_in_checkpoint: set[str] = set()
+        for chunk in self.chunks:
+            try:
+                state, missing, unexpected = dist_checkpointing.load(
+                    chunk.sharded_state_dict(), str(model_dir), strict=StrictHandling.RETURN_ALL
+                )
+            except Exception as exc:  # megatron's CheckpointingException, torch's CheckpointException
+                raise InitCheckpointError(
+                    f"trainer.megatron.init_checkpoint {model_dir} does not load into this model "
+                    f"({type(exc).__name__}: {str(exc)[:2000]}): was it converted from the checkpoint of "
+                    f"engine.model? {_PREPARE_HINT}"
+                ) from exc
+            # `missing`: checkpoint keys no rank asked for in this round (equal on every rank);
+            # `unexpected`: keys this rank asked for that the checkpoint lacks (left unloaded).
+            never_loaded = set(missing) if never_loaded is None else never_loaded & set(missing)
+            not_in_checkpoint |= set(unexpected)
+            chunk.load_state_dict(state, strict=False)
+        lacking: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(lacking, sorted(not_in_checkpoint))
+        absent = sorted({k for keys in lacking for k in keys})
+        if absent or never_loaded:
+            raise InitCheckpointError(
+                f"trainer.megatron.init_checkpoint {model_dir} is not this model's checkpoint: it lacks "
+                f"{len(absent)} tensors the model needs {absent[:8]} and has {len(never_loaded or ())} the "
+                f"model has no place for {sorted(never_loaded or ())[:8]}; {_PREPARE_HINT}"
+            )
 
     def hf_weights(self, layout: str = "transformers") -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors, gathered over TP / EP ranks and, with pipeline stages, broadcast from
@@ -878,10 +957,11 @@ class MegatronTrainer:
         if not (path / "state.json").exists() or not (path / "model").is_dir():
             raise CheckpointError(f"{path} is not a complete megatron checkpoint (state.json, model/)")
         raw = json.loads((path / "state.json").read_text())
-        if raw.get("megatron") != self.settings.to_dict() or raw.get("world_size") != dist.get_world_size():
+        saved = {k: v for k, v in (raw.get("megatron") or {}).items() if k != "init_checkpoint"}
+        if saved != self.settings.layout_dict() or raw.get("world_size") != dist.get_world_size():
             raise CheckpointError(
-                f"{path} was saved with {raw.get('megatron')} on {raw.get('world_size')} ranks; this trainer "
-                f"runs {self.settings.to_dict()} on {dist.get_world_size()}: the optimizer state is per rank"
+                f"{path} was saved with {saved} on {raw.get('world_size')} ranks; this trainer runs "
+                f"{self.settings.layout_dict()} on {dist.get_world_size()}: the optimizer state is per rank"
             )
         state = dist_checkpointing.load(self._sharded_state_dict(), str(path / "model"))
         if len(self.chunks) == 1:
