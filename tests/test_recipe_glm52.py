@@ -5,6 +5,7 @@ diff), the reference layouts, and invalid combinations failing with their reason
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -78,6 +79,42 @@ def test_dry_run_matches_its_snapshot(case: str) -> None:
     assert result.stdout == path.read_text(), (
         f"{case}: the plan changed (AGENTRL_UPDATE_SNAPSHOTS=1 to accept)"
     )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_process_loads_the_checkpoint_prepare_cp_put_on_its_node(case: str, tmp_path: Path) -> None:
+    """The written plan's SGLang servers load `--model-path` and its trainer ranks
+    `trainer.megatron.init_checkpoint` from node-local disk, each exactly what `prepare-cp` copies
+    to that node (`node_needs`: training nodes the Megatron checkpoint, rollout nodes FP8 or HF,
+    colocated nodes both); `engine.model` stays on shared storage (config and tokenizer)."""
+    from agentrl.cluster.prepare import node_needs
+    from agentrl.cluster.recipe import RecipeOptions, resolve
+
+    recipe, args = CASES[case]
+    root = tmp_path / "shared"
+    result = CliRunner().invoke(
+        APPS[recipe], ["train", *args.split(), "--root", str(root), "--local-root", "/l", "--write-scripts"]
+    )
+    assert result.exit_code == 0, result.output
+    written = json.loads((root / "runs" / recipe / "launch" / "plan.json").read_text())
+    plan = resolve(RecipeOptions(**written["options"]))
+    model = plan.options.model_name
+    loads: dict[int, set[str]] = {}
+    for p in written["processes"]:
+        argv = p["argv"]
+        if "sglang.launch_server" in argv:
+            paths = [argv[argv.index("--model-path") + 1]]
+        elif "torchrun" in argv:
+            sets = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--set")
+            paths = [sets["trainer.megatron.init_checkpoint"]]
+            assert sets["engine.model"] == f"{root}/hf/{model}"
+        else:
+            continue
+        for path in paths:
+            m = re.fullmatch(rf"/l/(fp8|hf|megatron)/{re.escape(model)}", path)
+            assert m, path
+            loads.setdefault(p["node"], set()).add(m.group(1))
+    assert loads == {node: set(kinds) for node, kinds in node_needs(plan).items()}
 
 
 def test_the_16_node_tbench2_plan_is_the_reference_layout() -> None:

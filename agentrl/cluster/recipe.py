@@ -199,7 +199,7 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
     if model.mtp_layers and not o.enable_mtp:
         notes.append("the MTP layer is not trained (agentrl's Megatron backend builds no MTP layer)")
     engines = _engines(o, config, enable_pd, rollout_nodes, gpn, notes)
-    model_dir = f"{o.root}/{'fp8' if fp8 else 'hf'}/{o.model_name}"
+    model_dir = local_model_dir(o, rollout_kind(fp8))
     processes = [
         p for e in engines for p in _sglang(o, e, config, enable_pd, fp8, colocated, model_dir, gpn, hw.name)
     ]
@@ -211,6 +211,21 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
         o, model, gpn, train_nodes, rollout_nodes, colocated, config, fp8, enable_pd, offload, choice,
         engines, processes, overrides, notes,
     )  # fmt: skip
+
+
+def rollout_kind(fp8: bool) -> str:
+    """The checkpoint the SGLang servers load: `prepare`'s block-FP8 copy, or the HF one."""
+    return "fp8" if fp8 else "hf"
+
+
+def shared_model_dir(o: RecipeOptions, kind: str) -> str:
+    """Where `prepare` writes a checkpoint of `kind` (hf, fp8, megatron): shared storage."""
+    return f"{o.root}/{kind}/{o.model_name}"
+
+
+def local_model_dir(o: RecipeOptions, kind: str) -> str:
+    """Where `prepare-cp` copies it on each node that loads it (`prepare.node_needs`): node-local disk."""
+    return f"{o.local_root}/{kind}/{o.model_name}"
 
 
 def _engines(
@@ -322,7 +337,8 @@ def _run_overrides(
     sets: dict[str, Any] = {
         "out": f"{o.root}/runs/{o.recipe}",
         "engine.kind": "sglang",
-        "engine.model": f"{o.root}/hf/{o.model_name}",
+        # Config and tokenizer only: the weights come from init_checkpoint (and the servers' copies).
+        "engine.model": shared_model_dir(o, "hf"),
         "engine.router_url": f"http://node-{router_node:02d}:{ROUTER_PORT}",
         "engine.urls": [e.url for e in engines if e.role != "prefill"],
         "engine.request_timeout_s": 14400,
@@ -340,6 +356,7 @@ def _run_overrides(
         "trainer.megatron.moe_token_dispatcher_type": "flex" if o.use_deepep else "alltoall",
         "trainer.megatron.export_layout": "checkpoint",
         "trainer.megatron.export_quantization": "fp8_block128" if fp8 else "none",
+        "trainer.megatron.init_checkpoint": local_model_dir(o, "megatron"),
         "trainer.megatron.ddp": "megatron",
         "trainer.megatron.distributed_optimizer": True,
         "trainer.megatron.optimizer_cpu_offload": offload,
@@ -414,6 +431,18 @@ def render(plan: ClusterPlan) -> str:
         split = pipeline_layout(plan.model.num_layers, lay.pp, first_stage_layers=lay.first_stage_layers,
                                 last_stage_layers=lay.last_stage_layers)  # fmt: skip
         lines.append(f"stage sizes {[len(s) for s in split.stages]}, stage starts {split.stage_starts}")
+    lines.append("")
+    lines.append(
+        "## weights (`prepare` writes them to shared storage, `prepare-cp` copies them to node-local disk)"
+    )
+    both = "every node" if plan.colocated else None
+    kind = rollout_kind(plan.fp8_rollout)
+    lines.append(f"{both or 'rollout nodes'}: SGLang --model-path {local_model_dir(o, kind)} "
+                 f"(copy of {shared_model_dir(o, kind)})")  # fmt: skip
+    lines.append(f"{both or 'training nodes'}: trainer.megatron.init_checkpoint {local_model_dir(o, 'megatron')} "
+                 f"(copy of {shared_model_dir(o, 'megatron')}, torch_dist)")  # fmt: skip
+    lines.append(f"engine.model {shared_model_dir(o, 'hf')} (shared storage): the trainer reads its config "
+                 "and tokenizer only")  # fmt: skip
     lines.append("")
     lines.append(f"## memory per GPU (stage {mem.stage}, GiB)")
     lines += [f"{k:42s} {v:8.1f}" for k, v in mem.rows()]
