@@ -3,7 +3,9 @@ the suite is split between pytest-xdist workers (`make test` runs `-n 2 --dist l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import fcntl
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,20 @@ SERIAL: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# Tests that run alone: before one starts, the other worker finishes its current test, and it takes
+# no new one until this one is done (a file lock shared by the workers, `_machine_share`). For tests
+# that wait on other processes against a clock and that a CPU-heavy neighbour (a Megatron run, a
+# training step) could push past it. An entry is a test id or a prefix of one (all its parameters).
+ALONE: tuple[str, ...] = (
+    # Two `engine serve` workers and the smg router must all be up within 30 s.
+    "tests/test_fleet_router.py::test_rollout_manager_drives_two_servers_behind_the_sglang_router",
+    # Ray's local cluster on both cores (num_cpus=2): the actors, two engines or an engine and a
+    # trainer, the router, and a kill and restart each run must see within its polling window.
+    "tests/test_cluster_ray.py::test_tbench2_two_steps_on_two_simulated_nodes_survive_a_killed_engine",
+    "tests/test_cluster_ray.py::test_dapo_math_two_steps_through_ray_resume_after_the_trainer_crashes",
+)
+_ALONE = pytest.StashKey[bool]()
+
 # Order in which the workers take work (the scheduler hands out groups and single tests in collection
 # order, `--no-loadscope-reorder`): the heaviest first, so the run does not end with one worker on a
 # long test while the other idles. Weights are rough seconds per test from its markers.
@@ -143,6 +159,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = groups[item.nodeid] = xdist_group_of(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_ALONE] = item.nodeid.startswith(ALONE)
     worker: Any = getattr(config, "workerinput", None)
     if worker is None:
         return  # not an xdist worker: keep the collection order
@@ -176,3 +193,32 @@ def pytest_configure(config: pytest.Config) -> None:
             "pytest-xdist (pytest-dev/pytest-xdist#1386): install the versions pyproject.toml's dev "
             "extra pins (`make venv`), or run in one process (`make test PYTEST_WORKERS=0`)"
         )
+
+
+@contextlib.contextmanager
+def _machine_share(lock: Path, *, alone: bool) -> Iterator[None]:
+    """A readers-writer lock between the workers: a test alone holds `lock` exclusively, every other
+    test shares it. The gate in front makes a waiting test alone bar new shared holders, so it starts
+    as soon as the test running on the other worker ends."""
+    with open(lock.with_suffix(".gate"), "a") as gate, open(lock, "a") as held:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Set-up, call and tear-down of each test (module fixtures built for it included) under the
+    workers' shared lock, in the run's base temp directory (the parent of each worker's own)."""
+    worker: Any = getattr(item.config, "workerinput", None)
+    if worker is None or worker.get("workercount", 1) < 2 or not item.config.option.basetemp:
+        return (yield)
+    lock = Path(item.config.option.basetemp).parent / "agentrl-workers.lock"
+    with _machine_share(lock, alone=item.stash.get(_ALONE, False)):
+        return (yield)
