@@ -498,7 +498,7 @@ def case_init_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     for name, settings in INIT_LAYOUTS.items():
         tr = build(**settings)
-        exported = {k: v.clone() for k, v in tr.hf_weights("checkpoint")}
+        exported = {k: v.cpu().clone() for k, v in tr.hf_weights("checkpoint")}  # CPU or CUDA
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [[i + 1 for i in c.agentrl_stage_layers] for c in tr.chunks])
         out[name] = {
@@ -521,12 +521,12 @@ def case_init_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     for t in local_weights_of(a):
         t.add_(0.25)
     a.step = 1
-    trained = {k: v.clone() for k, v in a.hf_weights("checkpoint")}
+    trained = {k: v.cpu().clone() for k, v in a.hf_weights("checkpoint")}
     a.save(Path(args.tmp) / "run-ckpt", buffer_state={"step": 1})
     # Another spelling of the init checkpoint (its model/ directly): not part of what a resume checks.
     b = MegatronTrainer(cfg, train, MegatronSettings(init_checkpoint=f"{args.init}/model", tp=2))
     state = b.load(Path(args.tmp) / "run-ckpt")
-    resumed = dict(b.hf_weights("checkpoint"))
+    resumed = {k: v.cpu() for k, v in b.hf_weights("checkpoint")}
     out["resume"] = {
         "step": state.step,
         "trained_vs_init_min_abs_diff": min(float((trained[k] - hf_state[k]).abs().max()) for k in trained),
