@@ -131,7 +131,10 @@ def main() -> None:
             if tuple(ref.shape) != tuple(tensor.shape):
                 diff = math.inf
             else:
-                diff = (tensor.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+                # The reference comes from the checkpoint files (CPU); on a GPU rank the export is
+                # on the GPU: compare on the CPU.
+                mine = tensor.detach().to("cpu", torch.float32)
+                diff = (mine - ref.to("cpu", torch.float32)).abs().max().item() if ref.numel() else 0.0
                 diff = math.inf if diff != diff else diff  # NaN: a weight the load did not restore
             if diff != 0.0:
                 mismatched.append(name)
