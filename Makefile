@@ -42,9 +42,14 @@ demo-math: venv
 
 # The Megatron backend's tests run in a second environment (Python 3.12, megatron-core 0.19),
 # built once and cached by `agentrl.train.megatron.venv` (docs/megatron.md).
+# Two pytest-xdist workers (most container and slow tests wait on subprocesses and podman):
+# tests/conftest.py keeps the tests that must not overlap in one group, gives a few the machine to
+# themselves and hands out the heaviest first (docs/testing.md). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test: setup
 	$(BIN)/python -m agentrl.train.megatron.venv
-	$(BIN)/pytest -q --durations=30
+	$(BIN)/pytest -q --durations=30 $(PYTEST_PARALLEL)
 
 test-fast: venv
 	$(BIN)/pytest -q -m "not container and not slow"
