@@ -75,7 +75,9 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
         assert r["stale_groups"] == 0 and r["stale_cancelled"] == 0
         assert r["rollout_episodes"] >= 2 and 0.0 <= r["rollout_pass_rate"] <= 1.0
         trainer = r["extra"]["trainer"]
-        assert trainer["num_samples"] == 2 and trainer["step_seconds"] > 0
+        # One training sample per episode, more when the chat template did not extend an episode's
+        # tokens and it was split into segments (depends on what the random-ish model wrote).
+        assert trainer["num_samples"] >= 2 and trainer["step_seconds"] > 0
     # Two optimizer steps per rollout step, one weight version per rollout step.
     assert [r["extra"]["trainer"]["step"] for r in rows] == [2.0, 4.0]
     assert [r["weight_version"] for r in rows] == [0, 1]
