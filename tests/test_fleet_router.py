@@ -142,6 +142,12 @@ async def fleet_behind_router(model_dir: Path) -> AsyncIterator[tuple[list[Worke
             "1",
             "--log-level",
             "warn",
+            # Its metrics listener defaults to 0.0.0.0:29000: a free loopback port instead, so
+            # another router on this host (a run, a test beside this one) cannot stop it starting.
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(_free_port()),
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
