@@ -30,7 +30,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import socket
 import subprocess
 import time
@@ -50,7 +49,13 @@ from agentrl.cluster.prepare import (
     copy_set_to_local,
     report_path,
 )
-from agentrl.cluster.ray_runtime import NAMESPACE, NODE_RESOURCE, ClusterError
+from agentrl.cluster.ray_runtime import (
+    NAMESPACE,
+    NODE_RESOURCE,
+    ClusterError,
+    free_loopback_port,
+    require_ray,
+)
 
 log = logging.getLogger("agentrl.cluster.prepare")
 
@@ -148,33 +153,10 @@ def _node_ip() -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def _ray() -> Any:
-    try:
-        import ray
-    except ModuleNotFoundError:
-        raise ClusterError("Ray is not installed: pip install -e '.[ray]'") from None
-    return ray
-
-
-def _free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range and above Ray's worker ports (as
-    ray_runtime's local mode picks them)."""
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(20100, 32700)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise ClusterError("no free loopback port between 20100 and 32700")
-
-
 def init_local_ray(num_nodes: int) -> None:
     """A local Ray cluster whose simulated nodes are the custom resources `agentrl_node_NN` (as
     `ray_runtime`'s local mode starts it)."""
-    ray = _ray()
+    ray = require_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
         num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
@@ -215,7 +197,7 @@ class PrepareCluster:
         self.shutdown()
 
     def _start(self) -> None:
-        ray = _ray()
+        ray = require_ray()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if not ray.is_initialized():
             if self.local:
@@ -263,12 +245,12 @@ class PrepareCluster:
         """The address of the host that holds `node`'s bundle (loopback for a simulated node)."""
         if self.local:
             return "127.0.0.1"
-        ray = _ray()
+        ray = require_ray()
         task = ray.remote(num_cpus=0)(_node_ip)
         return str(ray.get(task.options(scheduling_strategy=self.strategy(node)).remote(), timeout=300))
 
     def spawn(self, spec: ProcessSpec, log_dir: Path) -> Any:
-        ray = _ray()
+        ray = require_ray()
         actor = (
             ray.remote(ConvertActor)
             .options(
@@ -286,12 +268,12 @@ class PrepareCluster:
         return actor
 
     def run_on(self, node: int, fn: Any, *args: Any) -> Any:
-        ray = _ray()
+        ray = require_ray()
         task = ray.remote(num_cpus=0, max_retries=0)(fn)
         return task.options(scheduling_strategy=self.strategy(node)).remote(*args)
 
     def shutdown(self) -> None:
-        ray = _ray()
+        ray = require_ray()
         if not ray.is_initialized():
             return
         for actor in self.actors:
@@ -336,7 +318,7 @@ def run_conversion(
     `nodes`: per node its host, node rank, ranks and seconds. `out` and `hf_dir` must be on storage
     every node sees (the recipe's shared root). `gpus`: bundles hold one GPU per rank (default on
     a cluster, off in local mode)."""
-    ray = _ray()
+    ray = require_ray()
     hf_dir, out, log_dir = Path(hf_dir).resolve(), Path(out).resolve(), Path(log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     report = report_path(out)
@@ -346,7 +328,7 @@ def run_conversion(
         list(placement.nodes), num_nodes, local=local, ray_address=ray_address, bundle=bundle
     ) as c:
         master = c.host(placement.nodes[0])
-        port = _free_port() if local else CONVERT_PORT
+        port = free_loopback_port() if local else CONVERT_PORT
         specs = conversion_specs(
             placement, layout, hf_dir, out, report, master_addr=master, master_port=port, dtype=dtype,
             cpu=not use_gpus,
@@ -384,7 +366,7 @@ def wait_for_nodes(
     that fails (a non-zero exit, a dead actor) or the timeout raises `CheckpointError` naming it,
     with every node's log tail; the caller's `PrepareCluster` then stops the others, which would
     otherwise wait for the failed node's ranks until the job's own timeouts."""
-    ray = _ray()
+    ray = require_ray()
     t0 = time.monotonic()
     pending = {actor.wait_exit.remote(poll_s): node for node, actor in actors.items()}
     done: dict[int, float] = {}
@@ -416,7 +398,7 @@ def wait_for_nodes(
 
 
 def _tails(actors: dict[int, Any]) -> str:
-    ray = _ray()
+    ray = require_ray()
     out = []
     for node, actor in actors.items():
         try:
@@ -449,7 +431,7 @@ def copy_to_nodes(
     `<local_root>/node-NN/...`). Returns per node what was copied, and notes (e.g. that the cluster
     does not pin plan nodes to hosts, so every node got every role's files). A node that fails
     raises `CheckpointError` naming it, after the other nodes finished."""
-    ray = _ray()
+    ray = require_ray()
     notes: list[str] = []
     results: list[NodeCopy] = []
     failed: list[str] = []

@@ -140,7 +140,7 @@ def check_local(plan: ClusterPlan) -> None:
         )
 
 
-def _free_port() -> int:
+def free_loopback_port() -> int:
     """A free loopback port below the kernel's ephemeral range (32768+), which Ray's own workers
     and other programs' "any free port" binds draw from, and above Ray's worker ports (10002-19999):
     a port chosen here stays free until its server binds it, seconds later."""
@@ -206,7 +206,7 @@ def build_specs(
     if local is None:
         router_url = host(plan_router)
     else:
-        router_port = _free_port()
+        router_port = free_loopback_port()
         router_url = f"http://127.0.0.1:{router_port}"
     urls: dict[str, str] = {plan_router: router_url}  # plan URL -> real URL
     specs: list[ProcessSpec] = []
@@ -226,7 +226,7 @@ def build_specs(
             continue
         if p.name.endswith("-node0") is False and "-node" in p.name:
             continue  # the other ranks of a multi-node engine: one local server stands for it
-        port = _free_port()
+        port = free_loopback_port()
         real = f"http://127.0.0.1:{port}"
         urls[e.url] = real
         argv = (
@@ -250,7 +250,7 @@ def build_specs(
     r_argv: list[str] = [swap(a) for a in router.argv]
     if local is not None:
         r_argv = _set_flag(_set_flag(r_argv, "--host", "127.0.0.1"), "--port", str(router_port))
-        metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+        metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_loopback_port())]
         r_argv = [_smg(), *r_argv[1:], *LOCAL_ROUTER_FLAGS, *metrics]
     workers = tuple(urls[e.url] for e in plan.engines if e.url in urls)
     specs.append(ProcessSpec("router", "router", router.node, tuple(r_argv), dict(router.env),
@@ -287,7 +287,8 @@ def _smg() -> str:
     return found
 
 
-def _ray() -> Any:
+def require_ray() -> Any:
+    """The `ray` module, or a ClusterError that says how to install it."""
     try:
         import ray
     except ModuleNotFoundError:
@@ -364,7 +365,7 @@ class ClusterRun:
         raise ClusterError(f"node-{node:02d} is in no placement group")
 
     def _start_ray(self) -> None:
-        ray = _ray()
+        ray = require_ray()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if ray.is_initialized():
             return
@@ -387,7 +388,7 @@ class ClusterRun:
     def _place(self) -> None:
         from ray.util.placement_group import placement_group
 
-        ray = _ray()
+        ray = require_ray()
         if self.local is None:
             have = ray.cluster_resources()
             self.pinned = all(NODE_RESOURCE.format(n) in have for n in range(self.plan.options.num_nodes))
@@ -413,7 +414,7 @@ class ClusterRun:
     def _hosts(self) -> dict[int, str]:
         if self.local is not None:
             return {n: "127.0.0.1" for n in range(self.plan.options.num_nodes)}
-        ray = _ray()
+        ray = require_ray()
 
         @ray.remote(num_cpus=0)
         def ip() -> str:
@@ -445,7 +446,7 @@ class ClusterRun:
         }
 
     def _spawn(self, spec: ProcessSpec) -> Any:
-        ray = _ray()
+        ray = require_ray()
         pg, index = self._where(spec.node)
         cls = ray.remote(ProcessActor)
         opts = self.actor_options(spec)
@@ -459,7 +460,7 @@ class ClusterRun:
 
     def start(self) -> None:
         """Ray, placement groups, engines (ready), router (every engine registered), trainer."""
-        ray = _ray()
+        ray = require_ray()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._start_ray()
         self._place()
@@ -481,7 +482,7 @@ class ClusterRun:
         log.info("cluster run started: %s", ", ".join(self.actors))
 
     def _wait_ready(self, names: list[str], timeout_s: float) -> None:
-        ray = _ray()
+        ray = require_ray()
         refs = {n: self.actors[n].wait_ready.remote(timeout_s) for n in names}
         for n, r in refs.items():
             try:
@@ -517,7 +518,7 @@ class ClusterRun:
 
     def kill(self, name: str) -> None:
         """Kill one actor as a crash would (Ray restarts it): fault injection and supervision."""
-        _ray().kill(self.actors[name], no_restart=False)
+        require_ray().kill(self.actors[name], no_restart=False)
 
     def supervise(
         self,
@@ -527,7 +528,7 @@ class ClusterRun:
         on_poll: Callable[[ClusterRun], None] | None = None,
     ) -> RunOutcome:
         """Until the trainer finishes: restart what died, give up after the restart budgets."""
-        ray = _ray()
+        ray = require_ray()
         t0 = time.monotonic()
         trainers = [s.name for s in self.specs if s.role == "trainer"]
         failing: dict[str, int] = {}
@@ -579,7 +580,7 @@ class ClusterRun:
     def shutdown(self) -> None:
         """Stop every process (their actors, then the placement groups; Ray itself when this run
         started it). Safe to call twice and after a failed start."""
-        ray = _ray()
+        ray = require_ray()
         if not ray.is_initialized():
             return
         for name in reversed(list(self.actors)):
