@@ -1249,6 +1249,7 @@ def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
     except OSError:
         return False
     kept: set[int] = set()
+    holders: set[int] = set()
     listening = _listening_inodes(init_pid) if keep_listeners else set()
 
     def members() -> list[int]:
@@ -1278,6 +1279,12 @@ def _kill_namespace(init_pid: int, keep_listeners: bool = True) -> bool:
     for _ in range(100):
         alive = members()
         if not alive:
+            # The kernel continues a stopped process group that its peers' deaths leave orphaned
+            # (SIGHUP + SIGCONT): a terminal holder must stay stopped, so stop it again.
+            for pid in holders:
+                if _stat_fields(pid)[:1] not in (["T"], ["t"], ["Z"], ["X"], []):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGSTOP)
             return True
         stopped: set[int] = set()
         while new := [p for p in alive if p not in stopped]:  # frozen before any can fork again
