@@ -17,6 +17,7 @@ import json
 import shutil
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,24 @@ def _sets(argv: tuple[str, ...]) -> dict[str, str]:
     return dict(p.split("=", 1) for p in pairs)
 
 
+def _plain(spec) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+    """A keyed process's own command line (after the launcher that hands it the run's key)."""
+    argv = spec.argv
+    assert argv[1:4] == ("-m", "agentrl.cluster.launch", "--key-file") and argv[4] == spec.key_file
+    assert argv[5] == "--"
+    return tuple(argv[6:])
+
+
 def test_local_processes_are_the_plans_with_engine_serve_in_place_of_sglang(tmp_path: Path) -> None:
+    from dataclasses import replace
+
     from agentrl.cluster.ray_runtime import build_specs
 
     plan = _local_plan()
     specs = {s.name: s for s in build_specs(plan, {0: "127.0.0.1", 1: "127.0.0.1"}, _settings(tmp_path))}
+    key = str((tmp_path / "run" / "engine.key").resolve())
+    assert {s.key_file for s in specs.values() if s.role != "trainer"} == {key}
+    specs = {n: replace(s, argv=_plain(s)) if s.role != "trainer" else s for n, s in specs.items()}
     assert sorted(specs) == ["router", "sglang-regular-0", "sglang-regular-1", "trainer-0"]
     engines = [specs["sglang-regular-0"], specs["sglang-regular-1"]]
     for spec, proc in zip(engines, [p for p in plan.processes if p.name.startswith("sglang")], strict=True):
@@ -77,6 +91,7 @@ def test_local_processes_are_the_plans_with_engine_serve_in_place_of_sglang(tmp_
     assert sets["engine.kind"] == "sglang" and sets["trainer.backend"] == "torch"
     assert sets["trainer.loss.tis_clip"] == "2.0" and sets["checkpoint.resume"] == "true"
     assert sets["env.backend"] == "podman" and sets["sync.transport"] == "disk"
+    assert sets["engine.api_key_file"] == key
     assert "localhost" not in " ".join(specs["trainer-0"].argv) and "node-0" not in " ".join(router.argv)
 
 
@@ -87,10 +102,13 @@ def test_cluster_processes_keep_the_plans_command_lines_with_real_hosts() -> Non
     hosts = {n: f"192.0.2.{n + 1}" for n in range(16)}  # TEST-NET addresses: never contacted
     specs = build_specs(plan, hosts)
     engines = [s for s in specs if s.role == "engine"]
-    assert len(engines) == 8 and all(s.argv[:3] == ("python", "-m", "sglang.launch_server") for s in engines)
+    assert {s.key_file for s in specs if s.role != "trainer"} == {"/shared/glm52/engine.key"}
+    assert len(engines) == 8 and all(
+        _plain(s)[:3] == ("python", "-m", "sglang.launch_server") for s in engines
+    )
     for spec in engines:
         proc = next(p for p in plan.processes if p.name == spec.name)
-        assert list(spec.argv) == proc.argv  # bound to 0.0.0.0: nothing to rewrite
+        assert list(_plain(spec)) == proc.argv  # bound to 0.0.0.0: nothing to rewrite
         assert spec.ready.url == f"http://{hosts[proc.node]}:30000/health"
         assert (
             spec.router_url == f"http://{hosts[0]}:8000"
@@ -102,6 +120,7 @@ def test_cluster_processes_keep_the_plans_command_lines_with_real_hosts() -> Non
     assert len(trainers) == 8 and trainers[3].argv[0] == "torchrun"
     assert f"--master-addr={hosts[0]}" in trainers[3].argv
     assert _sets(trainers[3].argv)["engine.router_url"] == f"http://{hosts[0]}:8000"
+    assert _sets(trainers[3].argv)["engine.api_key_file"] == "/shared/glm52/engine.key"
     assert all(f"http://{hosts[n]}:30000" in _sets(trainers[3].argv)["engine.urls"] for n in range(8, 16))
 
 
@@ -134,22 +153,29 @@ def test_local_mode_refuses_prefill_decode_disaggregation(tmp_path: Path) -> Non
 
 
 def test_no_credential_value_reaches_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Daytona key travels as a file path: not in any actor's command line, environment or
-    options, whatever the driver's environment holds."""
+    """The Daytona key and the run's engine key travel as file paths: not in any actor's command
+    line, environment or options, whatever the driver's environment holds."""
     from agentrl.cluster.ray_runtime import ClusterRun, build_specs
 
     key_file = tmp_path / "daytona_key"
     key_file.write_text(SECRET)
+    engine_key = tmp_path / "engine.key"
+    engine_key.write_text(SECRET[::-1])
     monkeypatch.setenv("DAYTONA_API_KEY", SECRET)
     monkeypatch.setenv("DAYTONA_API_KEY_FILE", str(key_file))
-    plan = resolve(RecipeOptions(recipe="tbench2", num_nodes=16, daytona_key_file=str(key_file)))
+    plan = resolve(
+        RecipeOptions(
+            recipe="tbench2", num_nodes=16, daytona_key_file=str(key_file), engine_key_file=str(engine_key)
+        )
+    )
     run = ClusterRun(plan, log_dir=tmp_path)
     specs = build_specs(plan, {n: f"192.0.2.{n + 1}" for n in range(16)})
     local = build_specs(_local_plan(), {0: "127.0.0.1", 1: "127.0.0.1"}, _settings(tmp_path))
     handed = json.dumps(
         [[s.__dict__, run.actor_options(s)] for s in [*specs, *local]], default=str
     ) + json.dumps(run.bundles())
-    assert SECRET not in handed
+    assert SECRET not in handed and SECRET[::-1] not in handed
+    assert {s.key_file for s in specs if s.role != "trainer"} == {str(engine_key)}
     trainers = [s for s in specs if s.role == "trainer"]
     assert all(s.env["DAYTONA_API_KEY_FILE"] == str(key_file) for s in trainers)
     assert all("DAYTONA_API_KEY" not in s.env for s in [*specs, *local])
@@ -164,9 +190,21 @@ def _need(tool: str) -> None:
         pytest.fail(f"{tool} is not installed: run `make setup` (CI runs it before the tests)")
 
 
-def _running(url: str) -> int:
-    with urllib.request.urlopen(f"{url}/v1/loads", timeout=2) as r:
+def _running(url: str, key_file: str) -> int:
+    """Requests running on the server at `url` (which wants the run's engine key)."""
+    from agentrl.cluster.launch import auth_headers
+
+    req = urllib.request.Request(f"{url}/v1/loads", headers=auth_headers(key_file))
+    with urllib.request.urlopen(req, timeout=2) as r:
         return sum(load["num_running_reqs"] for load in json.loads(r.read())["loads"])
+
+
+def _refused_without_key(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}/v1/loads", timeout=2)
+    except urllib.error.HTTPError as e:
+        return e.code == 401
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -237,8 +275,9 @@ def test_tbench2_two_steps_on_two_simulated_nodes_survive_a_killed_engine(
             if spec.role == "engine":
                 url = spec.ready.url.removesuffix("/health")
                 with contextlib.suppress(OSError, ValueError, KeyError):
-                    if _running(url) > 0:
+                    if _running(url, spec.key_file) > 0:
                         killed.update(name=spec.name, pid=run.pids[spec.name][-1])
+                        killed["keyless_refused"] = _refused_without_key(url)
                         run.kill(spec.name)
                         return
 
@@ -264,6 +303,13 @@ def test_tbench2_two_steps_on_two_simulated_nodes_survive_a_killed_engine(
     engine_log = (out / "logs" / f"{killed['name']}.log").read_text()
     assert engine_log.count("=== start") == 2 and "is off the router" in engine_log, engine_log[-2000:]
     assert "registered with the router again" in (out / "run.log").read_text()
+    # Engines and router ran keyed: a request without the run's key is refused, and the key is in
+    # no log and in nothing handed to Ray.
+    assert killed["keyless_refused"]
+    key = (out / "engine.key").read_text().strip()
+    assert oct((out / "engine.key").stat().st_mode & 0o777) == "0o600"
+    for f in [*(out / "logs").iterdir(), out / "run.log"]:
+        assert key not in f.read_text(errors="replace"), f
     assert all(r["version_mismatches"] == 0 for r in rows), [r["version_mismatches"] for r in rows]
     results, runs = _results(out)
     assert len(results) >= 8

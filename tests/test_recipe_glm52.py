@@ -125,19 +125,31 @@ def test_the_16_node_tbench2_plan_is_the_reference_layout() -> None:
     trains = re.findall(r"^node-(\d+): train: ", out, re.M)
     rollouts = re.findall(r"^node-(\d+): rollout: sglang-regular-\d+$", out, re.M)
     assert len(trains) == 8 and len(rollouts) == 8 and not set(trains) & set(rollouts)
-    engines = re.findall(r"^  python -m sglang\.launch_server .*$", out, re.M)
+    # Every server and the router start through the launcher that hands them the run's key.
+    keyed = r"^  python -m agentrl\.cluster\.launch --key-file /shared/glm52/engine\.key -- "
+    engines = re.findall(keyed + r"python -m sglang\.launch_server .*$", out, re.M)
     assert len(engines) == 8
     for cmd in engines:  # one 4-GPU dp-attention FP8 engine per inference node
         assert "--tp-size 4 --ep-size 4 --enable-dp-attention --dp-size 4" in cmd
         assert (
             "/fp8/GLM-5.2" in cmd and "--kv-cache-dtype fp8_e4m3" in cmd and "--attention-backend nsa" in cmd
         )
-    router = re.search(r"^  smg launch .*$", out, re.M)
+    router = re.search(keyed + r"smg launch .*$", out, re.M)
     assert (
         router and "--policy consistent_hashing" in router.group(0) and router.group(0).count("http://") == 8
     )
     assert "optimizer state (offloaded)                     0.0" in out
     assert "trainer.loss.eps_clip_high=0.28" in out and "trainer.loss.tis_clip_low=0.5" in out
+
+
+def test_engine_auth_is_on_by_default_and_off_with_its_flag() -> None:
+    on = dry_run("tbench2", "--num-nodes 16 --engine-key-file /keys/run.key").stdout
+    assert "--set engine.api_key_file=/keys/run.key" in on and "engine key: /keys/run.key" in on
+    assert on.count("agentrl.cluster.launch --key-file /keys/run.key --") == 9  # 8 servers + router
+    off = dry_run("tbench2", "--num-nodes 16 --no-engine-auth").stdout
+    assert "agentrl.cluster.launch" not in off and "engine.api_key_file" not in off
+    assert len(re.findall(r"^  python -m sglang\.launch_server ", off, re.M)) == 8
+    assert "--no-engine-auth: engines and router take any request" in off
 
 
 def test_16_nodes_of_8_h200_reject_the_reference_and_find_a_layout() -> None:
@@ -178,6 +190,11 @@ def test_train_without_dry_run_writes_the_plan_and_node_scripts(tmp_path: Path) 
     assert len(scripts) == 16 and (launch / "plan.json").exists()
     assert "sglang.launch_server" in scripts[8].read_text() and "torchrun" in scripts[0].read_text()
     assert "DAYTONA_API_KEY_FILE=" in scripts[0].read_text()
+    # The scripts' servers and router read the run's engine key: it exists, private, not in them.
+    key = (tmp_path / "engine.key").read_text().strip()
+    assert oct((tmp_path / "engine.key").stat().st_mode & 0o777) == "0o600"
+    assert f"agentrl.cluster.launch --key-file {tmp_path}/engine.key --" in scripts[8].read_text()
+    assert all(key not in p.read_text() for p in [*scripts, launch / "plan.json"])
 
 
 def test_prepare_dry_run_lists_its_steps() -> None:

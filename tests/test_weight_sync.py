@@ -260,6 +260,52 @@ async def test_the_distributed_group_is_formed_again_when_a_server_restarts_or_g
         await e.aclose()
 
 
+async def test_a_server_that_comes_up_after_the_group_formed_is_not_sent_its_update(tiny) -> None:
+    """The race between a push's membership check and its broadcast: a server that starts in
+    between is not in the group; sending it `/update_weights_from_distributed` would kill it
+    (SGLang asserts the group exists, outside its try block). It gets nothing this push and
+    joins the group formed again on the next."""
+    model, tok = tiny
+    port_b = free_port()
+    engines = [LocalEngine(copy.deepcopy(model), tok) for _ in range(2)]
+    async with EngineServer(engines[0], port=0) as a:
+        fleet = SGLangEngine([a.url, f"http://127.0.0.1:{port_b}"], retries=1)
+        transport = DistributedTransport([fleet], master_port=free_port(), backend="gloo", timeout=120)
+        form = transport._form
+        late: list[EngineServer] = []
+
+        async def form_then_b_starts(live: Any) -> None:
+            await form(live)
+            if not late:  # b comes up after the group holds only a
+                late.append(await EngineServer(engines[1], port=port_b).__aenter__())
+
+        transport._form = form_then_b_starts  # type: ignore[method-assign]
+        try:
+            new = trained(model, seed=5)
+            await transport.push(buckets(new, 256 * 1024), version=1)
+            b = late[0]
+            assert b.dead is None and not b._groups  # untouched: alive, no group, launch weights
+            # The loop pauses the fleet around each update: a pause reaches every configured
+            # server (one counted dead too, once), and one that answers rejoins the control plane.
+            await fleet.pause("abort")
+            await fleet.resume()
+            assert await fleet.weight_versions() == {a.url: 1, b.url: 0}
+            new = trained(model, seed=6)
+            await transport.push(buckets(new, 256 * 1024), version=2)
+            assert transport.group_name == "weight_update_group-2" and list(b._groups) == [
+                "weight_update_group-2"
+            ]
+            assert await fleet.weight_versions() == {a.url: 2, b.url: 2}
+            assert_same_weights(engines[1].model, new)
+        finally:
+            await transport.aclose()
+            await fleet.aclose()
+            for srv in late:
+                await srv.__aexit__(None, None, None)
+    for e in engines:
+        await e.aclose()
+
+
 async def test_a_resumed_fleet_takes_the_newest_version_and_a_fresh_one_refuses_to_disagree(tiny) -> None:
     from agentrl.engine.base import EngineVersionMismatch
 

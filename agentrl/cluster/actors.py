@@ -14,7 +14,9 @@ no rollout traffic; the trainer's fleet client registers it again once a weight 
 brought it to the fleet's version (`SGLangEngine.admit_workers`).
 
 Credentials never travel through here by value: an actor's environment is the plan's (a Daytona
-key is `DAYTONA_API_KEY_FILE`, a path), on top of the node's own environment.
+key is `DAYTONA_API_KEY_FILE`, a path), on top of the node's own environment; the run's engine key
+is `ProcessSpec.key_file`, a path on the shared storage that the engines and the router read
+through `agentrl.cluster.launch` and that probes and router calls read here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.cluster.launch import auth_headers
 from agentrl.errors import AgentRLError
 
 _PR_SET_PDEATHSIG = 1
@@ -65,6 +68,7 @@ class ProcessSpec:
     drop_env: tuple[str, ...] = ()  # inherited variables the process must not see
     router_url: str = ""  # engines: the router a restarted server leaves before it starts
     worker_url: str = ""  # engines: this server's URL as the router lists it
+    key_file: str = ""  # the run's engine key (a path): probes and router calls send it
 
 
 def _die_with_parent() -> None:
@@ -87,7 +91,7 @@ class ProcessActor:
             restarted = _restarted_by_ray()
         with open(self.log_path, "ab") as log:
             if restarted and spec.router_url and spec.worker_url:
-                note = leave_router(spec.router_url, spec.worker_url)
+                note = leave_router(spec.router_url, spec.worker_url, key_file=spec.key_file or None)
                 log.write(f"\n=== restarted: {note}\n".encode())
             log.write(f"\n=== start {time.strftime('%H:%M:%S')}: {' '.join(spec.argv)}\n".encode())
             log.flush()
@@ -134,7 +138,7 @@ class ProcessActor:
                     f"{self.spec.name} exited with {code} before it was ready; its log "
                     f"{self.log_path} ends:\n{self.log_tail()}"
                 )
-            if ready is None or _probe(ready):
+            if ready is None or _probe(ready, self.spec.key_file or None):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise ProcessFailed(
@@ -173,8 +177,10 @@ def _restarted_by_ray() -> bool:
         return False
 
 
-def _http_json(method: str, url: str, timeout: float = 5.0) -> tuple[int, Any]:
-    req = urllib.request.Request(url, method=method)
+def _http_json(
+    method: str, url: str, timeout: float = 5.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    req = urllib.request.Request(url, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -187,18 +193,21 @@ def _http_json(method: str, url: str, timeout: float = 5.0) -> tuple[int, Any]:
         return status, None
 
 
-def leave_router(router_url: str, worker_url: str, *, timeout_s: float = 60.0) -> str:
+def leave_router(
+    router_url: str, worker_url: str, *, timeout_s: float = 60.0, key_file: str | None = None
+) -> str:
     """Take `worker_url` off the router (smg: `GET /workers` for its id, `DELETE /workers/{id}`,
     then until the router lists it no more); what happened, in words. A router that does not
     answer within `timeout_s` is left as it is (a router that restarts registers its command
     line's workers anyway): the caller goes on."""
     router_url, worker_url = router_url.rstrip("/"), worker_url.rstrip("/")
+    headers = auth_headers(key_file)
     deadline = time.monotonic() + timeout_s
     asked = False
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            status, body = _http_json("GET", f"{router_url}/workers")
+            status, body = _http_json("GET", f"{router_url}/workers", headers=headers)
         except (urllib.error.URLError, OSError) as e:
             last = f"router {router_url} unreachable: {e}"
             time.sleep(0.5)
@@ -216,16 +225,19 @@ def leave_router(router_url: str, worker_url: str, *, timeout_s: float = 60.0) -
             )
         if not asked:
             with contextlib.suppress(urllib.error.URLError, OSError):
-                status, _ = _http_json("DELETE", f"{router_url}/workers/{listed[worker_url]}")
+                status, _ = _http_json(
+                    "DELETE", f"{router_url}/workers/{listed[worker_url]}", headers=headers
+                )
                 asked = status in (200, 202, 204, 404)
                 last = f"DELETE answered {status}"
         time.sleep(0.3)
     return f"could not take {worker_url} off the router {router_url} within {timeout_s:.0f} s ({last})"
 
 
-def _probe(ready: Readiness) -> bool:
+def _probe(ready: Readiness, key_file: str | None = None) -> bool:
     try:
-        with urllib.request.urlopen(ready.url, timeout=2) as r:
+        req = urllib.request.Request(ready.url, headers=auth_headers(key_file))
+        with urllib.request.urlopen(req, timeout=2) as r:
             if r.status != 200:
                 return False
             if not ready.workers:

@@ -61,6 +61,22 @@ Offload = Annotated[
 Root = Annotated[str, typer.Option("--root", help="Shared storage for checkpoints, data and runs.")]
 LocalRoot = Annotated[str, typer.Option("--local-root", help="Node-local disk.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved plan and exit.")]
+EngineAuth = Annotated[
+    bool,
+    typer.Option(
+        "--engine-auth/--no-engine-auth",
+        help="Engines and router require the run's key (Authorization: Bearer); off only on a network "
+        "no one else reaches.",
+    ),
+]
+EngineKeyFile = Annotated[
+    str | None,
+    typer.Option(
+        "--engine-key-file",
+        help="The run's engine key, a path every node sees (default ROOT/engine.key; created 0600 with a "
+        "random key if missing).",
+    ),
+]
 Local = Annotated[
     bool,
     typer.Option(
@@ -256,6 +272,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
         ray_address: Annotated[
             str | None, typer.Option("--ray-address", help="Ray cluster address (default: auto).")
         ] = None,
+        engine_auth: EngineAuth = True,
+        engine_key_file: EngineKeyFile = None,
     ) -> None:
         """Resolve the plan; --dry-run prints it; otherwise run it on Ray (a cluster, or --local)."""
         model_name = model_name or (LOCAL_MODEL if local else "GLM-5.2")
@@ -271,6 +289,7 @@ def make_app(recipe: Recipe) -> typer.Typer:
             sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp,
             enable_pd=False if local else enable_pd, use_deepep=use_deepep,
             enable_optimizer_offload=enable_optimizer_offload, root=root, local_root=local_root,
+            engine_auth=engine_auth, engine_key_file=engine_key_file,
         )  # fmt: skip
         plan = _plan(opts)
         if dry_run:
@@ -281,6 +300,12 @@ def make_app(recipe: Recipe) -> typer.Typer:
         out = Path(root) / "runs" / recipe / "launch"
         scripts = write_launch(plan, out)
         if write_scripts:
+            from agentrl.cluster.recipe import engine_key_file
+
+            if engine_key_file(plan.options):  # the scripts' servers and router read it
+                from agentrl.cluster.launch import ensure_key
+
+                ensure_key(engine_key_file(plan.options))
             typer.echo(f"wrote {out}/plan.json and {len(scripts)} node scripts: run node-NN.sh on node NN")
             return
         _launch(plan, local=local, overrides=set_ or [], ray_address=ray_address)
@@ -514,6 +539,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
         root: Root = "/shared/glm52",
         local_root: LocalRoot = "/local/glm52",
         dry_run: DryRun = False,
+        engine_auth: EngineAuth = True,
+        engine_key_file: EngineKeyFile = None,
     ) -> None:
         """prepare, prepare-cp, then train."""
         prepare(model_name=model_name, model_source=None, root=root, convert=True, fp8_rollout=fp8_rollout,
@@ -526,6 +553,6 @@ def make_app(recipe: Recipe) -> typer.Typer:
               sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp, enable_pd=enable_pd,
               use_deepep=use_deepep, enable_optimizer_offload=enable_optimizer_offload, root=root,
               local_root=local_root, dry_run=dry_run, local=False, set_=None, write_scripts=False,
-              ray_address=None)  # fmt: skip
+              ray_address=None, engine_auth=engine_auth, engine_key_file=engine_key_file)  # fmt: skip
 
     return app

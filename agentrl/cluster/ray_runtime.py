@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.cluster.actors import ProcessActor, ProcessFailed, ProcessSpec, Readiness
-from agentrl.cluster.recipe import ClusterPlan, Process, RecipeError
+from agentrl.cluster.launch import ensure_key, keyed
+from agentrl.cluster.recipe import ClusterPlan, Process, RecipeError, engine_key_file
 from agentrl.errors import AgentRLError
 
 log = logging.getLogger("agentrl.cluster")
@@ -79,7 +80,8 @@ class LocalSettings:
 
 # Plan settings that only make sense on the GPU cluster; local mode replaces them.
 _CLUSTER_ONLY = ("trainer.megatron.", "trainer.backend=", "engine.model=", "out=", "sync.transport=",
-                 "trainer.max_tokens_per_micro_batch=", "env.backend=", "env.tasks=")  # fmt: skip
+                 "trainer.max_tokens_per_micro_batch=", "env.backend=", "env.tasks=",
+                 "engine.api_key_file=")  # fmt: skip
 
 
 def local_run_overrides(plan: ClusterPlan, settings: LocalSettings) -> list[str]:
@@ -129,6 +131,9 @@ def local_run_overrides(plan: ClusterPlan, settings: LocalSettings) -> list[str]
             "env.max_new_tokens=24",
             "env.verify_timeout_s=10",
         ]
+    key = run_key_file(plan, settings)
+    if key:
+        local.append(f"engine.api_key_file={key}")
     return [*base, *local, *settings.overrides]
 
 
@@ -201,6 +206,7 @@ def build_specs(
     def host(text: str) -> str:
         return _NODE.sub(lambda m: hosts[int(m.group(1))], text)
 
+    key = run_key_file(plan, local)
     router = next(p for p in plan.processes if p.name == "router")
     plan_router = f"http://node-{router.node:02d}:{_flag(router.argv, '--port')}"
     if local is None:
@@ -220,9 +226,9 @@ def build_specs(
             argv = tuple(host(a) for a in p.argv)
             first = p.name == f"sglang-{e.role}-{e.index}" or p.name.endswith("-node0")
             member = real if e.role != "prefill" and first else ""
-            specs.append(ProcessSpec(p.name, "engine", p.node, argv, dict(p.env), Readiness(f"{real}/health"),
-                                     drop_env=("CUDA_VISIBLE_DEVICES",), router_url=router_url,
-                                     worker_url=member))  # fmt: skip
+            specs.append(ProcessSpec(p.name, "engine", p.node, _keyed(argv, key), dict(p.env),
+                                     Readiness(f"{real}/health"), drop_env=("CUDA_VISIBLE_DEVICES",),
+                                     router_url=router_url, worker_url=member, key_file=key))  # fmt: skip
             continue
         if p.name.endswith("-node0") is False and "-node" in p.name:
             continue  # the other ranks of a multi-node engine: one local server stands for it
@@ -239,8 +245,9 @@ def build_specs(
         ready = Readiness(f"{real}/health")
         env = {"OMP_NUM_THREADS": "1"}
         specs.append(
-            ProcessSpec(name, "engine", p.node, argv, env, ready, router_url=router_url, worker_url=real)
-        )
+            ProcessSpec(name, "engine", p.node, _keyed(argv, key, local.python), env, ready,
+                        router_url=router_url, worker_url=real, key_file=key)
+        )  # fmt: skip
 
     def swap(text: str) -> str:
         for plan_url, real in urls.items():
@@ -253,8 +260,9 @@ def build_specs(
         metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_loopback_port())]
         r_argv = [_smg(), *r_argv[1:], *LOCAL_ROUTER_FLAGS, *metrics]
     workers = tuple(urls[e.url] for e in plan.engines if e.url in urls)
-    specs.append(ProcessSpec("router", "router", router.node, tuple(r_argv), dict(router.env),
-                             Readiness(f"{router_url}/workers", workers)))  # fmt: skip
+    python = local.python if local is not None else "python"
+    specs.append(ProcessSpec("router", "router", router.node, _keyed(r_argv, key, python), dict(router.env),
+                             Readiness(f"{router_url}/workers", workers), key_file=key))  # fmt: skip
 
     trainers = [p for p in plan.processes if p.name.startswith("trainer-")]
     if local is None:
@@ -273,6 +281,22 @@ def build_specs(
         env["OMP_NUM_THREADS"] = "1"
         specs.append(ProcessSpec("trainer-0", "trainer", trainers[0].node, tuple(t_argv), env))
     return specs
+
+
+def run_key_file(plan: ClusterPlan, local: LocalSettings | None = None) -> str:
+    """The run's engine key file as the processes see it: the plan's (a path on the shared storage;
+    a relative one made absolute here, on the driver), in local mode `run_dir/engine.key`; '' with
+    --no-engine-auth."""
+    key = engine_key_file(plan.options)
+    if not key:
+        return ""
+    if local is not None:
+        return str((Path(local.run_dir) / "engine.key").resolve())
+    return key if key.startswith(("/", "~")) else str(Path(key).resolve())
+
+
+def _keyed(argv: list[str] | tuple[str, ...], key: str, python: str = "python") -> tuple[str, ...]:
+    return tuple(keyed(argv, key, python)) if key else tuple(argv)
 
 
 def _smg() -> str:
@@ -464,6 +488,9 @@ class ClusterRun:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._start_ray()
         self._place()
+        key = run_key_file(self.plan, self.local)
+        if key:  # before any process reads it: created here, on the driver, if missing
+            ensure_key(key)
         self.specs = build_specs(self.plan, self._hosts(), self.local)
         (self.log_dir / "specs.json").write_text(json.dumps([asdict(s) for s in self.specs], indent=1))
         timeout = self.local.ready_timeout_s if self.local is not None else 3600.0

@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from agentrl.cluster.launch import keyed
 from agentrl.cluster.model import HF_REPOS, ModelSpec
 from agentrl.cluster.planner import (
     GiB,
@@ -72,6 +73,8 @@ class RecipeOptions:
     root: str = "/shared/glm52"  # shared storage: checkpoints, data, the run directory
     local_root: str = "/local/glm52"  # node-local disk: prepare-cp's copy, offloaded optimizer state
     daytona_key_file: str = "~/.daytona/api_key"
+    engine_auth: bool = True  # engines and router require the run's key (agentrl.cluster.launch)
+    engine_key_file: str | None = None  # default <root>/engine.key, created 0600 by the driver
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,17 @@ class Process:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     gpus: int = 0
+    key_file: str = ""  # started through agentrl.cluster.launch with the run's engine key
 
     def command(self) -> str:
-        return shlex.join(self.argv)
+        return shlex.join(keyed(self.argv, self.key_file) if self.key_file else self.argv)
+
+
+def engine_key_file(o: RecipeOptions) -> str:
+    """Where the run's engine key lives ('' with --no-engine-auth)."""
+    if not o.engine_auth:
+        return ""
+    return o.engine_key_file or f"{o.root}/engine.key"
 
 
 @dataclass(frozen=True)
@@ -198,13 +209,21 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
         )
     if model.mtp_layers and not o.enable_mtp:
         notes.append("the MTP layer is not trained (agentrl's Megatron backend builds no MTP layer)")
+    if o.engine_auth:
+        notes.append(
+            f"engine key: {engine_key_file(o)} (created 0600 by the driver if missing); SGLang and smg get it "
+            "through agentrl.cluster.launch (--api-key in-process, never on a command line, redacted from "
+            "their logs), the trainer through engine.api_key_file; --no-engine-auth turns it off"
+        )
+    else:
+        notes.append("--no-engine-auth: engines and router take any request from anyone who reaches them")
     engines = _engines(o, config, enable_pd, rollout_nodes, gpn, notes)
     model_dir = local_model_dir(o, rollout_kind(fp8))
     processes = [
         p for e in engines for p in _sglang(o, e, config, enable_pd, fp8, colocated, model_dir, gpn, hw.name)
     ]
     router_node = train_nodes[0]
-    processes.append(_router(engines, enable_pd, router_node))
+    processes.append(_router(engines, enable_pd, router_node, engine_key_file(o)))
     overrides = _run_overrides(o, choice, engines, router_node, fp8, offload)
     processes += _trainers(o, train_nodes, gpn, overrides)
     return ClusterPlan(
@@ -309,15 +328,16 @@ def _sglang(
     if colocated:
         argv += ["--enable-memory-saver"]  # its memory is released while the trainer runs
     name = f"sglang-{e.role}-{e.index}"
+    key = engine_key_file(o)
     if len(e.nodes) == 1:
-        return [Process(name, e.nodes[0], argv, dict(SGLANG_ENV), e.gpus)]
+        return [Process(name, e.nodes[0], argv, dict(SGLANG_ENV), e.gpus, key)]
     return [
-        Process(f"{name}-node{k}", node, [*argv, "--node-rank", str(k)], dict(SGLANG_ENV), gpn)
+        Process(f"{name}-node{k}", node, [*argv, "--node-rank", str(k)], dict(SGLANG_ENV), gpn, key)
         for k, node in enumerate(e.nodes)
     ]
 
 
-def _router(engines: list[Engine], pd: bool, node: int) -> Process:
+def _router(engines: list[Engine], pd: bool, node: int, key_file: str) -> Process:
     argv = ["smg", "launch", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
     if pd:
         argv += ["--pd-disaggregation"]
@@ -327,7 +347,7 @@ def _router(engines: list[Engine], pd: bool, node: int) -> Process:
     else:
         argv += ["--worker-urls", *(e.url for e in engines), "--policy", "consistent_hashing"]
     argv += ["--request-timeout-secs", "14400"]
-    return Process("router", node, argv, {})
+    return Process("router", node, argv, {}, 0, key_file)
 
 
 def _run_overrides(
@@ -342,6 +362,7 @@ def _run_overrides(
         "engine.router_url": f"http://node-{router_node:02d}:{ROUTER_PORT}",
         "engine.urls": [e.url for e in engines if e.role != "prefill"],
         "engine.request_timeout_s": 14400,
+        **({"engine.api_key_file": engine_key_file(o)} if o.engine_auth else {}),
         "trainer.backend": "megatron",
         "trainer.megatron.tp": lay.tp,
         "trainer.megatron.pp": lay.pp,

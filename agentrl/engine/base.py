@@ -97,6 +97,10 @@ class DistributedWeights:
     dtypes: list[str]  # torch dtype names without the "torch." prefix, e.g. "bfloat16"
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
+    # The servers (URLs) that joined `group_name`: only they are sent the update (SGLang asserts
+    # the group exists, outside its try block: a server that is not a member would die). Empty:
+    # every live server.
+    members: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):

@@ -35,6 +35,13 @@ def serve_cmd(
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="The model's name in /v1/models (default: the directory's name)."
     ),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        help="SGLang's --api-key: every request but /health* and /metrics* needs 'Authorization: Bearer "
+        "KEY'. On a command line the key is visible to `ps`: start the server through "
+        "`python -m agentrl.cluster.launch --key-file PATH -- ...` instead.",
+    ),
     request_log: bool = typer.Option(
         True,
         "--request-log/--no-request-log",
@@ -75,6 +82,7 @@ def serve_cmd(
                 cpu_threads=cpu_threads,
                 tp_size=tp_size,
                 served_model_name=served_model_name,
+                api_key=api_key,
             )
         )
     if dead is not None:

@@ -67,6 +67,9 @@ Not served: streaming (`"stream": true` is refused with 400, on /generate and on
 inputs, penalties, constrained decoding (`regex`, `ebnf`, `response_format` schemas, a required
 or named `tool_choice`), tool-call parsing, LoRA; each is refused with a 400 that names the field.
 
+Auth (`api_key`, SGLang's `--api-key`): every path but /health*, /metrics* and OPTIONS requests needs
+`Authorization: Bearer <key>`, else 401 `{"error": "Unauthorized"}` (`EngineServer._auth`).
+
 Request logging: one INFO line per request on the `agentrl.engine.server` logger (method, path,
 status, milliseconds), never a prompt or a completion.
 
@@ -88,6 +91,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import sys
@@ -355,6 +359,7 @@ class EngineServer:
         port: int = 30000,
         served_model_name: str | None = None,
         tp_size: int = 1,
+        api_key: str | None = None,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -363,6 +368,7 @@ class EngineServer:
         self.host = host
         self.port = port
         self.tp_size = tp_size
+        self._auth_value = f"Bearer {api_key}" if api_key else None
         self.served_model_name = served_model_name or (Path(self.model_path).name or "default")
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -397,7 +403,7 @@ class EngineServer:
 
     def _build_app(self) -> web.Application:
         app = web.Application(
-            client_max_size=512 * 1024 * 1024, middlewares=[self._log_requests, self._dead_gate]
+            client_max_size=512 * 1024 * 1024, middlewares=[self._log_requests, self._auth, self._dead_gate]
         )
         r = app.router
         r.add_route("POST", "/generate", self.generate)
@@ -451,6 +457,26 @@ class EngineServer:
             log.info(
                 "%s %s %d %.1fms", request.method, request.path, status, (time.monotonic() - start) * 1000
             )
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """SGLang's `--api-key` (sglang/srt/utils `add_api_key_middleware`; with no admin key the
+        later `decide_request_auth` of sglang/srt/utils/auth.py decides the same): OPTIONS and
+        paths under /health and /metrics pass; everything else needs `Authorization: Bearer <key>`,
+        else 401 `{"error": "Unauthorized"}`. The header must read exactly "Bearer <key>" (the
+        older check's string equality, the stricter of the two)."""
+        if (
+            self._auth_value is None
+            or request.method == "OPTIONS"
+            or request.path.startswith(("/health", "/metrics"))
+            or hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), self._auth_value.encode()
+            )
+        ):
+            return await handler(request)
+        return web.json_response({"error": "Unauthorized"}, status=401)
 
     @web.middleware
     async def _dead_gate(
@@ -1323,6 +1349,7 @@ async def serve(
     tp_size: int = 1,
     served_model_name: str | None = None,
     ready: asyncio.Event | None = None,
+    api_key: str | None = None,
 ) -> str | None:
     """Load a model directory and serve it until cancelled (returns None) or until a fatal error
     kills it as it would kill SGLang (returns the reason)."""
@@ -1343,6 +1370,7 @@ async def serve(
             port=port,
             tp_size=tp_size,
             served_model_name=served_model_name,
+            api_key=api_key,
         ) as server:
             print(f"agentrl engine serving {path} at {server.url}", flush=True)
             if ready is not None:

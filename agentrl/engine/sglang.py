@@ -136,6 +136,7 @@ class SGLangEngine(Engine):
         connect_timeout_s: float = 10.0,
         retries: int = 5,
         api_key_env: str | None = None,
+        api_key_file: str | None = None,
         extra_sampling: dict[str, Any] | None = None,
         on_version_mismatch: Literal["flag", "raise"] = "flag",
         flush_wait_s: float = 60.0,
@@ -151,7 +152,11 @@ class SGLangEngine(Engine):
         self.control_timeout_s = control_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retries = max(1, retries)
+        if api_key_env and api_key_file:
+            raise ValueError("SGLangEngine takes the API key from api_key_env or api_key_file, not both")
         self._api_key_env = api_key_env
+        self._api_key_file = api_key_file
+        self._file_key: str | None = None
         self.extra_sampling = dict(extra_sampling or {})
         self._session: aiohttp.ClientSession | None = None
         self._rr = itertools.count()
@@ -170,6 +175,15 @@ class SGLangEngine(Engine):
     # --- plumbing ------------------------------------------------------------------------------
 
     def _headers(self) -> dict[str, str]:
+        if self._api_key_file:
+            if self._file_key is None:
+                from agentrl.cluster.launch import EngineKeyError, read_key
+
+                try:
+                    self._file_key = read_key(self._api_key_file)
+                except EngineKeyError as exc:
+                    raise EngineError(str(exc), cause="engine_auth") from None
+            return {"Authorization": f"Bearer {self._file_key}"}
         if self._api_key_env:
             key = os.environ.get(self._api_key_env)
             if not key:
@@ -238,6 +252,13 @@ class SGLangEngine(Engine):
             ) from e
         except aiohttp.ClientError as e:
             raise EngineError(f"{method} {url} failed: {type(e).__name__}: {e}", cause="engine_http") from e
+        if status in (401, 403):
+            raise EngineError(
+                f"{method} {url} answered {status} ({raw[:200]!r}): the server wants an API key this client "
+                f"does not have ({'none given' if not (self._api_key_file or self._api_key_env) else 'wrong key'}); "
+                "give the run's engine key (engine.api_key_file)",
+                cause="engine_auth",
+            )
         if status in _RETRY_STATUSES:
             raise _NotServed(f"{method} {url} answered {status}: {raw[:300]!r}")
         body: Any = raw.decode("utf-8", "replace")
@@ -418,11 +439,12 @@ class SGLangEngine(Engine):
         *,
         timeout_s: float | None = None,
         check_success: bool = False,
+        only: tuple[str, ...] = (),
     ) -> dict[str, Any]:
-        """The same call on every live worker, concurrently; {url: reply}. A worker that refuses
-        the connection is counted dead and left out (one try per call while it stays dead); any
-        other failure raises. Raises if no worker answers at all."""
-        urls = await self.worker_urls()
+        """The same call on every live worker (or on `only`), concurrently; {url: reply}. A worker
+        that refuses the connection is counted dead and left out (one try per call while it stays
+        dead); any other failure raises. Raises if no worker answers at all."""
+        urls = [u.rstrip("/") for u in only] if only else await self.worker_urls()
         if not urls:
             raise EngineError("no SGLang workers to send the control call to", cause="engine_unavailable")
 
@@ -533,7 +555,10 @@ class SGLangEngine(Engine):
                 f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
             )
         before = self._weight_version
-        updated = await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True)
+        # A distributed update goes to its group's members only: a server that came up after the
+        # group formed is not in it (the next push forms the group again with it).
+        only = tuple(update.members) if isinstance(update, DistributedWeights) else ()
+        updated = await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True, only=only)
         await self._confirm_version(int(weight_version), list(updated))
         if int(weight_version) != before:  # a whole new version is in: servers that caught up rejoin
             try:

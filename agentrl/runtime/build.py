@@ -46,6 +46,7 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any) -> Any:
         "retries": e.retries,
         "on_version_mismatch": e.on_version_mismatch,
         "flush_wait_s": e.flush_wait_s,
+        "api_key_file": e.api_key_file,
     }
     if e.router_url:
         return SGLangEngine(router_url=e.router_url, worker_urls=e.urls or None, **options)

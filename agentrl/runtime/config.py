@@ -47,6 +47,11 @@ class EngineSettings(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: `model`).")
     urls: list[str] = Field(default_factory=list, description="SGLang worker URLs (kind=sglang).")
     router_url: str | None = Field(None, description="SGLang router URL (kind=sglang; data plane).")
+    api_key_file: str | None = Field(
+        None,
+        description="kind=sglang: a file holding the servers' and router's API key (sent as "
+        "'Authorization: Bearer'); cluster runs point it at the run's engine key.",
+    )
     device: str = Field("cpu", description="Device of the local engine and torch trainer.")
     local_max_batch: int = Field(16, ge=1, description="kind=local: requests batched per forward pass.")
     local_logprob_mode: Literal["processed", "original"] = Field(

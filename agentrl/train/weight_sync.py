@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import json
 import logging
 import shutil
@@ -402,6 +403,8 @@ class DistributedTransport(Transport):
 
     async def _broadcast(self, buckets: Iterable[Bucket], version: int) -> None:
         start = {id(e): e.weight_version for e in self.engines}
+        # Each engine's update goes to the servers in the group only (`DistributedWeights.members`).
+        members = {id(e): tuple(sorted(m)) for e, m in zip(self.engines, self._members, strict=True)}
         for bucket, last in _with_last(buckets):
             tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
             update = DistributedWeights(
@@ -416,7 +419,8 @@ class DistributedTransport(Transport):
                     self._group.broadcast(t, src=0)
 
             def call(e: Engine, update: DistributedWeights = update, last: bool = last) -> Awaitable[None]:
-                return e.update_weights(update, weight_version=version if last else start[id(e)])
+                mine = dataclasses.replace(update, members=members[id(e)])
+                return e.update_weights(mine, weight_version=version if last else start[id(e)])
 
             await asyncio.gather(
                 asyncio.to_thread(send), self._each("update_weights(DistributedWeights)", call)
