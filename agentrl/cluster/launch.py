@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import secrets
-import select
 import stat
 import sys
 import threading
@@ -67,9 +66,16 @@ def ensure_key(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_urlsafe(32) + "\n")
+        try:  # whole or not at all; a driver that made it first wins and its key stays
+            os.link(tmp, p)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
     read_key(p)
     return p
 
@@ -98,26 +104,18 @@ def _key_args(program: str, key: str) -> list[str]:
 def _redact(read_fd: int, write_fd: int, key: bytes) -> None:
     """Copy `read_fd` to `write_fd` until EOF, every occurrence of `key` replaced. A key split
     across reads is caught by holding back a tail that is a prefix of the key until more comes
-    (or 0.2 s pass with nothing new); everything else is written as it was read, so stdout and
-    stderr sharing one log file interleave at the program's own write boundaries."""
+    (never flushed early: output that ends in a newline holds nothing back, the key has none);
+    everything else is written as it was read, so stdout and stderr sharing one log file
+    interleave at the program's own write boundaries."""
     buf = b""
-    while True:
-        ready, _, _ = select.select([read_fd], [], [], 0.2)
-        if not ready:
-            if buf:
-                os.write(write_fd, buf)  # quiet: a partial key cannot complete without more bytes
-                buf = b""
-            continue
-        chunk = os.read(read_fd, 65536)
-        if not chunk:
-            if buf:
-                os.write(write_fd, buf)
-            return
+    while chunk := os.read(read_fd, 65536):
         buf = (buf + chunk).replace(key, REDACTED)
         hold = next((k for k in range(min(len(key) - 1, len(buf)), 0, -1) if buf.endswith(key[:k])), 0)
         if len(buf) > hold:
             os.write(write_fd, buf[: len(buf) - hold])
             buf = buf[len(buf) - hold :]
+    if buf:
+        os.write(write_fd, buf)
 
 
 def _redact_output(key: str) -> None:
