@@ -165,11 +165,11 @@ def load_task_set(settings: EvalSettings) -> TaskSet:
 # --- engines -----------------------------------------------------------------------------------
 
 
-async def _get_json(url: str, timeout: float = 10.0) -> Any:
+async def _get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> Any:
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        async with session.get(url) as resp:
+        async with session.get(url, headers=headers or {}) as resp:
             if resp.status != 200:
                 return None
             return await resp.json(content_type=None)
@@ -180,11 +180,15 @@ def _api_base(url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
-async def probe_models(url: str) -> tuple[str | None, int | None]:
+async def probe_models(url: str, key_env: str = "") -> tuple[str | None, int | None]:
     """(first served model id, its context length) from an OpenAI-compatible `GET /v1/models`
-    (SGLang and vLLM report `max_model_len`); (None, None) when the server does not say."""
+    (SGLang and vLLM report `max_model_len`); (None, None) when the server does not say. With
+    `key_env`, the API key in that variable is sent."""
+    import os
+
+    headers = {"Authorization": f"Bearer {os.environ[key_env]}"} if key_env else None
     try:
-        reply = await _get_json(_api_base(url) + "/v1/models")
+        reply = await _get_json(_api_base(url) + "/v1/models", headers=headers)
     except (OSError, TimeoutError, ValueError) as exc:
         log.info("GET %s/v1/models failed: %s", _api_base(url), exc)
         return None, None
@@ -230,8 +234,15 @@ async def build_eval_engine(settings: EvalSettings) -> BuiltEngine:
             raise EvalConfigError(
                 "--engine sglang needs --url (one per worker, or a router) and --tokenizer DIR"
             )
-        _, context = await probe_models(settings.urls[0])
-        spec = EngineSpec("sglang", urls=list(settings.urls), tokenizer=Path(tokenizer_dir))
+        import os
+
+        # A keyed fleet (a cluster run's servers: `--api-key-env` naming a variable that holds
+        # the run's engine key); none is sent when the variable is unset.
+        key_env = settings.api_key_env if os.environ.get(settings.api_key_env) else ""
+        _, context = await probe_models(settings.urls[0], key_env)
+        spec = EngineSpec(
+            "sglang", urls=list(settings.urls), tokenizer=Path(tokenizer_dir), api_key_env=key_env
+        )
         engine, tok = await asyncio.to_thread(build_engine, spec)
         return BuiltEngine(engine, tok, Path(settings.model or tokenizer_dir).name, context)
     if settings.engine == "local":
@@ -701,7 +712,8 @@ def eval_cmd(
     api_key_env: str = typer.Option(
         "OPENAI_API_KEY",
         "--api-key-env",
-        help="Variable holding the API key (none is sent when it is unset).",
+        help="Variable holding the API key, for openai and sglang (a cluster run's servers want its "
+        "engine key: export KEY=$(cat ROOT/engine.key)); none is sent when it is unset.",
     ),
     backend: str = typer.Option(
         "podman", "--backend", "-e", help="Sandboxes: podman, docker, daytona, fake."

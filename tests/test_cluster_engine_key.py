@@ -118,7 +118,9 @@ def tiny():  # type: ignore[no-untyped-def]
     return load_tiny()
 
 
-async def test_server_with_api_key_answers_as_sglang_does(tiny, tmp_path: Path) -> None:
+async def test_server_with_api_key_answers_as_sglang_does(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from agentrl.engine.base import EngineError
     from agentrl.engine.local import LocalEngine
     from agentrl.engine.server import EngineServer
@@ -157,14 +159,25 @@ async def test_server_with_api_key_answers_as_sglang_does(tiny, tmp_path: Path) 
         key_file.chmod(0o600)
         client = SGLangEngine(u, api_key_file=str(key_file), retries=3)
         bare = SGLangEngine(u, retries=3)
+        # `agentrl eval --engine sglang --api-key-env VAR` against a keyed fleet.
+        from agentrl.eval_cli import EvalSettings, build_eval_engine
+        from agentrl.models.tiny import tiny_model_dir
+
+        monkeypatch.setenv("RUN_ENGINE_KEY", KEY)
+        settings = EvalSettings(
+            tasks=[], engine="sglang", urls=[u], tokenizer=str(tiny_model_dir()), api_key_env="RUN_ENGINE_KEY"
+        )
+        built = await build_eval_engine(settings)
         try:
             assert await client.refresh_weight_version() == 0
+            assert await built.engine.refresh_weight_version() == 0 and built.context is not None
             with pytest.raises(EngineError, match="answered 401") as info:
                 await bare.refresh_weight_version()
             assert info.value.cause == "engine_auth" and not bare.dead_workers
         finally:
             await client.aclose()
             await bare.aclose()
+            await built.engine.aclose()
     await engine.aclose()
 
 

@@ -8,6 +8,7 @@ scripted  fixed replies (`ScriptedEngine`), e.g. a task's reference solution
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,10 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
             raise EngineConfigError(
                 "the sglang engine needs one or more worker URLs and a tokenizer directory"
             )
-        return SGLangEngine(list(spec.urls)), AutoTokenizer.from_pretrained(str(spec.tokenizer))
+        # The key in `api_key_env` when that variable is set (a keyed fleet), else none.
+        key_env = spec.api_key_env if spec.api_key_env and os.environ.get(spec.api_key_env) else None
+        engine = SGLangEngine(list(spec.urls), api_key_env=key_env)
+        return engine, AutoTokenizer.from_pretrained(str(spec.tokenizer))
     if spec.kind not in KINDS:
         raise EngineConfigError(f"unknown engine {spec.kind!r}: choose one of {', '.join(KINDS)}")
     from agentrl.models.source import check_model_source
