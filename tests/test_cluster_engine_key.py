@@ -74,6 +74,9 @@ def test_a_missing_or_malformed_key_file_is_a_clear_error(tmp_path: Path) -> Non
     (tmp_path / "two").write_text("a b\n")
     with pytest.raises(EngineKeyError, match="one key on one line"):
         read_key(tmp_path / "two")
+    (tmp_path / "colon").write_text("a:b\n")
+    with pytest.raises(EngineKeyError, match="must not contain ':'"):
+        read_key(tmp_path / "colon")
 
 
 def test_the_launcher_refuses_a_program_it_cannot_key(tmp_path: Path) -> None:

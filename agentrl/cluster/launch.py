@@ -56,6 +56,8 @@ def read_key(path: str | os.PathLike[str]) -> str:
         ) from None
     if not key or any(c.isspace() for c in key):
         raise EngineKeyError(f"the engine key file {p} must hold one key on one line (no spaces)")
+    if ":" in key:  # smg reads --control-plane-api-keys as id:name:role:key
+        raise EngineKeyError(f"the engine key in {p} must not contain ':' (smg splits its keys on it)")
     if p.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("engine key file %s is readable by others: chmod 600 it", p)
     return key
