@@ -186,7 +186,8 @@ async def probe_models(url: str, key_env: str = "") -> tuple[str | None, int | N
     `key_env`, the API key in that variable is sent."""
     import os
 
-    headers = {"Authorization": f"Bearer {os.environ[key_env]}"} if key_env else None
+    key = os.environ.get(key_env) if key_env else None
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     try:
         reply = await _get_json(_api_base(url) + "/v1/models", headers=headers)
     except (OSError, TimeoutError, ValueError) as exc:
@@ -234,14 +235,14 @@ async def build_eval_engine(settings: EvalSettings) -> BuiltEngine:
             raise EvalConfigError(
                 "--engine sglang needs --url (one per worker, or a router) and --tokenizer DIR"
             )
-        import os
-
         # A keyed fleet (a cluster run's servers: `--api-key-env` naming a variable that holds
-        # the run's engine key); none is sent when the variable is unset.
-        key_env = settings.api_key_env if os.environ.get(settings.api_key_env) else ""
-        _, context = await probe_models(settings.urls[0], key_env)
+        # the run's engine key); none is sent when the variable is unset (build_engine decides).
+        _, context = await probe_models(settings.urls[0], settings.api_key_env)
         spec = EngineSpec(
-            "sglang", urls=list(settings.urls), tokenizer=Path(tokenizer_dir), api_key_env=key_env
+            "sglang",
+            urls=list(settings.urls),
+            tokenizer=Path(tokenizer_dir),
+            api_key_env=settings.api_key_env,
         )
         engine, tok = await asyncio.to_thread(build_engine, spec)
         return BuiltEngine(engine, tok, Path(settings.model or tokenizer_dir).name, context)
