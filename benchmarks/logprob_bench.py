@@ -238,6 +238,48 @@ def _promote_labels(args) -> list[str]:
     return ["default"] + [f"promote={p}" for p in filter(None, args.promotes.split(","))]
 
 
+def loss_rows(args, hg, wg, y, g_lp, g_ent, ref, lp64) -> list[dict]:
+    """`fused_token_loss` (gradients made in forward: three products) with the linear per-token
+    loss g_lp * logp + g_ent * entropy, whose gradients are the other rows' upstream gradients."""
+    from agentrl.algo.fused_loss import fused_token_loss
+
+    def linear(lp, et, sl):
+        return g_lp[sl] * lp + (g_ent[sl] * et if et is not None else 0.0)
+
+    rows = []
+    chunks = [None, *(int(c) for c in filter(None, args.loss_chunks.split(",")))]
+    w32 = wg.detach().float().requires_grad_()
+    cases = [(c, e, False) for c in chunks for e in (False, True)] + [(None, True, True)]
+    for chunk, ent, master in cases:
+        name = "fused loss" + (" + entropy" if ent else "") + (f", chunk {chunk}" if chunk else "")
+        name += ", fp32 master weight (autocast)" if master else ""
+        w = w32 if master else wg
+
+        def fb(chunk=chunk, ent=ent, w=w, master=master):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=master):
+                r = fused_token_loss(hg, w, y, linear, with_entropy=ent, kernel="triton", chunk=chunk)
+            return torch.autograd.grad(r.loss, [hg, w]), r
+
+        row: dict = {"name": name}
+        try:
+            row["fwdbwd_ms"], row["peak_gib"] = _cuda_ms(fb, args.iters)
+            (dh, dw), r = fb()
+            row["lp_err"] = (r.logp - ref["lp"]).abs().max().item()
+            row["lp_err64"] = (r.logp.double() - lp64).abs().max().item()
+            if ent:
+                row["ent_err"] = (r.entropy - ref["ent"]).abs().max().item()
+            row["dh_rel"], row["dw_rel"] = _rel(dh, ref[f"dh{ent:d}"]), _rel(dw, ref[f"dw{ent:d}"])
+            del dh, dw, r
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def head_main(args: argparse.Namespace) -> None:
     from agentrl.algo.fused_logprobs import _addmm_accumulates_fp32
     from agentrl.algo.logprobs import chunk_grads, chunk_stats
@@ -332,6 +374,9 @@ def head_main(args: argparse.Namespace) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    if not keep or any(k in "fused loss" for k in keep):
+        rows += loss_rows(args, hg, wg, y, g_lp, g_ent, ref, lp64)
+
     # The trainer's case: fp32 master weights under bf16 autocast get an fp32 weight gradient.
     from agentrl.algo.fused_logprobs import fused_logprobs
 
@@ -408,6 +453,11 @@ def main() -> None:
         "--promotes",
         default=None,
         help="head: also the peaked-logits precision table, for the default tiles and these promote values, e.g. '0,8'",
+    )
+    ap.add_argument(
+        "--loss-chunks",
+        default="512,2048",
+        help="head: fused-loss rows at these chunk sizes besides the default",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()

@@ -326,8 +326,10 @@ def _addmm_accumulates_fp32(device: torch.device) -> bool:
     return bool((c == 17).all())
 
 
-def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig):
-    """(z_y, lse, E_p[z] or None) per token, fp32, without [T, V] logits."""
+def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig, z_out: torch.Tensor | None = None):
+    """(z_y, lse, E_p[z] or None) per token, fp32, without [T, V] logits. With `z_out` (fp16
+    [T, V]) the logits are written there too, each tile shifted by its row maxima, and those
+    maxima ([n_vocab_tiles, T] fp32) are returned as a fourth value."""
     n, hid = h.shape
     v = w.shape[0]
     dev = h.device
@@ -352,17 +354,21 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig):
     )
     ha, wa, load = _operands(h, w, cfg)
     n_tiles = triton.cdiv(n, cfg.block_t) * n_vt
-    args = (ha, wa, y, pm, ps, pa, zy, n, v, hid, h.stride(0), w.stride(0), inv_temp)
+    store = z_out is not None
+    zp = z_out if store else pm
+    args = (ha, wa, y, pm, ps, pa, zy, zp, n, v, hid, h.stride(0), w.stride(0), zp.stride(0), inv_temp)
     if cfg.persistent:
         progs = min(n_tiles, _sm_count(dev))
-        _stats_kernel_persistent[(progs,)](*args, LOAD=load, NUM_PROGS=progs, **meta)
+        _stats_kernel_persistent[(progs,)](*args, LOAD=load, STORE_Z=store, NUM_PROGS=progs, **meta)
     else:
-        _stats_kernel[(n_tiles,)](*args, LOAD=load, **meta)
+        _stats_kernel[(n_tiles,)](*args, LOAD=load, STORE_Z=store, **meta)
     top = pm.amax(0)
-    scale = pm.sub_(top).exp_()
+    scale = (pm - top).exp_() if store else pm.sub_(top).exp_()
     total = (ps * scale).sum(0)
     lse = top + torch.log(total)
     ez = (pa * scale).sum(0) / total if with_entropy else None
+    if store:
+        return zy, lse, ez, pm
     return zy, lse, ez
 
 
@@ -444,6 +450,24 @@ def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_pl
         acc += torch.mm(a, b, out_dtype=torch.float32)
 
 
+def _triton_dz_from_z(z, pm, y, lse, ez, g_logp, g_ent, inv_temp, out_dtype, cfg: TileConfig) -> torch.Tensor:
+    """dL/dz / temperature [T, V] from the logits `_triton_stats` stored (fp16, shifted by the
+    tile maxima `pm`), written over them in `out_dtype` (bf16/fp16: the same bytes per element)."""
+    n, v = z.shape
+    dz = z.view(out_dtype)
+    if n == 0:
+        return dz
+    with_ent = g_ent is not None
+    bt = 16
+    grid = (triton.cdiv(n, bt), triton.cdiv(v, cfg.block_v))
+    _dz_from_z_kernel[grid](
+        z, dz, pm, y, lse, ez if with_ent else lse, g_logp, g_ent if with_ent else g_logp,
+        n, v, z.stride(0), inv_temp,
+        WITH_ENT=with_ent, BLOCK_T=bt, BLOCK_V=cfg.block_v, num_warps=4,
+    )  # fmt: skip
+    return dz
+
+
 if triton is not None:
 
     @triton.jit
@@ -509,11 +533,13 @@ if triton is not None:
 
     @triton.jit
     def _stats_epilogue(
-        acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, T, V, inv_temp,
-        WITH_ENT: tl.constexpr, EVEN_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+        acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, z_ptr, T, V, stride_z, inv_temp,
+        WITH_ENT: tl.constexpr, EVEN_V: tl.constexpr, STORE_Z: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
         """Per row of one logit tile: max m, sum exp(z - m), sum exp(z - m) z into row pid_v of
-        the [n_tiles, T] partials; the target's logit where the tile holds it."""
+        the [n_tiles, T] partials; the target's logit where the tile holds it. STORE_Z also writes
+        the tile as z - m in fp16 (z_ptr [T, V]; floored at -60000, where exp is 0 anyway)."""
         off_t = pid_t * BLOCK_T
         off_v = pid_v * BLOCK_V
         rt = off_t + tl.arange(0, BLOCK_T)
@@ -537,12 +563,17 @@ if triton is not None:
         here = row_ok & (y >= off_v) & (y < off_v + BLOCK_V) & (y < V)
         zy = tl.sum(tl.where(rv[None, :] == y[:, None], zt, 0.0), axis=1)
         tl.store(zy_ptr + rt, zy, mask=here)
+        if STORE_Z:
+            offs = rt[:, None].to(tl.int64) * stride_z + rv[None, :]
+            zs = tl.maximum(zt - m[:, None], -60000.0).to(tl.float16)
+            tl.store(z_ptr + offs, zs, mask=row_ok[:, None] & (rv < V)[None, :])
 
     @triton.jit(do_not_specialize=["T", "V"])
     def _stats_kernel(
-        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr,
-        T, V, H, stride_h, stride_w, inv_temp,
+        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, z_ptr,
+        T, V, H, stride_h, stride_w, stride_z, inv_temp,
         LOAD: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+        STORE_Z: tl.constexpr,
         PROMOTE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
     ):  # fmt: skip
@@ -553,15 +584,16 @@ if triton is not None:
             LOAD, EVEN_K, PROMOTE, BLOCK_T, BLOCK_V, BLOCK_K,
         )  # fmt: skip
         _stats_epilogue(
-            acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, T, V, inv_temp,
-            WITH_ENT, EVEN_V, BLOCK_T, BLOCK_V,
+            acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, z_ptr, T, V, stride_z, inv_temp,
+            WITH_ENT, EVEN_V, STORE_Z, BLOCK_T, BLOCK_V,
         )  # fmt: skip
 
     @triton.jit(do_not_specialize=["T", "V"])
     def _stats_kernel_persistent(
-        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr,
-        T, V, H, stride_h, stride_w, inv_temp,
+        h, w, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, z_ptr,
+        T, V, H, stride_h, stride_w, stride_z, inv_temp,
         LOAD: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+        STORE_Z: tl.constexpr,
         PROMOTE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
         NUM_PROGS: tl.constexpr,
@@ -576,8 +608,8 @@ if triton is not None:
                 LOAD, EVEN_K, PROMOTE, BLOCK_T, BLOCK_V, BLOCK_K,
             )  # fmt: skip
             _stats_epilogue(
-                acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, T, V, inv_temp,
-                WITH_ENT, EVEN_V, BLOCK_T, BLOCK_V,
+                acc, pid_t, pid_v, y_ptr, pm_ptr, ps_ptr, pa_ptr, zy_ptr, z_ptr, T, V, stride_z, inv_temp,
+                WITH_ENT, EVEN_V, STORE_Z, BLOCK_T, BLOCK_V,
             )  # fmt: skip
 
     @triton.jit
@@ -659,3 +691,34 @@ if triton is not None:
                 acc, pid_t, pid_v, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr, T, V, stride_dz,
                 inv_temp, WITH_ENT, SPLIT, STORE, OUT_F16, BLOCK_T, BLOCK_V,
             )  # fmt: skip
+
+    @triton.jit(do_not_specialize=["T", "V"])
+    def _dz_from_z_kernel(
+        z_ptr, dz_ptr, pm_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, T, V, stride_z, inv_temp,
+        WITH_ENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        """One [BLOCK_T, BLOCK_V] block of dL/dz / temperature from stored logits z - m (m: the
+        row maxima of stats tile pid_v, so BLOCK_V is the stats kernel's). Each element is read
+        before it is written in place, by the same thread (one layout throughout)."""
+        pid_t = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = rt < T
+        inside = row_ok[:, None] & (rv < V)[None, :]
+        offs = rt[:, None].to(tl.int64) * stride_z + rv[None, :]
+        zs = tl.load(z_ptr + offs, mask=inside, other=-60000.0).to(tl.float32)
+        m = tl.load(pm_ptr + pid_v.to(tl.int64) * T + rt, mask=row_ok, other=0.0)
+        lse = tl.load(lse_ptr + rt, mask=row_ok, other=0.0)
+        gl = tl.load(glp_ptr + rt, mask=row_ok, other=0.0)
+        zt = zs + m[:, None]
+        p = tl.exp(zt - lse[:, None])
+        if WITH_ENT:
+            ez = tl.load(ez_ptr + rt, mask=row_ok, other=0.0)
+            ge = tl.load(gent_ptr + rt, mask=row_ok, other=0.0)
+            dz = p * (ge[:, None] * (ez[:, None] - zt) - gl[:, None])
+        else:
+            dz = -p * gl[:, None]
+        y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)
+        dz = tl.where(rv[None, :] == y[:, None], dz + gl[:, None], dz) * inv_temp
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
