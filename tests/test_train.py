@@ -183,6 +183,38 @@ def test_gradient_checkpointing_and_unchunked_logprobs_give_the_same_step(tiny_b
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_the_fused_loss_path_gives_the_step_of_the_chunked_path(tiny_base, aggregation):  # noqa: F811
+    """logprob_impl="fused" makes the loss's gradients in the forward pass (`fused_token_loss`,
+    its torch passes on CPU): the same loss, metrics and update as autograd through the chunked
+    log-probs, with TIS, KL, an entropy bonus and several micro-batches."""
+    samples = make_samples(tiny_base, seed=7)
+    for s in samples[::2]:
+        s.rollout_logprobs = [x - 0.3 * m for x, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)]
+    loss = LossConfig(aggregation=aggregation, kl_coef=0.05, entropy_coef=0.01)
+    out = []
+    for impl in ("chunked", "fused"):
+        model = copy.deepcopy(tiny_base).float()
+        cfg = TrainConfig(
+            lr=1e-3,
+            weight_decay=0.0,
+            loss=loss,
+            adam_eps=1.0,
+            logprob_impl=impl,
+            max_tokens_per_micro_batch=40,
+        )
+        t = TorchTrainer(model, cfg, device="cpu", ref_model=copy.deepcopy(tiny_base).float())
+        m = t.train_step(samples)
+        out.append((m, torch.cat([p.flatten() for p in t.model.parameters()])))
+    (m_a, p_a), (m_b, p_b) = out
+    assert m_a["num_micro_batches"] > 1
+    assert m_b["loss"] == pytest.approx(m_a["loss"], rel=1e-5, abs=1e-7)
+    assert m_b["grad_norm"] == pytest.approx(m_a["grad_norm"], rel=1e-4)
+    for k in ("kl", "entropy", "clip_frac", "tis_mean", "mismatch_kl"):
+        assert m_b[k] == pytest.approx(m_a[k], rel=1e-5, abs=1e-7), k
+    assert (p_a - p_b).abs().max().item() < 1e-7
+
+
 def test_kl_term_needs_a_reference_model(policy):  # noqa: F811
     with pytest.raises(ValueError, match="ref_model"):
         _trainer(policy, loss=LossConfig(kl_coef=0.1))

@@ -450,9 +450,12 @@ def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_pl
         acc += torch.mm(a, b, out_dtype=torch.float32)
 
 
-def _triton_dz_from_z(z, pm, y, lse, ez, g_logp, g_ent, inv_temp, out_dtype, cfg: TileConfig) -> torch.Tensor:
+def _triton_dz_from_z(
+    z, pm, y, lse, ez, g_logp, g_ent, inv_temp, out_dtype, cfg: TileConfig, lo: torch.Tensor | None = None
+) -> torch.Tensor:
     """dL/dz / temperature [T, V] from the logits `_triton_stats` stored (fp16, shifted by the
-    tile maxima `pm`), written over them in `out_dtype` (bf16/fp16: the same bytes per element)."""
+    tile maxima `pm`), written over them in `out_dtype` (bf16/fp16: the same bytes per element).
+    With `lo` ([T, V], `out_dtype`) its rounding error goes there (dz + lo carries ~16 bits)."""
     n, v = z.shape
     dz = z.view(out_dtype)
     if n == 0:
@@ -461,9 +464,9 @@ def _triton_dz_from_z(z, pm, y, lse, ez, g_logp, g_ent, inv_temp, out_dtype, cfg
     bt = 16
     grid = (triton.cdiv(n, bt), triton.cdiv(v, cfg.block_v))
     _dz_from_z_kernel[grid](
-        z, dz, pm, y, lse, ez if with_ent else lse, g_logp, g_ent if with_ent else g_logp,
-        n, v, z.stride(0), inv_temp,
-        WITH_ENT=with_ent, BLOCK_T=bt, BLOCK_V=cfg.block_v, num_warps=4,
+        z, dz, lo if lo is not None else dz, pm, y, lse, ez if with_ent else lse, g_logp,
+        g_ent if with_ent else g_logp, n, v, z.stride(0), inv_temp,
+        WITH_ENT=with_ent, SPLIT=lo is not None, BLOCK_T=bt, BLOCK_V=cfg.block_v, num_warps=4,
     )  # fmt: skip
     return dz
 
@@ -694,8 +697,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "V"])
     def _dz_from_z_kernel(
-        z_ptr, dz_ptr, pm_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, T, V, stride_z, inv_temp,
-        WITH_ENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+        z_ptr, dz_ptr, lo_ptr, pm_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, T, V, stride_z, inv_temp,
+        WITH_ENT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
         """One [BLOCK_T, BLOCK_V] block of dL/dz / temperature from stored logits z - m (m: the
         row maxima of stats tile pid_v, so BLOCK_V is the stats kernel's). Each element is read
@@ -721,4 +724,7 @@ if triton is not None:
             dz = -p * gl[:, None]
         y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)
         dz = tl.where(rv[None, :] == y[:, None], dz + gl[:, None], dz) * inv_temp
-        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+        dzc = dz.to(dz_ptr.dtype.element_ty)
+        tl.store(dz_ptr + offs, dzc, mask=inside)
+        if SPLIT:  # lo has z's row pitch too
+            tl.store(lo_ptr + offs, (dz - dzc.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=inside)

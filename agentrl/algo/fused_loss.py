@@ -15,7 +15,8 @@ are still in memory:
 
 Forward keeps dL/dh and dL/dW; backward scales them by the loss's upstream gradient. Memory: the
 two gradients and one [chunk, V] 2-byte buffer. A bf16 weight's dL/dW is summed over chunks in
-bf16 (one rounding per chunk); an fp32 weight's (fp32 master weights under autocast) in fp32.
+bf16 (one rounding per chunk). An fp32 weight (fp32 master weights under autocast) gets an fp32
+dL/dW from dL/dz carried as a bf16 pair hi + lo: a second [chunk, V] buffer and a fourth product.
 
 The contract on `token_loss(logp, entropy, index)`: it returns one loss per position of the chunk
 `index` (a slice of the flattened positions), the loss of position i depending on logp[i] and
@@ -50,8 +51,9 @@ from agentrl.algo.logprobs import chunk_grads, chunk_stats, matmul_dtype
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor | None, slice], torch.Tensor]
 
-# The [chunk, V] fp16 logit buffer of the Triton path is kept near this size.
-CHUNK_BYTES = 320 * 2**20
+# The [chunk, V] fp16 logit buffer of the Triton path is kept near this size (GLM-5.2's
+# vocabulary: 1,536 positions; larger chunks sum dL/dW in fewer roundings, in fewer passes).
+CHUNK_BYTES = 480 * 2**20
 
 
 class TokenLossResult(NamedTuple):
@@ -77,7 +79,7 @@ def fused_token_loss(
 
     hidden: [..., T, H]; weight: [V, H]; targets: [..., T]. `token_loss` sees the flattened
     positions one chunk at a time (the module docstring states its contract). `chunk`: positions
-    per chunk (default: a ~320 MiB logit buffer on the Triton path, 1024 on the torch path).
+    per chunk (default: a ~480 MiB logit buffer on the Triton path, 1024 on the torch path).
     """
     return _run(hidden, weight, targets, token_loss, temperature, with_entropy, kernel, tiles, chunk, None, 0)
 
@@ -188,9 +190,13 @@ class _FusedTokenLoss(torch.autograd.Function):
         total = torch.zeros((), device=dev, dtype=acc)
         h_mm, w_mm = _mm(h, mm), _mm(weight, mm)
         inv_temp = 1.0 / temperature
-        zbuf = None
+        zbuf = lobuf = None
+        # An fp32 weight gradient (fp32 master weights) gets dL/dz as a bf16 pair hi + lo, one
+        # more product: bf16 dL/dz alone would leave ~1e-3 relative error (as in fused_logprobs).
+        split = grad_w is not None and grad_w.dtype == torch.float32 and mm != torch.float32
         if engine == "triton" and n:
             zbuf = torch.empty(min(chunk, n) * v, device=dev, dtype=torch.float16)
+            lobuf = torch.empty(min(chunk, n) * v, device=dev, dtype=mm) if split else None
         fp32_acc = engine == "triton" and _addmm_accumulates_fp32(dev)
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
@@ -217,7 +223,8 @@ class _FusedTokenLoss(torch.autograd.Function):
             if not (need_h or need_w):
                 continue
             if engine == "triton":
-                dz = _triton_dz_from_z(z, pm, yc, lse, ez, g_lp, g_ent, inv_temp, mm, tiles)
+                lo = lobuf[: (c1 - c0) * v].view(c1 - c0, v) if lobuf is not None else None
+                dz = _triton_dz_from_z(z, pm, yc, lse, ez, g_lp, g_ent, inv_temp, mm, tiles, lo=lo)
                 if grad_h is not None:
                     if grad_h.dtype == mm:
                         torch.mm(dz, w_mm, out=grad_h[c0:c1])
@@ -228,6 +235,8 @@ class _FusedTokenLoss(torch.autograd.Function):
                         grad_w.addmm_(dz.t(), hc)
                     else:
                         _add_product_fp32(grad_w, dz.t(), hc, fp32_acc)
+                        if lo is not None:
+                            _add_product_fp32(grad_w, lo.t(), hc, fp32_acc)
             else:
                 gh, gw = chunk_grads(
                     hc, w_mm, y_safe, lse, ez, g_lp, g_ent, chunk_size=chunk, temperature=temperature,

@@ -10,7 +10,7 @@ Notation per token (b, t) with trained-token mask m_{b,t} in {0, 1}:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from pydantic import ConfigDict
@@ -212,6 +212,128 @@ def mismatch_kl(
     }
 
 
+def aggregation_weights(
+    mask: torch.Tensor,
+    mode: Aggregation,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`aggregate` as per-token weights a [B, T]: aggregate(v) = sum(a v) for every v.
+    `token_weights` (computed outside, once per episode) replace the aggregation."""
+    m = mask.to(torch.float32)
+    if token_weights is not None:
+        return token_weights.to(torch.float32) * m
+    if mode == "token_mean":
+        denom = m.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
+        return m / denom
+    if mode == "seq_mean_token_mean":
+        n = m.sum(-1, keepdim=True)
+        denom = (n > 0).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
+        return m / n.clamp(min=1) / denom
+    raise ValueError(f"aggregation={mode!r}: choose token_mean or seq_mean_token_mean")
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """What the GRPO objective needs per token besides the policy's own log-prob and entropy, all
+    fixed before the policy's forward: l_t = a_t (w_t L^clip_t(logp_t) + kl_coef KL_t - entropy_coef H_t).
+    Token t's loss depends on logp_t and H_t alone, so a chunk of tokens can be finished on its
+    own (`agentrl.algo.fused_loss`)."""
+
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    tis: torch.Tensor | None  # TIS weights (detached), None when use_tis is off
+    weight: torch.Tensor  # a: the aggregation's weights, 0 on untrained tokens
+    ref_logp: torch.Tensor | None
+
+    def map(self, fn: Any) -> TokenTerms:
+        """The same terms with `fn` applied to every tensor (e.g. a shift and a flatten)."""
+        return TokenTerms(
+            *(
+                fn(t) if t is not None else None
+                for t in (self.old_logp, self.advantages, self.tis, self.weight, self.ref_logp)
+            )
+        )
+
+    def loss(
+        self, logp: torch.Tensor, entropy: torch.Tensor | None, config: LossConfig, index: Any = slice(None)
+    ) -> torch.Tensor:
+        """The weighted per-token losses a_t l_t of the positions `index` selects."""
+        adv = self.advantages[index]
+        pg, _ = policy_loss(
+            logp, self.old_logp[index], adv, torch.ones_like(adv),
+            eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
+        )  # fmt: skip
+        per_token = pg * self.tis[index] if self.tis is not None else pg
+        if config.kl_coef:
+            assert self.ref_logp is not None
+            per_token = per_token + config.kl_coef * kl_penalty(logp, self.ref_logp[index], config.kl_kind)
+        if config.entropy_coef:
+            if entropy is None:
+                raise ValueError(
+                    "entropy_coef > 0 needs the per-token entropy (compute it with_entropy=True)"
+                )
+            per_token = per_token - config.entropy_coef * entropy
+        return self.weight[index] * per_token
+
+
+def grpo_terms(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[TokenTerms, dict[str, torch.Tensor]]:
+    """The per-token constants of `grpo_loss` (arguments as there), and the metrics that need no
+    policy log-probs (TIS weights, rollout-vs-trainer mismatch)."""
+    if config.kl_coef and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs ref_logp (log-probs of the reference model)")
+    metrics: dict[str, torch.Tensor] = {}
+    tis = None
+    if config.use_tis:
+        tis, tis_stats = tis_weights(
+            old_logp, rollout_logp, mask,
+            low=config.tis_clip_low, high=config.tis_clip, level=config.tis_level, mode=config.tis_mode,
+        )  # fmt: skip
+        metrics.update(tis_stats)
+    metrics.update(mismatch_kl(old_logp, rollout_logp, mask))
+    weight = aggregation_weights(
+        mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights
+    )
+    return TokenTerms(old_logp, advantages, tis, weight, ref_logp), metrics
+
+
+def grpo_metrics(
+    logp: torch.Tensor,
+    terms: TokenTerms,
+    mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    entropy: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The metrics of the policy's log-probs (detached): clip fractions, the PG loss, KL, entropy."""
+    m = mask.to(torch.float32)
+    logp = logp.detach()
+    pg, metrics = policy_loss(
+        logp, terms.old_logp, terms.advantages, m,
+        eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
+    )  # fmt: skip
+    metrics["pg_loss"] = (terms.weight * pg).sum()
+    if config.kl_coef:
+        assert terms.ref_logp is not None
+        metrics["kl"] = _masked_mean(kl_penalty(logp, terms.ref_logp, config.kl_kind), m)
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy.detach(), m)
+    return metrics
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -234,37 +356,11 @@ def grpo_loss(
     denominators having been computed outside (once per episode, `agentrl.train.batch`).
     Returns (scalar loss, metrics of detached scalars).
     """
-    mask = mask.to(torch.float32)
-    pg, metrics = policy_loss(
-        logp, old_logp, advantages, mask,
-        eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
+    terms, metrics = grpo_terms(
+        old_logp, rollout_logp, advantages, mask, config,
+        ref_logp=ref_logp, num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights,
     )  # fmt: skip
-    per_token = pg
-    if config.use_tis:
-        w, tis_stats = tis_weights(
-            old_logp, rollout_logp, mask,
-            low=config.tis_clip_low, high=config.tis_clip, level=config.tis_level, mode=config.tis_mode,
-        )  # fmt: skip
-        per_token = per_token * w
-        metrics.update(tis_stats)
-    metrics.update(mismatch_kl(old_logp, rollout_logp, mask))
-
-    def reduce(x: torch.Tensor) -> torch.Tensor:
-        if token_weights is not None:
-            return (x * token_weights.to(x.dtype) * mask).sum()
-        return aggregate(x, mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
-
-    metrics["pg_loss"] = reduce(pg).detach()
-    if config.kl_coef:
-        if ref_logp is None:
-            raise ValueError("kl_coef > 0 needs ref_logp (log-probs of the reference model)")
-        kl = kl_penalty(logp, ref_logp, config.kl_kind)
-        per_token = per_token + config.kl_coef * kl
-        metrics["kl"] = _masked_mean(kl, mask).detach()
-    if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy, mask).detach()
-        if config.entropy_coef:
-            per_token = per_token - config.entropy_coef * entropy
-    elif config.entropy_coef:
+    if config.entropy_coef and entropy is None:
         raise ValueError("entropy_coef > 0 needs the per-token entropy (compute log-probs with_entropy=True)")
-    return reduce(per_token), metrics
+    metrics.update(grpo_metrics(logp, terms, mask, config, entropy=entropy))
+    return terms.loss(logp, entropy, config).sum(), metrics

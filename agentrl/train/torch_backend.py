@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from agentrl.algo import grpo_loss
+from agentrl.algo.losses import grpo_metrics, grpo_terms
 from agentrl.sample import Sample
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig
-from agentrl.train.forward import model_logprobs
+from agentrl.train.forward import model_logprobs, model_token_loss
 
 log = logging.getLogger("agentrl.train")
 
@@ -133,22 +133,35 @@ class TorchTrainer:
         want_entropy = self.config.loss.entropy_coef > 0
         sums: dict[str, float] = {}
         total = 0.0
+        cfg = self.config
         for mb in batch.micro_batches:
-            logp, ent = self.logprobs(mb, with_entropy=want_entropy)
             assert mb.old_logprobs is not None
-            loss, metrics = grpo_loss(
-                logp * mb.loss_mask,
+            terms, metrics = grpo_terms(
                 mb.old_logprobs,
                 mb.rollout_logprobs,
                 mb.advantages,
                 mb.loss_mask,
-                self.config.loss,
-                entropy=ent,
+                cfg.loss,
                 ref_logp=mb.ref_logprobs,
                 num_tokens=batch.num_loss_tokens,
                 num_seqs=batch.num_loss_seqs,
                 token_weights=mb.loss_weights,
             )
+            # Per-token terms in the head's order: the positions predicting tokens 1.., row by row.
+            shifted = terms.map(lambda t: t[:, 1:].reshape(-1))
+            with self._autocast():
+                loss, logp, ent = model_token_loss(
+                    self.model,
+                    mb.input_ids,
+                    lambda lp, e, ix, shifted=shifted: shifted.loss(lp, e, cfg.loss, ix),
+                    attention_mask=mb.attention_mask,
+                    position_ids=mb.position_ids,
+                    chunk_size=cfg.logprob_chunk_size,
+                    temperature=cfg.temperature,
+                    with_entropy=want_entropy,
+                    impl=cfg.logprob_impl,
+                )
+            metrics.update(grpo_metrics(logp * mb.loss_mask, terms, mb.loss_mask, cfg.loss, entropy=ent))
             if not torch.isfinite(loss):
                 return self._skip(f"non-finite loss {loss.item()} in a micro-batch of {mb.num_rows} rows")
             loss.backward()
