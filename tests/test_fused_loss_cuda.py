@@ -110,7 +110,8 @@ def test_a_vocabulary_shard_gives_the_fp32_shard_loss():
     shard = w[2000:4000].contiguous()
     out = {}
     for kernel, dtype in (("triton", torch.bfloat16), ("torch", torch.float32)):
-        hg, sg = h.to(dtype).requires_grad_(), shard.to(dtype).requires_grad_()
+        hg = h.detach().to(dtype).clone().requires_grad_()
+        sg = shard.detach().to(dtype).clone().requires_grad_()
         res = vocab_parallel_token_loss(
             hg, sg, y, linear(g_lp, g_ent), vocab_start=2000, with_entropy=True, kernel=kernel, chunk=256
         )
