@@ -98,7 +98,7 @@ def one_rank_cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.megatron_venv import run_case
 
     tmp = tmp_path_factory.mktemp("megatron-one-rank")
-    return run_case("split,build,hf_parity,checkpoint,kl,fp8,references", tmp)
+    return run_case("split,build,hf_parity,checkpoint,kl,fp8,references,head_loss", tmp)
 
 
 TWO_RANK_LAYOUTS = [
@@ -164,6 +164,22 @@ def _same_step(r: dict) -> None:
     # The checkpoint-layout export (experts streamed one slot at a time over EP / expert TP, as
     # SGLang engines take them) is the stacked export split per expert, exactly.
     assert r["checkpoint_layout_exact"] and r["checkpoint_layout_tensors"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_loss_made_in_the_lm_head_takes_the_step_of_the_loss_made_from_log_probs(
+    one_rank_cases: dict,
+) -> None:
+    """The default (the head makes the GRPO loss and its gradients in one pass over the
+    vocabulary) against log-probs first and the loss through autograd: the same step."""
+    r = one_rank_cases["head_loss"]
+    # The default made its loss in the head (two micro-batches), "chunked" never did.
+    assert r["head_loss_calls"] == {"auto": 2, "chunked": 0}
+    assert r["logprob_max_abs_diff"] == 0.0  # the forward-only log-probs do not change
+    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
+    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
+    assert r["weight_max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.slow

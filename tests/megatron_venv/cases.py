@@ -99,13 +99,21 @@ def samples(seed: int = 1, vocab: int = 128) -> list[Sample]:
     return with_advantages(out)
 
 
-def trainer(hf: Any, *, tp: int = 1, lr: float = 1e-3, mb_tokens: int = 64, **settings: Any) -> Any:
+def trainer(
+    hf: Any,
+    *,
+    tp: int = 1,
+    lr: float = 1e-3,
+    mb_tokens: int = 64,
+    logprob_impl: str = "auto",
+    **settings: Any,
+) -> Any:
     from agentrl.train.megatron.settings import MegatronSettings
     from agentrl.train.megatron.trainer import MegatronTrainer
 
     return MegatronTrainer(
         hf.config,
-        TrainConfig(lr=lr, max_tokens_per_micro_batch=mb_tokens, weight_decay=0.0),
+        TrainConfig(lr=lr, max_tokens_per_micro_batch=mb_tokens, weight_decay=0.0, logprob_impl=logprob_impl),
         MegatronSettings(tp=tp, **settings),
         hf_state=hf.state_dict(),
     )
@@ -350,6 +358,24 @@ def case_references(args: argparse.Namespace) -> dict[str, Any]:
         path = str(Path(args.tmp) / f"reference-{name}.pt")
         out[name] = {"path": path, **grads_step(save=path, **settings)}
     return out
+
+
+def case_head_loss(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-rank step with the loss made from log-probs (logprob_impl="chunked":
+    `vocab_parallel_logprobs`, then `grpo_loss` through autograd) against the default, where the
+    LM head makes the loss itself (`vocab_parallel_token_loss`); needs `references` first."""
+    from unittest import mock
+
+    from agentrl.train.megatron import trainer as megatron_trainer
+
+    calls = {}
+    real = megatron_trainer.vocab_parallel_token_loss
+    reference = str(Path(args.tmp) / "reference-4.pt")
+    for impl in ("auto", "chunked"):
+        with mock.patch.object(megatron_trainer, "vocab_parallel_token_loss", wraps=real) as spy:
+            out = grads_step(layers=4, logprob_impl=impl, reference=reference)
+        calls[impl] = spy.call_count
+    return {**out, "head_loss_calls": calls}
 
 
 # The one-rank steps (name -> settings) the layouts are compared with (a layout's "reference";
@@ -908,6 +934,7 @@ CASES = {
     "hf_parity": case_hf_parity,
     "grads": case_grads,
     "references": case_references,
+    "head_loss": case_head_loss,
     "layouts": case_layouts,
     "checkpoint": case_checkpoint,
     "init_checkpoint": case_init_checkpoint,

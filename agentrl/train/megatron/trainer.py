@@ -27,6 +27,7 @@ tensors on every rank (only one of them needs to push them).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ import torch
 import torch.distributed as dist
 
 from agentrl.algo import grpo_loss, vocab_parallel_logprobs
+from agentrl.algo.fused_loss import TokenLossResult, vocab_parallel_token_loss
+from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.overrides import ConfigError
 from agentrl.sample import Sample
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
@@ -151,6 +154,19 @@ class PackedRows:
         its target is a placeholder, dropped by `unpack`); this CP rank's targets under CP."""
         targets = torch.roll(self.input_ids[0], -1)
         return targets if self.cp == 1 else targets[self.local]
+
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        """`unpack`'s inverse: [rows, width] values of the batch's tokens -> [T] per position of
+        this CP rank, position t holding the value of the token it predicts (0 where it predicts
+        none: a sequence's last token, padding)."""
+        out = values.new_zeros(self.total)
+        start = 0
+        for r in range(self.num_rows):
+            n = self.real[r]
+            if n > 1:
+                out[start : start + n - 1] = values[r, 1:n]
+            start += self.lengths[r]
+        return out if self.cp == 1 else out[self.local]
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-position values [T] (for the next token) -> [rows, width] aligned with the batch:
@@ -482,11 +498,15 @@ class MegatronTrainer:
         chunks: list[Any],
         forward_only: bool,
         with_entropy: bool = False,
+        terms: Callable[[int], TokenTerms] | None = None,
     ) -> None:
         """Run megatron's schedule (`get_forward_backward_func`: no pipelining, 1F1B, or interleaved
         over virtual stages) over packed micro-batches. On the last stage `on_output(i, logp,
         entropy)` gets micro-batch i's [R, L] log-probs and returns its loss (backpropagated
-        unless `forward_only`)."""
+        unless `forward_only`). With `terms` (micro-batch i -> its GRPO token terms, [R, L]) the
+        head makes the loss itself (`vocab_parallel_token_loss`: its gradients in the forward
+        pass) and on_output gets a fourth argument, (this rank's loss to backpropagate, the loss
+        over the CP group), to return the first of."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from agentrl.train.megatron.model import schedule_device_shim
@@ -507,7 +527,11 @@ class MegatronTrainer:
         cp_group = self.cp_group
         indexer_loss = bool(self.settings.dsa_indexer_loss_coeff)
 
-        def head(targets: torch.Tensor) -> Any:
+        loss_config = self.config.loss
+
+        def head(i: int, rows: PackedRows) -> Any:
+            targets = rows.targets()
+
             def fn(hidden_states: torch.Tensor, output_layer: Any, **_: Any) -> Any:
                 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -516,6 +540,20 @@ class MegatronTrainer:
                     # gather's backward must only split (not reduce-scatter) it.
                     hidden_states = gather_from_sequence_parallel_region(
                         hidden_states, tensor_parallel_output_grad=False, group=group
+                    )
+                if terms is not None:
+                    # An idle filler is a copy of micro-batch 0 with nothing to train.
+                    mine = terms(i if i < real else 0).map(rows.pack)
+                    if i >= real:
+                        mine = mine.map(torch.zeros_like)
+                    return vocab_parallel_token_loss(
+                        hidden_states[:, 0],
+                        output_layer.weight,
+                        targets,
+                        lambda lp, ent, ix: mine.loss(lp, ent, loss_config, ix),
+                        group=group,
+                        temperature=temperature,
+                        with_entropy=with_entropy,
                     )
                 return vocab_parallel_logprobs(
                     hidden_states[:, 0],
@@ -537,19 +575,30 @@ class MegatronTrainer:
                 position_ids,
                 None,
                 packed_seq_params=rows.packed_seq_params(mark_padding=indexer_loss),
-                output_processor=head(rows.targets()),
+                output_processor=head(i, rows),
             )
 
             def loss_func(output: Any) -> Any:
-                logp, ent = output
+                fused = None
+                if isinstance(output, TokenLossResult):
+                    # Each CP rank's loss is that of its own tokens; the step's is their sum.
+                    local, logp, ent = output
+                    shown = local.detach().clone()
+                    if rows.cp > 1:
+                        dist.all_reduce(shown, group=cp_group)
+                    fused = (local, shown)
+                else:
+                    logp, ent = output
                 if rows.cp > 1:  # every CP rank's tokens, in global packed order
                     logp = _GatherContextParallel.apply(logp, cp_group)[rows.gather_order]
                     if ent is not None:
                         ent = _GatherContextParallel.apply(ent, cp_group)[rows.gather_order]
                 if i >= real:  # an idle filler: no loss, no gradient
-                    loss = logp.sum() * 0
+                    loss = fused[0] if fused is not None else logp.sum() * 0
                 else:
-                    loss = on_output(i, rows.unpack(logp), rows.unpack(ent) if ent is not None else None)
+                    unpacked_ent = rows.unpack(ent) if ent is not None else None
+                    extra = () if fused is None else (fused,)
+                    loss = on_output(i, rows.unpack(logp), unpacked_ent, *extra)
                 # Three values: megatron neither divides the loss by the micro-batch count nor by a
                 # token count (calculate_per_token_loss); the loss weights already do.
                 return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
@@ -768,23 +817,58 @@ class MegatronTrainer:
         sums: dict[str, float] = {}
         losses: list[torch.Tensor] = []
 
-        def loss_of(i: int, logp: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+
+        @functools.cache
+        def made(i: int) -> tuple[TokenTerms, dict[str, torch.Tensor]]:
+            """Micro-batch i's token terms (on the last stage, which has its old log-probs)."""
             mb = batch.micro_batches[i]
             assert mb.old_logprobs is not None
-            loss, metrics = grpo_loss(
-                logp * mb.loss_mask,
+            return grpo_terms(
                 mb.old_logprobs,
                 mb.rollout_logprobs,
                 mb.advantages,
                 mb.loss_mask,
-                self.config.loss,
-                entropy=ent,
+                cfg.loss,
                 ref_logp=mb.ref_logprobs,
                 num_tokens=batch.num_loss_tokens,
                 num_seqs=batch.num_loss_seqs,
                 token_weights=mb.loss_weights,
             )
-            losses.append(loss.detach())
+
+        # The loss straight from the LM head (gradients made in its forward pass) unless the
+        # configuration asks for log-probs first ("chunked").
+        fused_head = cfg.logprob_impl != "chunked"
+
+        def loss_of(
+            i: int,
+            logp: torch.Tensor,
+            ent: torch.Tensor | None,
+            fused: tuple[torch.Tensor, torch.Tensor] | None = None,
+        ) -> torch.Tensor:
+            mb = batch.micro_batches[i]
+            assert mb.old_logprobs is not None
+            if fused is not None:
+                terms, pre = made(i)
+                loss, shown = fused
+                metrics = dict(pre)
+                metrics.update(grpo_metrics(logp * mb.loss_mask, terms, mb.loss_mask, cfg.loss, entropy=ent))
+            else:
+                loss, metrics = grpo_loss(
+                    logp * mb.loss_mask,
+                    mb.old_logprobs,
+                    mb.rollout_logprobs,
+                    mb.advantages,
+                    mb.loss_mask,
+                    cfg.loss,
+                    entropy=ent,
+                    ref_logp=mb.ref_logprobs,
+                    num_tokens=batch.num_loss_tokens,
+                    num_seqs=batch.num_loss_seqs,
+                    token_weights=mb.loss_weights,
+                )
+                shown = loss.detach()
+            losses.append(shown)
             add_loss_metrics(sums, metrics, mb.loss_mask.sum().item(), batch.num_loss_tokens)
             return loss
 
@@ -794,6 +878,7 @@ class MegatronTrainer:
             chunks=self.train_chunks,
             forward_only=False,
             with_entropy=want_entropy,
+            terms=(lambda i: made(i)[0]) if fused_head else None,
         )
         total = float(sum(float(x) for x in losses))
         # Every rank decides together (the loss lives on the last pipeline stage).
