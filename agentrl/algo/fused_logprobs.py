@@ -355,7 +355,7 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig, z_out: torch
     ha, wa, load = _operands(h, w, cfg)
     n_tiles = triton.cdiv(n, cfg.block_t) * n_vt
     store = z_out is not None
-    zp = z_out if store else pm
+    zp = z_out if z_out is not None else pm
     args = (ha, wa, y, pm, ps, pa, zy, zp, n, v, hid, h.stride(0), w.stride(0), zp.stride(0), inv_temp)
     if cfg.persistent:
         progs = min(n_tiles, _sm_count(dev))

@@ -251,10 +251,11 @@ class TokenTerms:
     def map(self, fn: Any) -> TokenTerms:
         """The same terms with `fn` applied to every tensor (e.g. a shift and a flatten)."""
         return TokenTerms(
-            *(
-                fn(t) if t is not None else None
-                for t in (self.old_logp, self.advantages, self.tis, self.weight, self.ref_logp)
-            )
+            old_logp=fn(self.old_logp),
+            advantages=fn(self.advantages),
+            tis=fn(self.tis) if self.tis is not None else None,
+            weight=fn(self.weight),
+            ref_logp=fn(self.ref_logp) if self.ref_logp is not None else None,
         )
 
     def loss(

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from agentrl.algo.losses import grpo_metrics, grpo_terms
+from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.sample import Sample
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
@@ -149,11 +149,17 @@ class TorchTrainer:
             )
             # Per-token terms in the head's order: the positions predicting tokens 1.., row by row.
             shifted = terms.map(lambda t: t[:, 1:].reshape(-1))
+
+            def token_loss(
+                lp: torch.Tensor, e: torch.Tensor | None, ix: slice, t: TokenTerms = shifted
+            ) -> torch.Tensor:
+                return t.loss(lp, e, cfg.loss, ix)
+
             with self._autocast():
                 loss, logp, ent = model_token_loss(
                     self.model,
                     mb.input_ids,
-                    lambda lp, e, ix, shifted=shifted: shifted.loss(lp, e, cfg.loss, ix),
+                    token_loss,
                     attention_mask=mb.attention_mask,
                     position_ids=mb.position_ids,
                     chunk_size=cfg.logprob_chunk_size,
