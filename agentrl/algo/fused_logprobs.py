@@ -616,6 +616,33 @@ if triton is not None:
             )  # fmt: skip
 
     @triton.jit
+    def _dz_tile(
+        zt, rt, rv, row_ok, col_ok, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, inv_temp, WITH_ENT: tl.constexpr
+    ):  # fmt: skip
+        """dL/dz / temperature (fp32) of a tile of logits zt (rows rt, vocabulary ids rv):
+        g_logp (onehot(y) - p) + g_ent p (E_p[z] - z)."""
+        lse = tl.load(lse_ptr + rt, mask=row_ok, other=0.0)
+        gl = tl.load(glp_ptr + rt, mask=row_ok, other=0.0)
+        p = tl.exp(zt - lse[:, None])
+        if WITH_ENT:
+            ez = tl.load(ez_ptr + rt, mask=row_ok, other=0.0)
+            ge = tl.load(gent_ptr + rt, mask=row_ok, other=0.0)
+            dz = p * (ge[:, None] * (ez[:, None] - zt) - gl[:, None])
+        else:
+            dz = -p * gl[:, None]
+        y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)  # a vocabulary fits int32
+        hit = (rv[None, :] == y[:, None]) & col_ok[None, :]
+        return tl.where(hit, dz + gl[:, None], dz) * inv_temp
+
+    @triton.jit
+    def _store_dz(dz, dz_ptr, lo_ptr, offs, inside, SPLIT: tl.constexpr):
+        """dz in dz_ptr's dtype; with SPLIT its rounding error in lo_ptr's (same layout)."""
+        dzc = dz.to(dz_ptr.dtype.element_ty)
+        tl.store(dz_ptr + offs, dzc, mask=inside)
+        if SPLIT:
+            tl.store(lo_ptr + offs, (dz - dzc.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
     def _dz_epilogue(
         acc, pid_t, pid_v, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, lo_ptr, T, V, stride_dz, inv_temp,
         WITH_ENT: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr, OUT_F16: tl.constexpr,
@@ -628,19 +655,9 @@ if triton is not None:
         rv = off_v + tl.arange(0, BLOCK_V)
         row_ok = rt < T
         col_ok = rv < V
-        zt = acc * inv_temp
-        lse = tl.load(lse_ptr + rt, mask=row_ok, other=0.0)
-        gl = tl.load(glp_ptr + rt, mask=row_ok, other=0.0)
-        p = tl.exp(zt - lse[:, None])
-        if WITH_ENT:
-            ez = tl.load(ez_ptr + rt, mask=row_ok, other=0.0)
-            ge = tl.load(gent_ptr + rt, mask=row_ok, other=0.0)
-            dz = p * (ge[:, None] * (ez[:, None] - zt) - gl[:, None])
-        else:
-            dz = -p * gl[:, None]
-        y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)  # a vocabulary fits int32
-        hit = (rv[None, :] == y[:, None]) & col_ok[None, :]
-        dz = tl.where(hit, dz + gl[:, None], dz) * inv_temp
+        dz = _dz_tile(
+            acc * inv_temp, rt, rv, row_ok, col_ok, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, inv_temp, WITH_ENT
+        )  # fmt: skip
         if STORE == 1:  # tensor descriptors: the bulk copy engine clips the tile at T and V
             dzc = dz.to(tl.float16 if OUT_F16 else tl.bfloat16)
             dz_ptr.store([off_t, off_v], dzc)
@@ -649,12 +666,8 @@ if triton is not None:
                     [off_t, off_v], (dz - dzc.to(tl.float32)).to(tl.float16 if OUT_F16 else tl.bfloat16)
                 )
         else:
-            dzc = dz.to(dz_ptr.dtype.element_ty)
             offs = rt[:, None].to(tl.int64) * stride_dz + rv[None, :]
-            inside = row_ok[:, None] & col_ok[None, :]
-            tl.store(dz_ptr + offs, dzc, mask=inside)
-            if SPLIT:
-                tl.store(lo_ptr + offs, (dz - dzc.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=inside)
+            _store_dz(dz, dz_ptr, lo_ptr, offs, row_ok[:, None] & col_ok[None, :], SPLIT)
 
     @triton.jit(do_not_specialize=["T", "V"])
     def _dz_kernel(
@@ -708,23 +721,12 @@ if triton is not None:
         rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         row_ok = rt < T
-        inside = row_ok[:, None] & (rv < V)[None, :]
-        offs = rt[:, None].to(tl.int64) * stride_z + rv[None, :]
+        col_ok = rv < V
+        inside = row_ok[:, None] & col_ok[None, :]
+        offs = rt[:, None].to(tl.int64) * stride_z + rv[None, :]  # lo has z's row pitch too
         zs = tl.load(z_ptr + offs, mask=inside, other=-60000.0).to(tl.float32)
         m = tl.load(pm_ptr + pid_v.to(tl.int64) * T + rt, mask=row_ok, other=0.0)
-        lse = tl.load(lse_ptr + rt, mask=row_ok, other=0.0)
-        gl = tl.load(glp_ptr + rt, mask=row_ok, other=0.0)
-        zt = zs + m[:, None]
-        p = tl.exp(zt - lse[:, None])
-        if WITH_ENT:
-            ez = tl.load(ez_ptr + rt, mask=row_ok, other=0.0)
-            ge = tl.load(gent_ptr + rt, mask=row_ok, other=0.0)
-            dz = p * (ge[:, None] * (ez[:, None] - zt) - gl[:, None])
-        else:
-            dz = -p * gl[:, None]
-        y = tl.load(y_ptr + rt, mask=row_ok, other=-1).to(tl.int32)
-        dz = tl.where(rv[None, :] == y[:, None], dz + gl[:, None], dz) * inv_temp
-        dzc = dz.to(dz_ptr.dtype.element_ty)
-        tl.store(dz_ptr + offs, dzc, mask=inside)
-        if SPLIT:  # lo has z's row pitch too
-            tl.store(lo_ptr + offs, (dz - dzc.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=inside)
+        dz = _dz_tile(
+            zs + m[:, None], rt, rv, row_ok, col_ok, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, inv_temp, WITH_ENT
+        )  # fmt: skip
+        _store_dz(dz, dz_ptr, lo_ptr, offs, inside, SPLIT)

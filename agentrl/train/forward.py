@@ -41,12 +41,8 @@ def model_logprobs(
         logp, ent = fused_logprobs(
             hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
         )
-    elif chunk_size:
-        logp, ent = chunked_logprobs(
-            hidden, weight, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
-        )
     else:
-        logp, ent = full_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
+        logp, ent = _unfused_logprobs(hidden, weight, targets, chunk_size, temperature, with_entropy)
     return _aligned(logp), (_aligned(ent) if ent is not None else None)
 
 
@@ -74,24 +70,11 @@ def model_token_loss(
     """
     hidden, weight, targets = _head_inputs(model, input_ids, attention_mask, position_ids)
     if resolve_impl(impl, hidden, weight) == "fused":
-        res = fused_token_loss(
+        loss, logp, ent = fused_token_loss(
             hidden, weight, targets, token_loss, temperature=temperature, with_entropy=with_entropy
         )
-        loss, logp, ent = res
     else:
-        if chunk_size:
-            logp, ent = chunked_logprobs(
-                hidden,
-                weight,
-                targets,
-                chunk_size=chunk_size,
-                temperature=temperature,
-                with_entropy=with_entropy,
-            )
-        else:
-            logp, ent = full_logprobs(
-                hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
-            )
+        logp, ent = _unfused_logprobs(hidden, weight, targets, chunk_size, temperature, with_entropy)
         flat_ent = ent.reshape(-1) if ent is not None else None
         loss = token_loss(logp.reshape(-1), flat_ent, slice(0, logp.numel())).sum()
         logp, ent = logp.detach(), (ent.detach() if ent is not None else None)
@@ -105,6 +88,22 @@ def resolve_impl(impl: LogprobImpl, hidden: torch.Tensor, weight: torch.Tensor) 
     if impl not in ("fused", "chunked"):
         raise ValueError(f"impl={impl!r}: choose auto, fused or chunked")
     return impl
+
+
+def _unfused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunk_size` positions at a time, or (None) all logits at once."""
+    if chunk_size:
+        return chunked_logprobs(
+            hidden, weight, targets, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy
+        )
+    return full_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
 
 
 def _head_inputs(
