@@ -172,6 +172,22 @@ def _token_grads(token_loss: TokenLoss, logp: torch.Tensor, ent: torch.Tensor | 
     )
 
 
+def _add_weight_grad(
+    acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool, fp32_acc: bool
+) -> None:
+    """acc (+)= a @ b: the first chunk's product is written (acc is uninitialised), later ones
+    added in cuBLAS's epilogue (bf16 acc: one rounding per chunk; fp32 acc: fp32 sums)."""
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+    elif first:
+        torch.mm(a, b, out_dtype=torch.float32, out=acc)
+    else:
+        _add_product_fp32(acc, a, b, fp32_acc)
+
+
 class _FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, opts):
@@ -183,7 +199,10 @@ class _FusedTokenLoss(torch.autograd.Function):
         dev = h.device
         grad_h = torch.empty(h.shape, device=dev, dtype=h.dtype) if need_h else None
         w_dtype = weight.dtype if weight.dtype in (mm, torch.float32) else torch.float32
-        grad_w = torch.zeros(weight.shape, device=dev, dtype=w_dtype) if need_w else None
+        # Zeros on the torch path (it adds every chunk) and for an empty input; the Triton path's
+        # first chunk writes its product into it.
+        fill = torch.empty if engine == "triton" and n else torch.zeros
+        grad_w = fill(weight.shape, device=dev, dtype=w_dtype) if need_w else None
         acc = torch.promote_types(mm, torch.float32)
         logp = torch.empty(n, device=dev, dtype=acc)
         ent = torch.empty(n if with_entropy else 0, device=dev, dtype=acc)
@@ -231,12 +250,9 @@ class _FusedTokenLoss(torch.autograd.Function):
                     else:
                         torch.mm(dz, w_mm, out_dtype=torch.float32, out=grad_h[c0:c1])
                 if grad_w is not None:
-                    if grad_w.dtype == mm:
-                        grad_w.addmm_(dz.t(), hc)
-                    else:
-                        _add_product_fp32(grad_w, dz.t(), hc, fp32_acc)
-                        if lo is not None:
-                            _add_product_fp32(grad_w, lo.t(), hc, fp32_acc)
+                    _add_weight_grad(grad_w, dz.t(), hc, first=c0 == 0, fp32_acc=fp32_acc)
+                    if lo is not None:
+                        _add_weight_grad(grad_w, lo.t(), hc, first=False, fp32_acc=fp32_acc)
             else:
                 gh, gw = chunk_grads(
                     hc, w_mm, y_safe, lse, ez, g_lp, g_ent, chunk_size=chunk, temperature=temperature,
