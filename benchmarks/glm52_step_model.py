@@ -32,6 +32,7 @@ class Assumptions:
     eval_every: int = 10
     eval_minutes: float = 5.0  # 89 terminal-bench-2 tasks, stop-the-world in the reference
     offload_overlap: float = 0.5  # ours: share of the disk stream hidden behind the next forward
+    engine_wait_share: float = 0.5  # share of an episode's time spent waiting for the engines
 
 
 def model(a: Assumptions) -> dict[str, float]:
@@ -51,12 +52,15 @@ def model(a: Assumptions) -> dict[str, float]:
     decode_s = a.episodes_per_step * a.generated_tokens_per_episode / (32 * a.decode_tok_s_per_gpu)
     production_s = a.episodes_per_step * a.mean_episode_minutes * 60 / a.sandbox_concurrency
     eval_s = a.eval_minutes * 60 / a.eval_every
-    ref = max(train_s + offload_s + a.weight_sync_s, production_s) + a.tail_stall_s + eval_s
+    # Both pause every engine for the weight sync: an episode waiting for a turn then waits the
+    # sync out too, holding its sandbox (with the default "abort" pause its partial turn is redone).
+    sync_stall_s = a.engine_wait_share * a.weight_sync_s
+    ref = max(train_s + offload_s + a.weight_sync_s, production_s) + a.tail_stall_s + eval_s + sync_stall_s
     # Ours: no tail stall (in-flight episodes continue across the update and land in a later batch,
     # staleness-bounded), eval episodes take their share of sandbox slots instead of a pause.
     eval_share = 89 / (a.eval_every * a.episodes_per_step)
     ours_train = train_s + offload_s * (1 - a.offload_overlap) + a.weight_sync_s
-    ours = max(ours_train, production_s * (1 + eval_share))
+    ours = max(ours_train, production_s * (1 + eval_share) + sync_stall_s)
     return {
         "train compute (s)": train_s,
         "optimizer offload I/O (s)": offload_s,
@@ -65,6 +69,7 @@ def model(a: Assumptions) -> dict[str, float]:
         "rollout production (s)": production_s,
         "reference: tail stall (s)": a.tail_stall_s,
         "reference: eval amortised (s)": eval_s,
+        "sync stall of waiting episodes (s)": sync_stall_s,
         "reference step (min)": ref / 60,
         "ours step (min)": ours / 60,
         "ours / reference": ours / ref,
@@ -91,6 +96,7 @@ def main() -> None:
         ("mean episode 8 min", {"mean_episode_minutes": 8.0}),
         ("MFU 0.15", {"mfu": 0.15}),
         ("no offload overlap", {"offload_overlap": 0.0}),
+        ("episodes never wait on a sync", {"engine_wait_share": 0.0}),
     ]:
         b = Assumptions(**{**a.__dict__, **change})
         r = model(b)
