@@ -102,11 +102,14 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
             Sample("p0", toks, prompt, [1] * n, (-torch.rand(n, generator=g) * 5).tolist(), reward=float(k))
         )
     rows = []
-    for c in (None, chunk):
+    # chunked log-probs then the loss through autograd (all logits, then `chunk` at a time), and
+    # the default on CUDA: the loss made in the LM head (`fused_token_loss`).
+    for c, impl in ((None, "chunked"), (chunk, "chunked"), (None, "auto")):
+        label = "fused loss" if impl == "auto" else str(c)
         cfg = TrainConfig(
             lr=1e-6,
             logprob_chunk_size=c,
-            logprob_impl="chunked",
+            logprob_impl=impl,
             gradient_checkpointing=True,
             max_tokens_per_micro_batch=args.seq_len,
         )
@@ -114,22 +117,22 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
         try:
             peak, sec = measure(lambda t=trainer: t.train_step(samples), args.iters)
         except torch.OutOfMemoryError:
-            rows.append({"part": "trainer", "chunk": c, "oom": True})
-            print(f"trainer    chunk={c!s:6s} OOM")
+            rows.append({"part": "trainer", "chunk": label, "oom": True})
+            print(f"trainer    chunk={label:6s} OOM")
             continue
         finally:
             del trainer
             torch.cuda.empty_cache()
         row = {
             "part": "trainer",
-            "chunk": c,
+            "chunk": c if impl == "chunked" else label,
             "peak_gib": peak / 2**30,
             "sec": sec,
             "tok_per_s": args.seq_len / sec,
         }
         rows.append(row)
         print(
-            f"trainer    chunk={c!s:6s} peak {row['peak_gib']:8.2f} GiB   {sec * 1e3:8.1f} ms   {row['tok_per_s']:10.0f} tok/s"
+            f"trainer    chunk={label:6s} peak {row['peak_gib']:8.2f} GiB   {sec * 1e3:8.1f} ms   {row['tok_per_s']:10.0f} tok/s"
         )
     return rows
 
@@ -459,6 +462,7 @@ def main() -> None:
         default="512,2048",
         help="head: fused-loss rows at these chunk sizes besides the default",
     )
+    ap.add_argument("--parts", default="head,step,step-nogc,trainer", help="model: which parts to run")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     defaults = GLM52 if args.mode == "head" else {"seq_len": 16384, "hidden": 1024, "vocab": 151552}
@@ -527,6 +531,8 @@ def main() -> None:
     rows = []
     variants = [None, *chunks]
     for part in ("head", "step", "step-nogc"):
+        if part not in args.parts.split(","):
+            continue
         if part == "step":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if part == "step-nogc":
@@ -554,16 +560,19 @@ def main() -> None:
                 f"{row['tok_per_s']:10.0f} tok/s"
             )
 
-    rows += trainer_rows(model, args, chunks[0])
+    if "trainer" in args.parts.split(","):
+        rows += trainer_rows(model, args, chunks[0])
 
     print("\nratios vs unchunked (goal: peak <= 0.125, speed >= 0.7)")
     for part in ("head", "step", "step-nogc", "trainer"):
-        base = next(r for r in rows if r["part"] == part and r["chunk"] is None)
+        base = next((r for r in rows if r["part"] == part and r["chunk"] is None), None)
+        if base is None:
+            continue
         for r in rows:
             if r["part"] != part or r["chunk"] is None or r.get("oom") or base.get("oom"):
                 continue
             print(
-                f"{part:10s} chunk={r['chunk']:<6d} peak ratio {r['peak_gib'] / base['peak_gib']:.3f}   "
+                f"{part:10s} chunk={r['chunk']!s:<10s} peak ratio {r['peak_gib'] / base['peak_gib']:.3f}   "
                 f"speed ratio {r['tok_per_s'] / base['tok_per_s']:.3f}"
             )
     if args.json:
