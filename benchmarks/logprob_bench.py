@@ -89,6 +89,7 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
     """`TorchTrainer.train_step` itself: fp32 weights + AdamW, bf16 autocast, gradient checkpointing,
     old-log-prob recompute, one group of two sequences of seq_len / 2 tokens packed in one micro-batch."""
     from agentrl.sample import Sample
+    from agentrl.train.batch import with_advantages
     from agentrl.train.config import TrainConfig
     from agentrl.train.torch_backend import TorchTrainer
 
@@ -101,6 +102,7 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
         samples.append(
             Sample("p0", toks, prompt, [1] * n, (-torch.rand(n, generator=g) * 5).tolist(), reward=float(k))
         )
+    samples = with_advantages(samples)
     rows = []
     # chunked log-probs then the loss through autograd (all logits, then `chunk` at a time), and
     # the default on CUDA: the loss made in the LM head (`fused_token_loss`).
