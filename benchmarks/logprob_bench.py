@@ -100,7 +100,15 @@ def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -
         toks = torch.randint(0, args.vocab, (half,), generator=g).tolist()
         n = half - prompt
         samples.append(
-            Sample("p0", toks, prompt, [1] * n, (-torch.rand(n, generator=g) * 5).tolist(), reward=float(k))
+            Sample(
+                "p0",
+                toks,
+                prompt,
+                [1] * n,
+                (-torch.rand(n, generator=g) * 5).tolist(),
+                reward=float(k),
+                sample_index=k,
+            )
         )
     samples = with_advantages(samples)
     rows = []
