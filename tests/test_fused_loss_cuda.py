@@ -10,7 +10,6 @@ bf16 within four times it; an fp32 weight gradient (fp32 master weights under au
 from __future__ import annotations
 
 import copy
-import os
 from unittest import mock
 
 import pytest
@@ -23,6 +22,7 @@ from agentrl.algo.losses import LossConfig
 from agentrl.train import forward
 from agentrl.train.config import TrainConfig
 from agentrl.train.torch_backend import TorchTrainer
+from tests.test_fused_logprobs import _free_port
 from tests.test_fused_logprobs_cuda import exact_fp32_matmuls, make, reference, rel  # noqa: F401
 from tests.test_train_models import make_samples, tiny_base  # noqa: F401
 
@@ -100,12 +100,19 @@ def test_a_nonlinear_loss_gets_the_gradients_of_its_fp32_reference():
     assert rel(w1.grad, dw_ref) <= 4 * floor(dw_ref)
 
 
-def test_a_vocabulary_shard_gives_the_fp32_shard_loss():
+@pytest.fixture
+def one_rank_group():
+    """A one-rank NCCL group on a free port, destroyed afterwards: nothing (no MASTER_PORT, no
+    default group) is left for the later tests' own distributed processes to collide with."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_vocabulary_shard_gives_the_fp32_shard_loss(one_rank_group):
     """One rank's shard (targets partly outside it): the Triton path against the torch path in fp32."""
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl", rank=0, world_size=1)
     h, w, y, g_lp, g_ent = make(4)
     shard = w[2000:4000].contiguous()
     out = {}

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.algo import grpo_loss, vocab_parallel_logprobs
-from agentrl.algo.fused_loss import vocab_parallel_token_loss
+from agentrl.algo.fused_loss import TokenLossResult, vocab_parallel_token_loss
 from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.overrides import ConfigError
 from agentrl.sample import Sample
@@ -580,9 +580,7 @@ class MegatronTrainer:
 
             def loss_func(output: Any) -> Any:
                 fused = None
-                # (loss, logp, entropy) from the fused head, (logp, entropy) otherwise: by length,
-                # since megatron's Float16Module rebuilds the head's output as a plain tuple.
-                if len(output) == 3:
+                if isinstance(output, TokenLossResult):
                     # Each CP rank's loss is that of its own tokens; the step's is their sum.
                     local, logp, ent = output
                     shown = local.detach().clone()
