@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("math_verify")
 
 from envs.dapo_math.answer import extract_answer, last_boxed
-from envs.dapo_math.verify import MathVerifier, judge
+from envs.dapo_math.verify import MathVerifier, VerifierUnavailable, judge
 
 # (response, extracted answer)
 EXTRACTION = [
@@ -145,6 +145,24 @@ async def test_a_hanging_parse_is_killed_at_the_limit_and_scores_as_a_counted_ti
         # The killed worker is replaced: the next check gets a verdict.
         assert (await verifier.check("\\frac{1}{2}", "0.5")).correct
         assert verifier.counts == {"correct": 2, "timeout": 1}
+    finally:
+        await verifier.aclose()
+
+
+async def test_a_worker_that_cannot_load_math_verify_is_an_infrastructure_failure(
+    tmp_path, monkeypatch
+) -> None:
+    """A broken or missing math-verify stops the check with a typed error when the worker starts;
+    no answer is scored (it used to start "ready" and score every answer as unparsed)."""
+    fake = tmp_path / "math_verify"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('math_verify is broken here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the parent's sys.path
+    verifier = MathVerifier(timeout_s=5.0, workers=1)
+    try:
+        with pytest.raises(VerifierUnavailable, match="math_verify is broken here"):
+            await verifier.check("7", "7")
+        assert not verifier.counts
     finally:
         await verifier.aclose()
 

@@ -70,6 +70,13 @@ def _serve(conn: Connection) -> None:
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    # "ready" means a check can start now: math-verify is imported and its parsers are loaded, so
+    # a worker's first check is timed like any other (not with the imports inside its limit).
+    try:
+        judge("1", "1")
+    except Exception as exc:  # math-verify missing or broken: an infrastructure failure, said once
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
     conn.send(("ready", ""))
     while True:
         try:
@@ -137,13 +144,19 @@ class MathVerifier:
         worker = _Worker(self._ctx)
         self._all.add(worker)
         try:
-            await worker.receive(self.start_timeout_s)  # "ready": math-verify imported
+            status, detail = await worker.receive(self.start_timeout_s)  # "ready": math-verify loaded
         except (TimeoutError, EOFError, OSError) as exc:
             self._discard(worker)
             raise VerifierUnavailable(
                 f"the math-verify worker did not start within {self.start_timeout_s:.0f}s ({exc!r}): "
                 "is math-verify installed? pip install 'agentrl[math]'"
             ) from exc
+        if status != "ready":
+            self._discard(worker)
+            raise VerifierUnavailable(
+                f"the math-verify worker could not check an answer ({detail}): "
+                "is math-verify installed? pip install 'agentrl[math]'"
+            )
         return worker
 
     def _discard(self, worker: _Worker) -> None:
