@@ -87,16 +87,8 @@ def aggregate(
     `num_tokens` / `num_seqs` override the denominators so that micro-batches of one optimizer step
     sum to the loss of the whole step (gradient accumulation).
     """
-    mask = mask.to(values.dtype)
-    if mode == "token_mean":
-        denom = mask.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
-        return (values * mask).sum() / denom
-    if mode == "seq_mean_token_mean":
-        n = mask.sum(-1)
-        per_seq = (values * mask).sum(-1) / n.clamp(min=1)
-        denom = (n > 0).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
-        return per_seq.sum() / denom
-    raise ValueError(f"aggregation={mode!r}: choose token_mean or seq_mean_token_mean")
+    weights = aggregation_weights(mask, mode, num_tokens=num_tokens, num_seqs=num_seqs, dtype=values.dtype)
+    return (weights * values).sum()
 
 
 def policy_loss(
@@ -219,12 +211,13 @@ def aggregation_weights(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     token_weights: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """`aggregate` as per-token weights a [B, T]: aggregate(v) = sum(a v) for every v.
     `token_weights` (computed outside, once per episode) replace the aggregation."""
-    m = mask.to(torch.float32)
+    m = mask.to(dtype)
     if token_weights is not None:
-        return token_weights.to(torch.float32) * m
+        return token_weights.to(dtype) * m
     if mode == "token_mean":
         denom = m.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
         return m / denom
@@ -274,7 +267,7 @@ class TokenTerms:
         if config.entropy_coef:
             if entropy is None:
                 raise ValueError(
-                    "entropy_coef > 0 needs the per-token entropy (compute it with_entropy=True)"
+                    "entropy_coef > 0 needs the per-token entropy (compute log-probs with_entropy=True)"
                 )
             per_token = per_token - config.entropy_coef * entropy
         return self.weight[index] * per_token
@@ -361,7 +354,5 @@ def grpo_loss(
         old_logp, rollout_logp, advantages, mask, config,
         ref_logp=ref_logp, num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights,
     )  # fmt: skip
-    if config.entropy_coef and entropy is None:
-        raise ValueError("entropy_coef > 0 needs the per-token entropy (compute log-probs with_entropy=True)")
     metrics.update(grpo_metrics(logp, terms, mask, config, entropy=entropy))
     return terms.loss(logp, entropy, config).sum(), metrics

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.algo import grpo_loss, vocab_parallel_logprobs
+from agentrl.algo import vocab_parallel_logprobs
 from agentrl.algo.fused_loss import TokenLossResult, vocab_parallel_token_loss
 from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.overrides import ConfigError
@@ -847,26 +847,13 @@ class MegatronTrainer:
             fused: tuple[torch.Tensor, torch.Tensor] | None = None,
         ) -> torch.Tensor:
             mb = batch.micro_batches[i]
-            assert mb.old_logprobs is not None
+            terms, pre = made(i)
+            logp = logp * mb.loss_mask
+            metrics = {**pre, **grpo_metrics(logp, terms, mb.loss_mask, cfg.loss, entropy=ent)}
             if fused is not None:
-                terms, pre = made(i)
                 loss, shown = fused
-                metrics = dict(pre)
-                metrics.update(grpo_metrics(logp * mb.loss_mask, terms, mb.loss_mask, cfg.loss, entropy=ent))
-            else:
-                loss, metrics = grpo_loss(
-                    logp * mb.loss_mask,
-                    mb.old_logprobs,
-                    mb.rollout_logprobs,
-                    mb.advantages,
-                    mb.loss_mask,
-                    cfg.loss,
-                    entropy=ent,
-                    ref_logp=mb.ref_logprobs,
-                    num_tokens=batch.num_loss_tokens,
-                    num_seqs=batch.num_loss_seqs,
-                    token_weights=mb.loss_weights,
-                )
+            else:  # what `grpo_loss` computes, from the terms already made
+                loss = terms.loss(logp, ent, cfg.loss).sum()
                 shown = loss.detach()
             losses.append(shown)
             add_loss_metrics(sums, metrics, mb.loss_mask.sum().item(), batch.num_loss_tokens)
