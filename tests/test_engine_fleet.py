@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from agentrl.engine.base import (  # noqa: E402
+    EngineBadRequest,
     EngineVersionMismatch,
     SamplingParams,
     TensorWeights,
@@ -144,3 +145,63 @@ async def test_flush_cache_retries_while_a_server_is_busy_then_succeeds(tiny) ->
         finally:
             await fleet.aclose()
     await engine.aclose()
+
+
+async def test_servers_set_aside_keep_their_version_and_rejoin_whole_at_the_next_push(tiny) -> None:
+    """An eval's servers (`set_aside`) serve the version they were taken at while the fleet pauses
+    and updates without them, are never routed to, and come back at the next pause: never in the
+    middle of a push (its remaining buckets alone would leave them half-updated under the new
+    version), and routed again only once an update has put them on the fleet's version."""
+    model, tok = tiny
+    engines = [LocalEngine(copy.deepcopy(model), tok) for _ in range(3)]
+    async with (
+        EngineServer(engines[0], port=0) as a,
+        EngineServer(engines[1], port=0) as b,
+        EngineServer(engines[2], port=0) as c,
+    ):
+        fleet = SGLangEngine([a.url, b.url, c.url], retries=2)
+        sessions = [f"s{i}" for i in range(48)]
+        try:
+            assert await fleet.refresh_weight_version() == 0
+            assert fleet.can_set_aside(2) and not fleet.can_set_aside(3) and not fleet.can_set_aside(0)
+            aside = await fleet.set_aside(1)
+            assert aside.base_urls == [c.url] and aside.weight_version == 0
+            assert not fleet.can_set_aside(2)  # one must stay
+            assert {fleet.worker_for(s) for s in sessions} == {a.url, b.url}
+
+            await fleet.pause("in_place")
+            assert [e.paused for e in engines] == [True, True, False]
+            await fleet.update_weights(_head(model, 2.0), weight_version=1)
+            await fleet.resume()
+            assert [e.weight_version for e in engines] == [1, 1, 0]
+            assert await fleet.weight_versions() == {a.url: 1, b.url: 1}
+            gen = await aside.generate(
+                [1, 2, 3], SamplingParams(max_new_tokens=2, seed=0), session_id="eval-0"
+            )
+            assert gen.weight_version == 0 and not gen.version_mismatch
+
+            # Given back in the middle of a two-bucket push: the push's last bucket skips it.
+            await fleet.pause("in_place")
+            await fleet.update_weights(_head(model, 3.0), weight_version=2)
+            await fleet.rejoin(aside)
+            await fleet.update_weights(_head(model, 3.0), weight_version=2)
+            await fleet.resume()
+            assert [e.weight_version for e in engines] == [2, 2, 0]
+            assert c.url not in {fleet.worker_for(s) for s in sessions}
+
+            # The next push reaches it whole; then it is routed to again.
+            await fleet.pause("abort")
+            assert [e.paused for e in engines] == [True, True, True]
+            await fleet.flush_cache()
+            await fleet.update_weights(_head(model, 4.0), weight_version=3)
+            await fleet.resume()
+            assert [e.weight_version for e in engines] == [3, 3, 3]
+            assert torch.equal(engines[2].model.lm_head.weight, engines[0].model.lm_head.weight)
+            assert {fleet.worker_for(s) for s in sessions} == {a.url, b.url, c.url}
+
+            with pytest.raises(EngineBadRequest, match="not set aside"):
+                await fleet.rejoin(SGLangEngine([a.url]))
+        finally:
+            await fleet.aclose()
+    for e in engines:
+        await e.aclose()

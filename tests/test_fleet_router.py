@@ -339,3 +339,55 @@ async def _session_served_by(fleet: Any, version: int, tries: int = 64) -> str:
         if gen.weight_version == version:
             return f"probe-{i}"
     raise AssertionError(f"no routing key reached a worker on version {version}")
+
+
+@pytest.mark.skipif(_smg() is None, reason="smg (the SGLang router, `pip install smg`) is not installed")
+async def test_a_worker_set_aside_leaves_the_router_and_is_admitted_again_once_caught_up(
+    tmp_path: Path,
+) -> None:
+    """An eval's worker (`set_aside`) is taken off the real router, so no routing key reaches it
+    while the fleet moves to new weights without it; given back, it is registered with the router
+    again only after the next push has put it on the fleet's version."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine.base import SamplingParams
+    from agentrl.engine.sglang import SGLangEngine
+    from agentrl.models.tiny import tiny_model_dir
+    from agentrl.train.config import TrainConfig
+    from agentrl.train.torch_backend import TorchTrainer
+    from agentrl.train.weight_sync import TensorTransport
+
+    model_dir = Path(tiny_model_dir())
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = TorchTrainer(policy, TrainConfig(logprob_chunk_size=None), device="cpu")
+    async with fleet_behind_router(model_dir) as (workers, router_url):
+        a, b = workers
+        fleet = SGLangEngine(router_url=router_url, worker_urls=[a.url, b.url], retries=3)
+        tensor = TensorTransport([fleet])
+
+        async def push(version: int) -> None:
+            await fleet.pause("in_place")
+            await tensor.push(trainer.export_weights(bucket_bytes=256 * 1024), version=version)
+            await fleet.resume()
+
+        try:
+            assert await fleet.refresh_weight_version() == 0
+            aside = await fleet.set_aside(1)
+            assert aside.base_urls == [b.url]
+            assert set(await fleet.routed_workers()) == {a.url}
+            await push(1)
+            assert await fleet.weight_versions() == {a.url: 1}
+            for i in range(12):  # every routing key now lands on a, at version 1
+                gen = await fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1), session_id=f"k{i}")
+                assert gen.weight_version == 1 and not gen.version_mismatch
+            gen = await aside.generate([1, 2, 3], SamplingParams(max_new_tokens=1), session_id="eval")
+            assert gen.weight_version == 0
+
+            await fleet.rejoin(aside)
+            assert set(await fleet.routed_workers()) == {a.url}  # behind: not routed before a push
+            await push(2)
+            assert await fleet.weight_versions() == {a.url: 2, b.url: 2}
+            assert set(await fleet.routed_workers()) == {a.url, b.url}
+            assert await _routes_to(fleet, 2)
+        finally:
+            await fleet.aclose()

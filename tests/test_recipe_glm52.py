@@ -139,7 +139,24 @@ def test_the_16_node_tbench2_plan_is_the_reference_layout() -> None:
         router and "--policy consistent_hashing" in router.group(0) and router.group(0).count("http://") == 8
     )
     assert "optimizer state (offloaded)                     0.0" in out
-    assert "trainer.loss.eps_clip_high=0.28" in out and "trainer.loss.tis_clip_low=0.5" in out
+    # The reference run script's settings: TIS with no lower clip, 8 tasks x 8 samples per step,
+    # 128 episodes in flight, 30 turns, in_place pauses, an eval of held-out tasks every 10 steps.
+    assert "trainer.loss.eps_clip_high=0.28" in out and "trainer.loss.tis_clip_low=0.0" in out
+    for setting in (
+        "steps=100",
+        "rollout.batch_size=64",
+        "rollout.n_samples_per_prompt=8",
+        "rollout.max_in_flight=128",
+        "sampling.temperature=0.8",
+        "env.agent.max_turns=30",
+        "env.agent.max_total_tokens=65536",
+        "env.agent.wall_clock_s=3600",
+        "sync.pause_mode=in_place",
+        "eval.every=10",
+        "eval.samples_per_row=2",
+        "env.eval_tasks=/shared/glm52/data/tbench2-eval",
+    ):
+        assert f"--set {setting} " in out, setting
 
 
 def test_engine_auth_is_on_by_default_and_off_with_its_flag() -> None:
@@ -205,3 +222,9 @@ def test_prepare_dry_run_lists_its_steps() -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_the_math_recipe_keeps_the_math_algorithm_and_no_terminal_settings() -> None:
+    out = dry_run("dapo_math", "--num-nodes 16").stdout
+    assert "--set trainer.loss.tis_clip_low=0.5 " in out and "--set trainer.loss.tis_clip=2.0 " in out
+    assert "rollout.max_in_flight" not in out and "env.agent" not in out

@@ -102,3 +102,94 @@ async def test_a_resumed_run_that_is_already_done_does_nothing(tmp_path: Path) -
     finally:
         await close_parts(parts)
     assert result.steps == 1 and result.metrics == []
+
+
+async def test_an_eval_on_servers_set_aside_runs_while_training_goes_on(tmp_path: Path) -> None:
+    """eval.mode=auto with a fleet of three servers: the eval of step 2 takes one server out at
+    version 2 and cannot finish before step 4 has trained (its turns wait for that), so training
+    and its weight pushes went on beside it; every turn of the eval ran on version 2; the server
+    is given back after it, and the evals are recorded in order."""
+    import asyncio
+    import copy
+
+    from agentrl.engine.local import LocalEngine
+    from agentrl.engine.server import EngineServer
+    from agentrl.models.tiny import load_tiny, tiny_model_dir
+
+    model_dir = Path(tiny_model_dir())
+    model, tok = load_tiny()
+    engines = [LocalEngine(copy.deepcopy(model), tok) for _ in range(3)]
+    step4 = asyncio.Event()
+    seen: list[int] = []  # the version the aside server had at each eval turn
+    real = engines[2].generate
+
+    active = 0  # turns running on the third server before the eval's
+    idle = asyncio.Event()
+    idle.set()
+    gate = False
+
+    async def turn(*args, **kw):  # type: ignore[no-untyped-def]
+        nonlocal active
+        if gate:  # an eval turn: it cannot end before step 4 has trained
+            seen.append(engines[2].weight_version)
+            await asyncio.wait_for(step4.wait(), 120)
+            return await real(*args, **kw)
+        active += 1
+        idle.clear()
+        try:
+            return await real(*args, **kw)
+        finally:
+            active -= 1
+            if not active:
+                idle.set()
+
+    engines[2].generate = turn  # type: ignore[method-assign]
+    lines: list[str] = []
+
+    def reporter(text: str) -> None:
+        lines.append(text)
+        if text.startswith("step 4:"):
+            step4.set()
+
+    async with (
+        EngineServer(engines[0], port=0) as a,
+        EngineServer(engines[1], port=0) as b,
+        EngineServer(engines[2], port=0) as c,
+    ):
+        cfg = config(
+            tmp_path,
+            model_dir,
+            "steps=4",
+            "engine.kind=sglang",
+            f'engine.urls=["{a.url}","{b.url}","{c.url}"]',
+            "sync.transport=tensor",
+            "eval.before=false",
+            "eval.every=2",
+        )
+        parts = build_parts(cfg)
+        alternate_rewards(parts)
+        set_aside = parts.engine.set_aside
+
+        async def set_aside_then_gate(n: int):  # type: ignore[no-untyped-def]
+            nonlocal gate
+            client = await set_aside(n)
+            assert client.base_urls == [c.url]
+            await idle.wait()  # training turns sent before it left finish there, on version 2
+            gate = True
+            return client
+
+        parts.engine.set_aside = set_aside_then_gate  # type: ignore[method-assign]
+        try:
+            result = await train(cfg, parts, reporter=reporter)
+        finally:
+            await close_parts(parts)
+    for e in engines:
+        await e.aclose()
+    assert [e["label"] for e in result.evals] == ["step-2", "after"]
+    aside, after = result.evals
+    assert aside["mode"] == "aside" and aside["weight_version"] == 2 and after["weight_version"] == 4
+    assert seen and set(seen) == {2}
+    order = [line.split(":")[0] for line in lines if line.startswith(("step ", "eval step-2"))]
+    assert order.index("step 4") < order.index("eval step-2 (step 2)")
+    assert [e.weight_version for e in engines] == [4, 4, 2]  # given back after the last push
+    assert json.loads((cfg.out_dir / "evals.json").read_text()) == result.evals

@@ -100,6 +100,7 @@ def local_run_overrides(plan: ClusterPlan, settings: LocalSettings) -> list[str]
         "checkpoint.every=1",
         "eval.before=false",
         "eval.after=false",
+        "eval.every=0",
         "rollout.n_samples_per_prompt=2",
         "rollout.batch_size=4",
         "rollout.max_in_flight=4",
@@ -116,6 +117,7 @@ def local_run_overrides(plan: ClusterPlan, settings: LocalSettings) -> list[str]
         local += [
             "env.backend=podman",
             f"env.tasks={BUNDLED_TASKS}",
+            f"env.eval_tasks={BUNDLED_TASKS}",
             "env.max_solution_chars=64",
             "env.action_format=fenced-bash",
             "env.max_agent_timeout_s=60",

@@ -47,6 +47,31 @@ ALGORITHM: dict[str, Any] = {
     "trainer.loss.tis_clip": 2.0,
     "trainer.logprob_chunk_size": 16384,
 }
+# The terminal-bench-2 run's rollout and eval settings, as the reference run script sets them
+# (radixark/miles examples/experimental/openenv/glm52_tbench2/run_glm5_2_744b_a40b_daytona.py):
+# 100 rollout steps of 8 tasks x 8 samples (global batch 64: one optimizer step per rollout step),
+# 128 episodes in flight (each with its own sandbox), no staleness bound, temperature 0.8, 30 turns
+# of up to 8,192 new tokens in a 65,536-token session and 3,600 s of wall clock (a policy outcome:
+# the episode is verified as it stands), TIS with no lower clip, the in_place pause for weight
+# updates, and an eval every 10 steps of 2 samples per held-out task.
+TBENCH2_RUN: dict[str, Any] = {
+    "steps": 100,
+    "rollout.batch_size": 64,
+    "rollout.n_samples_per_prompt": 8,
+    "rollout.max_in_flight": 128,
+    "rollout.max_staleness": None,
+    "rollout.episode_timeout_s": 3600 + 900,  # the agent's 3,600 s, then setup and the verifier
+    "sampling.temperature": 0.8,
+    "env.agent.max_turns": 30,
+    "env.agent.max_new_tokens": 8192,
+    "env.agent.max_total_tokens": 65536,
+    "env.agent.wall_clock_s": 3600,
+    "trainer.loss.tis_clip_low": 0.0,
+    "sync.pause_mode": "in_place",
+    "eval.every": 10,
+    "eval.samples_per_row": 2,
+    "eval.concurrency": 40,
+}
 SGLANG_ENV = {"SGLANG_NSA_FORCE_MLA": "1", "INDEXER_ROPE_NEOX_STYLE": "0", "NVSHMEM_DISABLE_NCCL": "1"}
 TRAINER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -387,6 +412,8 @@ def _run_overrides(
     }
     if o.recipe == "tbench2":
         sets.update({"env.name": "tbench2", "env.backend": "daytona", "env.tasks": f"{o.root}/data/tbench2"})
+        sets["env.eval_tasks"] = f"{o.root}/data/tbench2-eval"  # held-out tasks, disjoint from env.tasks
+        sets.update(TBENCH2_RUN)
     else:
         sets.update({"env.name": "dapo_math"})
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sets.items()]

@@ -195,6 +195,22 @@ class Engine(abc.ABC):
     async def health(self) -> bool:
         return True
 
+    def can_set_aside(self, n: int) -> bool:
+        """Whether `set_aside(n)` can take n servers out and leave at least one serving."""
+        return False
+
+    async def set_aside(self, n: int) -> Engine:
+        """Take `n` servers out of this engine for a task at the current weight version (an eval
+        that must not stop training): they leave routing and every later control call (pause,
+        weight updates) until `rejoin`. Returns an engine over those servers alone."""
+        raise self._unsupported("setting servers aside")
+
+    async def rejoin(self, aside: Engine) -> None:
+        """Give back servers `set_aside` took: they return at the next `pause` (so a weight push,
+        which always runs between pause and resume, reaches them whole) and are routed to again
+        once an update has put them on this engine's version."""
+        raise self._unsupported("setting servers aside")
+
     async def aclose(self) -> None:  # noqa: B027
         """Release connections."""
 

@@ -171,6 +171,23 @@ class SGLangEngine(Engine):
         self._weight_version = 0
         self.dead_workers: dict[str, str] = {}  # url -> why it was counted dead
         self.version_mismatches = 0
+        # Servers set aside (`set_aside`): out of routing and of every control call. Given back,
+        # they are "returning" until the next pause, then "behind" until an update confirms the
+        # fleet's version on them; neither is routed to.
+        self._aside: set[str] = set()
+        self._returning: set[str] = set()
+        self._behind: set[str] = set()
+        self._client_kwargs: dict[str, Any] = dict(
+            request_timeout_s=request_timeout_s,
+            control_timeout_s=control_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            retries=retries,
+            api_key_env=api_key_env,
+            api_key_file=api_key_file,
+            extra_sampling=extra_sampling,
+            on_version_mismatch=on_version_mismatch,
+            flush_wait_s=flush_wait_s,
+        )
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -207,7 +224,8 @@ class SGLangEngine(Engine):
         walking on past workers counted dead (as the router skips unhealthy ones)."""
         if self.router_url:
             return self.router_url
-        live = [u for u in self.base_urls if u not in self.dead_workers] or self.base_urls
+        out = self.dead_workers.keys() | self._not_routed()
+        live = [u for u in self.base_urls if u not in out] or self.base_urls
         if session_id is None:
             return live[next(self._rr) % len(live)]
         i = bisect.bisect_left(self._ring_keys, _ring_hash(session_id))
@@ -411,10 +429,14 @@ class SGLangEngine(Engine):
 
     # --- control plane -------------------------------------------------------------------------
 
+    def _not_routed(self) -> set[str]:
+        return self._aside | self._returning | self._behind
+
     async def worker_urls(self) -> list[str]:
-        """The workers behind this client (asked of the router when not given)."""
+        """The workers behind this client (asked of the router when not given), less those set
+        aside and not yet returned (`set_aside`, `rejoin`)."""
         if self._workers:
-            return list(self._workers)
+            return [u for u in self._workers if u not in self._aside and u not in self._returning]
         assert self.router_url is not None
         status, body = await self._request("GET", f"{self.router_url}/workers")
         if status == 200 and isinstance(body, dict) and "workers" in body:
@@ -480,6 +502,10 @@ class SGLangEngine(Engine):
         returned (with finish_reason abort); "in_place" / "retract" hold them until `resume`."""
         if mode not in PAUSE_MODES:
             raise EngineBadRequest(f"pause mode {mode!r}: use one of {PAUSE_MODES}")
+        if self._returning:  # servers back from `set_aside` join the control plane here
+            log.info("SGLang workers %s rejoin the fleet's control plane", sorted(self._returning))
+            self._behind |= self._returning
+            self._returning.clear()
         await self._fan_out("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
@@ -560,6 +586,7 @@ class SGLangEngine(Engine):
         only = tuple(update.members) if isinstance(update, DistributedWeights) else ()
         updated = await self._fan_out("POST", path, body, timeout_s=timeout_s, check_success=True, only=only)
         await self._confirm_version(int(weight_version), list(updated))
+        self._behind -= set(updated)  # on the fleet's version again: routed to (direct mode)
         if int(weight_version) != before:  # a whole new version is in: servers that caught up rejoin
             try:
                 await self.admit_workers()
@@ -677,7 +704,11 @@ class SGLangEngine(Engine):
         if not (self.router_url and self._workers):
             return []
         routed = await self.routed_workers()
-        missing = [u for u in self._workers if u not in routed and u not in self.dead_workers]
+        missing = [
+            u
+            for u in self._workers
+            if u not in routed and u not in self.dead_workers and u not in self._aside | self._returning
+        ]
         if not missing:
             return []
         versions = await self.weight_versions()
@@ -694,6 +725,84 @@ class SGLangEngine(Engine):
                 self._weight_version,
             )
         return ready
+
+    def _serving(self) -> list[str]:
+        out = self.dead_workers.keys() | self._not_routed()
+        return [u for u in self._workers if u not in out]
+
+    def can_set_aside(self, n: int) -> bool:
+        """A fixed worker list (`base_urls`, or `worker_urls` with a router) in which at least one
+        routed worker stays once `n` are taken out."""
+        return n >= 1 and len(self._serving()) > n
+
+    async def set_aside(self, n: int) -> SGLangEngine:
+        """Take the last `n` routed workers out of the fleet for a task pinned to the current
+        weight version (an eval while training goes on): they leave the router (`DELETE
+        /workers/{id}`; in direct mode the ring), and pause, flush, weight updates and version
+        reads skip them until `rejoin`. A request already running on one of them finishes there,
+        on the version it was sent under. Returns a direct client over them alone, at this
+        fleet's version (the servers are checked to report it)."""
+        if not self.can_set_aside(n):
+            raise EngineBadRequest(
+                f"cannot set {n} SGLang worker(s) aside: {len(self._serving())} routed worker(s) "
+                f"({'a fixed worker list is needed' if not self._workers else 'at least one must stay'})"
+            )
+        picked = self._serving()[-n:]
+        self._aside |= set(picked)  # no new turn is sent to them from here on
+        client = SGLangEngine(picked, **self._client_kwargs)
+        try:
+            versions = await client.weight_versions()
+            off = {u: versions.get(u) for u in picked if versions.get(u) != self._weight_version}
+            if off:
+                raise EngineVersionMismatch(
+                    f"workers to set aside are not on the fleet's weight version {self._weight_version}: {off}"
+                )
+            if self.router_url:
+                for url in picked:
+                    await self._leave_router(url)
+        except BaseException:
+            self._aside -= set(picked)
+            await client.aclose()
+            raise
+        log.info("SGLang workers %s set aside at weight version %d", picked, self._weight_version)
+        client.weight_version = self._weight_version
+        return client
+
+    async def rejoin(self, aside: Engine) -> None:
+        """Give back the workers of a client `set_aside` returned (and close it). They rejoin the
+        control plane at the next `pause` (a weight push runs between pause and resume, so they
+        get all of it, never its last buckets alone) and routing once an update has confirmed
+        the fleet's version on them (`admit_workers` through a router)."""
+        urls = set(getattr(aside, "base_urls", ()))
+        if not urls or not urls <= self._aside:
+            raise EngineBadRequest(f"rejoin: {sorted(urls)} were not set aside by this fleet")
+        await aside.aclose()
+        self._aside -= urls
+        self._returning |= urls
+        log.info("SGLang workers %s given back; they rejoin at the next weight update", sorted(urls))
+
+    async def _leave_router(self, url: str) -> None:
+        """`DELETE /workers/{id}` on the router, then wait until it lists `url` no more."""
+        assert self.router_url is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.control_timeout_s
+        asked = False
+        while True:
+            routed = await self.routed_workers()
+            if url not in routed:
+                return
+            if not asked:
+                status, reply = await self._request("DELETE", f"{self.router_url}/workers/{routed[url]}")
+                if status not in (200, 202, 204, 404):
+                    self._raise_for(status, reply, f"router DELETE /workers {url}")
+                asked = True
+            if loop.time() >= deadline:
+                raise EngineError(
+                    f"the router {self.router_url} still routes to {url} {self.control_timeout_s:.0f} s "
+                    "after DELETE /workers",
+                    cause="engine_control",
+                )
+            await asyncio.sleep(0.2)
 
     async def model_info(self) -> dict[str, dict[str, Any]]:
         """`/model_info` of every live worker, by URL (falls back to the deprecated

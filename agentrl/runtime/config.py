@@ -105,6 +105,16 @@ class EvalSettings(_Section):
     before: bool = True
     after: bool = True
     every: int = Field(0, ge=0, description="Also every N steps (0: never in between).")
+    mode: Literal["auto", "aside", "pause"] = Field(
+        "auto",
+        description=(
+            "Evals in between: 'aside' runs them on `aside_servers` engine servers taken out of the "
+            "fleet at that step's weights while training goes on (needs a fleet of more servers); "
+            "'pause' stops admitting training episodes and training until the eval is done; 'auto' "
+            "sets aside where the engine can, else pauses."
+        ),
+    )
+    aside_servers: int = Field(1, ge=1, description="mode aside: servers the eval takes out of the fleet.")
     samples_per_row: int = Field(16, ge=1)
     ks: list[int] = Field(default_factory=lambda: [1])
     concurrency: int = Field(4, ge=1)

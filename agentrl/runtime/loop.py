@@ -3,7 +3,8 @@
     rollout manager (episodes from the environment's runner, staleness-bounded admission)
       -> buffer -> advantages once per episode -> trainer.train_step
       -> weight sync (trainer.export_weights x transport, inside the manager's pause/resume)
-      -> eval (shared evaluator, fixed seeds) -> checkpoint (trainer + rollout position) -> metrics
+      -> eval (shared evaluator, fixed seeds; on servers set aside while training goes on, or with
+         admission closed) -> checkpoint (trainer + rollout position) -> metrics
 
 The loop knows no environment, engine or trainer backend: it gets them built (`RunParts`,
 `agentrl.runtime.build.build_parts` builds them from a `RunConfig`).
@@ -21,14 +22,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from agentrl.dashboard.sinks import open_sinks
-from agentrl.engine.base import Engine
+from agentrl.engine.base import Engine, EngineVersionMismatch
 from agentrl.environments import Environment
 from agentrl.evaluation import EvalSummary, evaluate
+from agentrl.overrides import ConfigError
 from agentrl.progress import progress_bar
 from agentrl.rollout.manager import RolloutManager
 from agentrl.rollout.metrics import MetricsTracker, StepMetrics
@@ -74,10 +76,17 @@ def _report(reporter: Callable[[str], None] | None, text: str) -> None:
 
 
 async def run_eval(
-    cfg: RunConfig, parts: RunParts, *, label: str, step: int, reporter: Callable[[str], None] | None = None
+    cfg: RunConfig,
+    parts: RunParts,
+    *,
+    label: str,
+    step: int,
+    reporter: Callable[[str], None] | None = None,
+    engine: Engine | None = None,
 ) -> dict[str, Any]:
-    """pass@k of the engine's current weights on the environment's eval rows."""
-    runner = parts.env.runner(parts.engine, run_id=f"eval-{label}", record_dir=None)
+    """pass@k of the engine's current weights (or `engine`'s) on the environment's eval rows."""
+    engine = engine or parts.engine
+    runner = parts.env.runner(engine, run_id=f"eval-{label}", record_dir=None)
     rows = parts.env.rows("eval")
     with progress_bar(f"eval {label}", total=len(rows) * cfg.eval.samples_per_row) as bar:
         summary: EvalSummary = await evaluate(
@@ -93,12 +102,106 @@ async def run_eval(
             label=label,
             on_done=bar.advance,
         )
-    result = {**summary.to_dict(), "step": step, "weight_version": parts.engine.weight_version}
+    result = {**summary.to_dict(), "step": step, "weight_version": engine.weight_version}
     _report(
         reporter,
         f"eval {label} (step {step}): " + ", ".join(f"pass@{k} {summary.pass_at(k):.3f}" for k in summary.ks),
     )
     return result
+
+
+def eval_mode(cfg: RunConfig, engine: Engine) -> Literal["aside", "pause"]:
+    """How the evals between steps run (`eval.mode`); raises `ConfigError` when "aside" is asked
+    of an engine that cannot set servers aside."""
+    if cfg.eval.mode == "pause":
+        return "pause"
+    if engine.can_set_aside(cfg.eval.aside_servers):
+        return "aside"
+    if cfg.eval.mode == "aside":
+        raise ConfigError(
+            f"eval.mode=aside takes {cfg.eval.aside_servers} server(s) out of the engine fleet for each eval "
+            f"and needs at least one more to train on; {type(engine).__name__} cannot (an SGLang fleet "
+            "with a fixed worker list can: engine.kind=sglang with engine.urls). Set eval.mode=pause or "
+            "eval.aside_servers lower."
+        )
+    return "pause"
+
+
+class AsideEvals:
+    """Evals on servers set aside while training goes on (`eval.mode` "aside"), one at a time.
+
+    `start` takes `eval.aside_servers` servers out of the fleet at the current weight version
+    (`Engine.set_aside`) and runs the eval on them in the background; training, its weight
+    pushes and its rollouts go on with the other servers. When the eval ends its servers are
+    checked to still serve that version (else the eval is void: `EngineVersionMismatch`) and given
+    back (`Engine.rejoin`); the next weight push puts them on the fleet's version before they are
+    routed to again. A result (or the eval's error) is taken up by `collect` after the step that
+    sees it done, or by `wait`; an eval that is due while the last one still runs waits for it."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        parts: RunParts,
+        evals: list[dict[str, Any]],
+        evals_path: Path,
+        reporter: Callable[[str], None] | None,
+    ) -> None:
+        self.cfg, self.parts, self.evals, self.evals_path, self.reporter = (
+            cfg,
+            parts,
+            evals,
+            evals_path,
+            reporter,
+        )
+        self.task: asyncio.Task[dict[str, Any]] | None = None
+
+    async def start(self, label: str, step: int) -> None:
+        await self.wait()
+        engine = await self.parts.engine.set_aside(self.cfg.eval.aside_servers)
+        self.task = asyncio.create_task(self._run(engine, label, step), name=f"eval-{label}")
+
+    async def _run(self, engine: Engine, label: str, step: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        try:
+            result = await run_eval(
+                self.cfg, self.parts, label=label, step=step, reporter=self.reporter, engine=engine
+            )
+            versions = await engine.weight_versions()
+            if any(v != engine.weight_version for v in versions.values()):
+                raise EngineVersionMismatch(
+                    f"eval {label}: the servers set aside at weight version {engine.weight_version} report "
+                    f"{versions}; weights changed under the eval, so it is void"
+                )
+            return {**result, "mode": "aside", "seconds": round(time.monotonic() - t0, 3)}
+        finally:
+            await self.parts.engine.rejoin(engine)
+
+    def _record(self, result: dict[str, Any]) -> None:
+        self.evals.append(result)
+        self.evals_path.write_text(json.dumps(self.evals, indent=1))
+
+    def collect(self) -> None:
+        """Take up a finished eval (re-raising its error); never waits."""
+        if self.task is not None and self.task.done():
+            task, self.task = self.task, None
+            self._record(task.result())
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            if not self.task.done():
+                _report(
+                    self.reporter,
+                    f"waiting for {self.task.get_name()} (still running on the servers set aside)",
+                )
+            task, self.task = self.task, None
+            self._record(await task)
+
+    async def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+            self.task = None
 
 
 async def sync_weights(
@@ -179,6 +282,9 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
         metrics_path.unlink(missing_ok=True)
     if start_step >= cfg.steps:
         return RunResult(start_step, evals, [], out, time.monotonic() - t0)
+    mode = eval_mode(cfg, parts.engine) if cfg.eval.every else "pause"
+    if cfg.eval.before or cfg.eval.after or cfg.eval.every:
+        parts.env.rows("eval")  # a missing or empty eval set fails now, not at the first eval
     sinks = open_sinks(cfg.sinks, out, cfg.dump())
     parts.closers.append(sinks.close)  # close_parts closes them, also when the run fails
 
@@ -191,7 +297,9 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
     if rollout_state is not None:
         manager.load_state_dict(rollout_state)
     step = start_step
-    async with manager:
+    aside = AsideEvals(cfg, parts, evals, evals_path, reporter)
+    async with manager, contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(aside.cancel)  # a run that fails leaves no eval running
         tracker = MetricsTracker(manager, metrics_path)
         with progress_bar("train", total=cfg.steps) as bar:
             bar.advance(start_step)
@@ -209,6 +317,7 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
                     consumed_at_version=consumed_at,
                     extra={"trainer": stats, "version": version},
                 )
+                aside.collect()
                 sinks.log(evals, step=step, metrics=m)
                 prune_records(record_dir, cfg.records_keep)
                 bar.advance(note=f"reward {m.reward_mean:.3f}, pass {m.pass_rate:.2f}")
@@ -224,11 +333,15 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
                         ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()}
                     )
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                    async with manager.paused():
-                        evals.append(
-                            await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter)
-                        )
-                    evals_path.write_text(json.dumps(evals, indent=1))
+                    if mode == "aside":
+                        await aside.start(f"step-{step}", step)
+                    else:
+                        async with manager.paused():
+                            evals.append(
+                                await run_eval(cfg, parts, label=f"step-{step}", step=step, reporter=reporter)
+                            )
+                        evals_path.write_text(json.dumps(evals, indent=1))
+            await aside.wait()
         parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
         history = tracker.history
     if cfg.eval.after:

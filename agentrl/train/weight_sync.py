@@ -293,6 +293,9 @@ class DistributedTransport(Transport):
         self._store: Any = None
         self._formed = 0  # groups formed so far
         self._members: list[set[str]] = []  # per engine: the servers in the group
+        # The group each server last joined: a server that was out of a re-formed group (set
+        # aside for an eval) still holds its old one when it comes back.
+        self._held: dict[str, str] = {}
 
     async def _live(self) -> list[dict[str, int]]:
         """Per engine, {server URL: weight version} of the servers that answer now."""
@@ -332,8 +335,11 @@ class DistributedTransport(Transport):
                     rank += sizes[url]
             offsets.append(mine)
         world_size = rank
-        for e in self.engines:  # the group being replaced, and a stale one under the new name
-            for old in {previous, name} - {None}:
+        # The group being replaced, a stale one under the new name, and any older group a
+        # returning server still holds.
+        held = {self._held[u] for now in live for u in now if u in self._held}
+        for e in self.engines:
+            for old in sorted(({previous, name} | held) - {None}):
                 await e.destroy_weights_update_group(old)  # type: ignore[attr-defined]
 
         def join() -> Any:
@@ -374,6 +380,7 @@ class DistributedTransport(Transport):
         self._group = group
         self.group_name = name
         self._members = [set(off) for off in offsets]
+        self._held.update({u: name for off in offsets for u in off})
 
     def _drop_group(self) -> None:
         if self._group is not None:
