@@ -193,3 +193,24 @@ async def test_an_eval_on_servers_set_aside_runs_while_training_goes_on(tmp_path
     assert order.index("step 4") < order.index("eval step-2 (step 2)")
     assert [e.weight_version for e in engines] == [4, 4, 2]  # given back after the last push
     assert json.loads((cfg.out_dir / "evals.json").read_text()) == result.evals
+
+
+async def test_an_eval_that_cannot_run_fails_the_run_before_its_first_step(tmp_path: Path) -> None:
+    from agentrl.errors import AgentRLError
+    from agentrl.models.tiny import tiny_model_dir
+    from agentrl.overrides import ConfigError
+
+    model = Path(tiny_model_dir())
+    cases = [
+        (("eval.every=1", "eval.mode=aside"), ConfigError, "eval.mode=pause"),  # one local engine
+        (("eval.every=1", f"env.eval_tasks={tmp_path / 'missing'}"), AgentRLError, "does not exist"),
+    ]
+    for overrides, error, message in cases:
+        cfg = config(tmp_path, model, "eval.before=false", *overrides)
+        parts = build_parts(cfg)
+        try:
+            with pytest.raises(error, match=message):
+                await train(cfg, parts)
+        finally:
+            await close_parts(parts)
+        assert not (cfg.out_dir / "metrics.jsonl").exists()

@@ -322,3 +322,41 @@ async def test_a_resumed_fleet_takes_the_newest_version_and_a_fresh_one_refuses_
             await fleet.aclose()
     for e in engines:
         await e.aclose()
+
+
+async def test_a_server_set_aside_leaves_the_group_and_comes_back_without_its_old_one(tiny) -> None:
+    """A server set aside for an eval is left out of the group formed at the next push (it keeps
+    its weights and version); given back, the push after the next pause forms the group with it
+    again, destroys the group it still held and gives it the whole model."""
+    model, tok = tiny
+    engines = [LocalEngine(copy.deepcopy(model), tok) for _ in range(2)]
+    async with EngineServer(engines[0], port=0) as a, EngineServer(engines[1], port=0) as b:
+        fleet = SGLangEngine([a.url, b.url], retries=2)
+        transport = DistributedTransport([fleet], master_port=free_port(), backend="gloo", timeout=120)
+
+        async def push(version: int) -> Any:
+            new = trained(model, seed=version)
+            await fleet.pause("in_place")
+            await transport.push(buckets(new, 256 * 1024), version=version)
+            await fleet.resume()
+            return new
+
+        try:
+            await push(1)
+            assert list(a._groups) == ["weight_update_group"] == list(b._groups)
+            aside = await fleet.set_aside(1)
+            await push(2)
+            assert transport.group_name == "weight_update_group-2" and list(a._groups) == [transport.group_name]
+            assert list(b._groups) == ["weight_update_group"] and engines[1].weight_version == 1
+            await fleet.rejoin(aside)
+            new = await push(3)
+            assert transport.group_name == "weight_update_group-3"
+            assert list(a._groups) == [transport.group_name] == list(b._groups)
+            mine = engines[1].model.state_dict()
+            assert all(torch.equal(mine[n], t.to(mine[n].dtype)) for n, t in new.state_dict().items())
+            assert await fleet.weight_versions() == {a.url: 3, b.url: 3}
+        finally:
+            await transport.aclose()
+            await fleet.aclose()
+    for e in engines:
+        await e.aclose()

@@ -338,8 +338,9 @@ class DistributedTransport(Transport):
         # The group being replaced, a stale one under the new name, and any older group a
         # returning server still holds.
         held = {self._held[u] for now in live for u in now if u in self._held}
+        olds = sorted(held | {name} | ({previous} if previous else set()))
         for e in self.engines:
-            for old in sorted(({previous, name} | held) - {None}):
+            for old in olds:
                 await e.destroy_weights_update_group(old)  # type: ignore[attr-defined]
 
         def join() -> Any:
