@@ -346,7 +346,9 @@ async def test_a_server_set_aside_leaves_the_group_and_comes_back_without_its_ol
             assert list(a._groups) == ["weight_update_group"] == list(b._groups)
             aside = await fleet.set_aside(1)
             await push(2)
-            assert transport.group_name == "weight_update_group-2" and list(a._groups) == [transport.group_name]
+            assert transport.group_name == "weight_update_group-2" and list(a._groups) == [
+                transport.group_name
+            ]
             assert list(b._groups) == ["weight_update_group"] and engines[1].weight_version == 1
             await fleet.rejoin(aside)
             new = await push(3)
