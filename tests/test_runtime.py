@@ -214,3 +214,42 @@ async def test_an_eval_that_cannot_run_fails_the_run_before_its_first_step(tmp_p
         finally:
             await close_parts(parts)
         assert not (cfg.out_dir / "metrics.jsonl").exists()
+
+
+async def test_a_run_starts_servers_a_crashed_run_left_paused(tmp_path: Path) -> None:
+    """A trainer killed between a sync's pause and its resume leaves the servers paused; the next
+    run (a resume, or a new run on the same fleet) starts them again instead of waiting there."""
+    import copy
+
+    from agentrl.engine.local import LocalEngine
+    from agentrl.engine.server import EngineServer
+    from agentrl.engine.sglang import SGLangEngine
+    from agentrl.models.tiny import load_tiny, tiny_model_dir
+
+    model, tok = load_tiny()
+    engine = LocalEngine(copy.deepcopy(model), tok)
+    async with EngineServer(engine, port=0) as server:
+        crashed = SGLangEngine([server.url])
+        await crashed.pause("in_place")
+        await crashed.aclose()
+        assert engine.paused
+        cfg = config(
+            tmp_path,
+            Path(tiny_model_dir()),
+            "steps=1",
+            "engine.kind=sglang",
+            f'engine.urls=["{server.url}"]',
+            "sync.transport=tensor",
+            "eval.before=false",
+            "eval.after=false",
+            "rollout.episode_timeout_s=20",
+            "batch_timeout_s=60",
+        )
+        parts = build_parts(cfg)
+        alternate_rewards(parts)
+        try:
+            result = await train(cfg, parts)
+        finally:
+            await close_parts(parts)
+    await engine.aclose()
+    assert result.steps == 1 and not engine.paused and engine.weight_version == 1

@@ -267,6 +267,10 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
     if refresh is not None:  # a fleet of servers: start from the version they really serve
         # A resumed run pushes its checkpoint's weights next, which levels servers that restarted.
         await refresh(allow_laggards=cfg.checkpoint.resume and (ckpt_root / "latest").exists())
+        # A run that stopped inside a weight sync (a crash between pause and resume) leaves its
+        # servers paused, and every turn of this run would wait there: start them again
+        # (`/continue_generation` answers the same on a server that is not paused).
+        await parts.engine.resume()
     if cfg.checkpoint.resume and (ckpt_root / "latest").exists():
         state = parts.trainer.load(ckpt_root)
         start_step = int(state.buffer_state.get("step", state.step))
