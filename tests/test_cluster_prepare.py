@@ -158,6 +158,14 @@ def test_prepare_dry_run_shows_each_nodes_torchrun() -> None:
         for flag in (f"--node-rank={r}", "--nnodes=8", "--nproc-per-node=4", "--master-addr=node-00"):
             assert flag in line.split()
         assert "-m agentrl.cluster.convert_job --hf /s/hf/GLM-5.2 --out /s/megatron/GLM-5.2" in line
+    assert (
+        "prepare: download the dataset harborframework/terminal-bench-2.0 -> /s/data/tbench2, 20 held out "
+        "(seed 0) -> /s/data/tbench2-eval" in out
+    )
+    own = CliRunner().invoke(
+        APPS["tbench2"], ["prepare", "--dry-run", "--root", "/s", "--tasks-source", "/tb2", "--eval-tasks", "9"]
+    )
+    assert "prepare: tasks from /tb2 -> /s/data/tbench2, 9 held out (seed 0)" in own.stdout
     refused = CliRunner().invoke(
         APPS["tbench2"], ["prepare", "--dry-run", "--single-host", "--host-memory-gib", "64"]
     )

@@ -237,6 +237,18 @@ def _launch(plan: ClusterPlan, *, local: bool, overrides: list[str], ray_address
     typer.echo(f"run finished in {outcome.seconds:.0f} s (restarts: {restarts}); results in {_run_dir(plan)}")
 
 
+def prepare_tasks(root: str, source: str | None, eval_count: int, seed: int) -> None:
+    """tbench2's data: the task set (downloaded, or `source`), split into the training tasks
+    (`<root>/data/tbench2`, `env.tasks`) and the held-out eval tasks (`<root>/data/tbench2-eval`)."""
+    from envs.tbench2.hub import download_tasks, split_tasks
+
+    data = Path(root) / "data"
+    tasks = Path(source) if source else download_tasks(data / "terminal-bench-2")
+    split_tasks(
+        tasks, data / "tbench2", data / "tbench2-eval", eval_count=eval_count, seed=seed, report=typer.echo
+    )
+
+
 def make_app(recipe: Recipe) -> typer.Typer:
     default_hw = "GB300"
     app = typer.Typer(no_args_is_help=True, add_completion=False, help=f"GLM-5.2 {recipe} recipe.")
@@ -333,6 +345,14 @@ def make_app(recipe: Recipe) -> typer.Typer:
         ] = None,
         host_memory_gib: HostMemory = None,
         data: Annotated[bool, typer.Option("--data/--no-data", help="Download the dataset too.")] = True,
+        tasks_source: Annotated[
+            str | None,
+            typer.Option(
+                help="tbench2: a directory of Harbor tasks (a terminal-bench-2 checkout) instead of the hub."
+            ),
+        ] = None,
+        eval_tasks: Annotated[int, typer.Option(help="tbench2: tasks held out for the evals.")] = 20,
+        split_seed: Annotated[int, typer.Option(help="tbench2: the seed that picks the held-out tasks.")] = 0,
         dry_run: DryRun = False,
         local: PrepLocal = False,
         single_host: SingleHost = False,
@@ -409,6 +429,14 @@ def make_app(recipe: Recipe) -> typer.Typer:
                     steps.append(
                         f"download dapo-math-17k and aime-2024 -> {Path(root) / 'data' / 'dapo_math'}"
                     )
+                if data and recipe == "tbench2":
+                    from envs.tbench2.hub import TASKS_REPO
+
+                    steps.append(
+                        f"{'tasks from ' + tasks_source if tasks_source else 'download the dataset ' + TASKS_REPO}"
+                        f" -> {Path(root) / 'data' / 'tbench2'}, {eval_tasks} held out (seed {split_seed}) -> "
+                        f"{Path(root) / 'data' / 'tbench2-eval'}"
+                    )
                 typer.echo("\n".join(s if s.startswith("  ") else f"prepare: {s}" for s in steps))
                 return
             local_dir = prep.download_model(src, hf_dir)
@@ -441,6 +469,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
                 from envs.dapo_math.hub import download_datasets
 
                 download_datasets(Path(root) / "data" / "dapo_math", report=typer.echo)
+            if data and recipe == "tbench2":
+                prepare_tasks(root, tasks_source, eval_tasks, split_seed)
         except AgentRLError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
