@@ -163,7 +163,8 @@ def test_prepare_dry_run_shows_each_nodes_torchrun() -> None:
         "(seed 0) -> /s/data/tbench2-eval" in out
     )
     own = CliRunner().invoke(
-        APPS["tbench2"], ["prepare", "--dry-run", "--root", "/s", "--tasks-source", "/tb2", "--eval-tasks", "9"]
+        APPS["tbench2"],
+        ["prepare", "--dry-run", "--root", "/s", "--tasks-source", "/tb2", "--eval-tasks", "9"],
     )
     assert "prepare: tasks from /tb2 -> /s/data/tbench2, 9 held out (seed 0)" in own.stdout
     refused = CliRunner().invoke(
