@@ -253,10 +253,14 @@ def test_prepare_on_two_simulated_nodes_through_ray_matches_one_host(ckpt: Path,
 
     app, cli = APPS["tbench2"], CliRunner()
     one, two, local = tmp_path / "one", tmp_path / "two", tmp_path / "local"
+    from envs.tbench2.environment import BUNDLED_TASKS
+
     args = ["--model-name", "GLM-5.2_5layer", "--model-source", str(ckpt), "--ep", "2"]
+    args += ["--tasks-source", str(BUNDLED_TASKS), "--eval-tasks", "3"]  # the data: no hub here
     result = cli.invoke(app, ["prepare", *args, "--root", str(one), "--single-host"])
     assert result.exit_code == 0, result.output
     assert "round trip max |diff| 0" in result.output and "on 2 ranks over 1 node" in result.output
+    assert f"3 tasks -> {one / 'data' / 'tbench2-eval'}" in result.output
     meta = json.loads((one / "megatron" / "GLM-5.2_5layer" / "convert.json").read_text())
     assert meta["megatron"]["ep"] == 2 and meta["hf_tensors"] > 0
     # Each EP rank read only its own experts (4 experts: 0-1 and 2-3) from the checkpoint.

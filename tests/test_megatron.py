@@ -261,6 +261,23 @@ def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+def test_a_run_over_two_trainer_ranks_is_driven_by_rank_0_and_followed_by_the_other(tmp_path: Path) -> None:
+    """`agentrl train run` under torchrun (what the recipe starts on each training node): rank 0
+    runs the loop (rollouts from an engine serve process, two steps, a tensor weight sync and a
+    checkpoint each), rank 1 runs each collective call with it (DP 2: its gradients are half of
+    every step), and both stop together."""
+    from tests.megatron_venv import free_port, run_case
+
+    r = run_case("runtime_ranks", tmp_path, "--port", str(free_port()), nproc=2)
+    assert r["steps"] == 2 and r["versions"] == [1, 2] and r["trainer_steps"] == [1.0, 2.0]
+    assert r["checkpoint_world_size"] == 2 and r["checkpoint_step"] == 2
+    follower = r["ranks"][1]
+    assert follower["rank"] == 1 and follower["step"] == 2
+    assert follower["calls"] == {"train_step": 2, "export_weights": 2, "save": 2, "stop": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_two_uneven_pipeline_stages_take_the_same_grpo_step_as_one_rank(two_rank_layouts: dict) -> None:
     """megatron-core's 1F1B schedule over gloo (layers 1-3 | 4: layer 4 computes its own DSA
     indices), two micro-batches in flight; the step's log-probs, loss, gradients and updated

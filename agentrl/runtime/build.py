@@ -79,8 +79,10 @@ def build_transport(cfg: RunConfig, engine: Any) -> Any:
     )
 
 
-def build_parts(cfg: RunConfig) -> RunParts:
-    """Everything the training loop needs, built from the configuration."""
+def build_trainer(cfg: RunConfig, *, engine_policy: bool = True) -> tuple[Any, Any, Any]:
+    """The trainer, the engine's policy (an in-process engine's model, else None; never without
+    `engine_policy`) and the tokenizer. Every rank of a multi-rank trainer builds this part
+    (`agentrl.runtime.ranks`); only the driver builds the rest."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.train.torch_backend import TorchTrainer
@@ -112,12 +114,19 @@ def build_parts(cfg: RunConfig) -> RunParts:
             with HFCheckpoint(model_dir) as hf_state:
                 trainer = MegatronTrainer(hf_config, cfg.trainer, cfg.trainer.megatron, hf_state=hf_state)
         policy = None
-        if cfg.engine.kind == "local":
+        if cfg.engine.kind == "local" and engine_policy:
             policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
         policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
         policy = trainer.model
+    return trainer, policy, tokenizer
+
+
+def build_parts(cfg: RunConfig, built: tuple[Any, Any, Any] | None = None) -> RunParts:
+    """Everything the training loop needs, built from the configuration (`built`: what
+    `build_trainer` returned, when the trainer was built already)."""
+    trainer, policy, tokenizer = built or build_trainer(cfg)
     engine = build_engine(cfg, policy, tokenizer)
     plugin = get_plugin(cfg.env["name"])
     env = plugin.build(

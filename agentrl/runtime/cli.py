@@ -61,7 +61,16 @@ def run_cmd(
         return
     import torch
 
+    from agentrl.runtime.ranks import run_ranks, world_size
+
     torch.set_num_threads(cfg.torch_threads)
+    if world_size() > 1:  # torchrun: rank 0 drives, the others follow (agentrl.runtime.ranks)
+        try:
+            run_ranks(cfg, reporter=typer.echo)
+        except AgentRLError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+        return
     try:
         parts = build_parts(cfg)
     except AgentRLError as exc:

@@ -749,6 +749,105 @@ def _runtime_step(
     }
 
 
+def case_runtime_ranks(args: argparse.Namespace) -> dict[str, Any]:
+    """`agentrl.runtime.ranks.run_ranks` under torchrun, as `agentrl train run` runs it: two steps
+    of the training loop with the Megatron trainer over every rank (DP over the ranks by default),
+    rank 0 driving rollouts from an `agentrl engine serve` process, a tensor weight sync and a
+    checkpoint each step; the others follow. Returns rank 0's metrics, what each rank did, and
+    whether the ranks' weights agree (data-parallel replicas must)."""
+    import urllib.request
+
+    from agentrl.models.tiny import tiny_model_dir
+    from agentrl.runtime import RunConfig, resolve
+    from agentrl.runtime.ranks import run_ranks
+
+    model = Path(tiny_model_dir())
+    rank = int(os.environ.get("RANK", "0"))
+    url = f"http://127.0.0.1:{args.port}"
+    server = None
+    if rank == 0:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agentrl.cli",
+                "engine",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(args.port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("engine serve did not start") from None
+                time.sleep(0.5)
+    tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
+    out_dir = Path(args.tmp) / "run-ranks"
+    cfg = resolve(
+        RunConfig,
+        defaults={
+            "out": str(out_dir),
+            "steps": 2,
+            "env": {
+                "name": "tbench2",
+                "tasks": str(tasks),
+                "max_solution_chars": 64,
+                "backend": "fake",
+                "action_format": "fenced-bash",
+                "agent": {
+                    "max_turns": 1,
+                    "max_new_tokens": 12,
+                    "min_turn_tokens": 4,
+                    "max_total_tokens": 2048,
+                },
+            },
+            "engine": {"model": str(model), "kind": "sglang", "urls": [url]},
+            "rollout": {"batch_size": 4, "n_samples_per_prompt": 2, "max_in_flight": 4, "max_staleness": 1},
+            "trainer": {"backend": "megatron", "lr": 1e-3, "weight_decay": 0.1, "megatron": {"tp": args.tp}},
+            "sync": {"transport": "tensor"},
+            "checkpoint": {"every": 1},
+            "eval": {"before": False, "after": False},
+        },
+    )
+    try:
+        result = run_ranks(cfg)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    from agentrl.runtime.ranks import Followed
+
+    mine = result if isinstance(result, Followed) else None
+    done = {"rank": dist.get_rank(), "calls": mine.calls if mine else {}, "step": mine.step if mine else None}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, done)
+    if mine is not None:
+        return {}
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    state = json.loads(
+        (
+            out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text() / "state.json"
+        ).read_text()
+    )
+    return {
+        "steps": result.steps,
+        "versions": [r["extra"]["version"] for r in rows],
+        "trainer_steps": [r["extra"]["trainer"]["step"] for r in rows],
+        "checkpoint_world_size": state["world_size"],
+        "checkpoint_step": state["step"],
+        "ranks": everyone,
+    }
+
+
 def _episode_tokens(record: Path) -> list[int]:
     """The token ids of the first sample in an episode record (prompt + response)."""
     for line in record.read_text().splitlines():
@@ -940,6 +1039,7 @@ CASES = {
     "init_checkpoint": case_init_checkpoint,
     "split": case_split,
     "runtime": case_runtime,
+    "runtime_ranks": case_runtime_ranks,
     "kl": case_kl,
     "fp8": case_fp8,
     "gpu": case_gpu,
