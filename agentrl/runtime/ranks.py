@@ -74,6 +74,10 @@ class DriverTrainer:
     def step(self) -> int:
         return int(self.trainer.step)
 
+    @step.setter
+    def step(self, value: int) -> None:
+        self.trainer.step = value
+
     def train_step(self, samples: Any) -> dict[str, float]:
         samples = list(samples)
         self.calls.send(("train_step", samples))
