@@ -253,3 +253,12 @@ async def test_a_run_starts_servers_a_crashed_run_left_paused(tmp_path: Path) ->
             await close_parts(parts)
     await engine.aclose()
     assert result.steps == 1 and not engine.paused and engine.weight_version == 1
+
+
+def test_torchrun_with_the_one_process_trainer_is_refused_with_the_fix(tmp_path: Path, monkeypatch) -> None:
+    from agentrl.models.tiny import tiny_model_dir
+    from agentrl.runtime.ranks import RankError, run_ranks
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RankError, match="trainer.backend=torch trains in one process"):
+        run_ranks(config(tmp_path, Path(tiny_model_dir())))
