@@ -387,7 +387,11 @@ async def test_a_worker_set_aside_leaves_the_router_and_is_admitted_again_once_c
             assert set(await fleet.routed_workers()) == {a.url}  # behind: not routed before a push
             await push(2)
             assert await fleet.weight_versions() == {a.url: 2, b.url: 2}
-            assert set(await fleet.routed_workers()) == {a.url, b.url}
+
+            async def both_routed() -> bool:  # smg registers a worker once its health check passes
+                return set(await fleet.routed_workers()) == {a.url, b.url}
+
+            await _wait_for(both_routed, "the caught-up worker back on the router", 30)
             assert await _routes_to(fleet, 2)
         finally:
             await fleet.aclose()
