@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from envs.dapo_math import MathConfig, MathEnvironment
 from envs.dapo_math.rows import MathRowError, dapo_row, read_rows
 from envs.dapo_math.synthetic import arithmetic_rows, solution_text, statement
 from tests.chat_tokenizer import byte_tokenizer
+from tests.http_standin import serve
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "dapo_math"
 TRAIN = FIXTURES / "train.jsonl"
@@ -281,14 +281,8 @@ class HubStandIn(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hub() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubStandIn)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve(HubStandIn) as url:
+        yield url
 
 
 def parquet_bytes(rows: list[dict[str, Any]], tmp_path: Path) -> bytes:

@@ -260,5 +260,5 @@ def test_torchrun_with_the_one_process_trainer_is_refused_with_the_fix(tmp_path:
     from agentrl.runtime.ranks import RankError, run_ranks
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RankError, match="trainer.backend=torch trains in one process"):
+    with pytest.raises(RankError, match=r"trainer\.backend=torch trains in one process"):
         run_ranks(config(tmp_path, Path(tiny_model_dir())))

@@ -7,7 +7,6 @@ import hashlib
 import http.server
 import json
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from envs.tbench2.environment import BUNDLED_TASKS, valid_tasks
 from envs.tbench2.hub import TASKS_REPO, TasksHubError, download_tasks, held_out, split_tasks
+from tests.http_standin import serve
 
 COMMIT = "1" * 40
 
@@ -78,14 +78,8 @@ class TreeHub(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hub() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), TreeHub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve(TreeHub) as url:
+        yield url
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -600,6 +600,59 @@ def case_split(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _engine_serve(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """An `agentrl engine serve` process of `model` on `port` (its output in `log`), once it
+    answers /health."""
+    import urllib.request
+
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agentrl.cli",
+                "engine",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                _stop(server)
+                raise RuntimeError(f"engine serve did not start: {log.read_text()[-3000:]}") from None
+            time.sleep(0.5)
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def _fake_tbench2_env() -> dict[str, Any]:
+    """The bundled tasks on fake sandboxes, one short turn per episode."""
+    return {
+        "name": "tbench2",
+        "tasks": str(Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"),
+        "max_solution_chars": 64,
+        "backend": "fake",
+        "action_format": "fenced-bash",
+        "agent": {"max_turns": 1, "max_new_tokens": 12, "min_turn_tokens": 4, "max_total_tokens": 2048},
+    }
+
+
 def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
     """One GRPO step of `agentrl.runtime.train` with trainer.backend=megatron on the tiny
     glm_moe_dsa model (agentrl.models.tiny), rollouts from an `agentrl engine serve` process, and
@@ -612,25 +665,9 @@ def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
 
     model = Path(tiny_model_dir())
     port = int(args.port)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", str(model), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    server = _engine_serve(model, port, Path(args.tmp) / "engine-serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"engine serve did not start: {server.stdout.read()[-3000:]}"
-                    ) from None
-                time.sleep(0.5)
         out = {}
         for i, transport in enumerate(args.transport.split(",")):
             if i:
@@ -645,11 +682,7 @@ def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
             out[transport]["seconds"] = time.perf_counter() - t0
         return out
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
 
 
 def _runtime_step(
@@ -664,25 +697,12 @@ def _runtime_step(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sync_port = int(sock.getsockname()[1])
-    tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
     cfg = resolve(
         RunConfig,
         defaults={
             "out": str(out_dir),
             "steps": 1,
-            "env": {
-                "name": "tbench2",
-                "tasks": str(tasks),
-                "max_solution_chars": 64,
-                "backend": "fake",
-                "action_format": "fenced-bash",
-                "agent": {
-                    "max_turns": 1,
-                    "max_new_tokens": 12,
-                    "min_turn_tokens": 4,
-                    "max_total_tokens": 2048,
-                },
-            },
+            "env": _fake_tbench2_env(),
             "engine": {"model": str(model), "kind": "sglang", "urls": [url]},
             "rollout": {
                 "batch_size": 4,
@@ -753,63 +773,23 @@ def case_runtime_ranks(args: argparse.Namespace) -> dict[str, Any]:
     """`agentrl.runtime.ranks.run_ranks` under torchrun, as `agentrl train run` runs it: two steps
     of the training loop with the Megatron trainer over every rank (DP over the ranks by default),
     rank 0 driving rollouts from an `agentrl engine serve` process, a tensor weight sync and a
-    checkpoint each step; the others follow. Returns rank 0's metrics, what each rank did, and
-    whether the ranks' weights agree (data-parallel replicas must)."""
-    import urllib.request
-
+    checkpoint each step; the others follow. Returns rank 0's metrics and what each rank did."""
     from agentrl.models.tiny import tiny_model_dir
     from agentrl.runtime import RunConfig, resolve
-    from agentrl.runtime.ranks import run_ranks
+    from agentrl.runtime.ranks import Followed, run_ranks
 
     model = Path(tiny_model_dir())
-    rank = int(os.environ.get("RANK", "0"))
     url = f"http://127.0.0.1:{args.port}"
     server = None
-    if rank == 0:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "agentrl.cli",
-                "engine",
-                "serve",
-                "--model",
-                str(model),
-                "--port",
-                str(args.port),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("engine serve did not start") from None
-                time.sleep(0.5)
-    tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
+    if int(os.environ.get("RANK", "0")) == 0:
+        server = _engine_serve(model, int(args.port), Path(args.tmp) / "engine-serve.log")
     out_dir = Path(args.tmp) / "run-ranks"
     cfg = resolve(
         RunConfig,
         defaults={
             "out": str(out_dir),
             "steps": 2,
-            "env": {
-                "name": "tbench2",
-                "tasks": str(tasks),
-                "max_solution_chars": 64,
-                "backend": "fake",
-                "action_format": "fenced-bash",
-                "agent": {
-                    "max_turns": 1,
-                    "max_new_tokens": 12,
-                    "min_turn_tokens": 4,
-                    "max_total_tokens": 2048,
-                },
-            },
+            "env": _fake_tbench2_env(),
             "engine": {"model": str(model), "kind": "sglang", "urls": [url]},
             "rollout": {"batch_size": 4, "n_samples_per_prompt": 2, "max_in_flight": 4, "max_staleness": 1},
             "trainer": {"backend": "megatron", "lr": 1e-3, "weight_decay": 0.1, "megatron": {"tp": args.tp}},
@@ -822,10 +802,7 @@ def case_runtime_ranks(args: argparse.Namespace) -> dict[str, Any]:
         result = run_ranks(cfg)
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
-    from agentrl.runtime.ranks import Followed
-
+            _stop(server)
     mine = result if isinstance(result, Followed) else None
     done = {"rank": dist.get_rank(), "calls": mine.calls if mine else {}, "step": mine.step if mine else None}
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -833,11 +810,8 @@ def case_runtime_ranks(args: argparse.Namespace) -> dict[str, Any]:
     if mine is not None:
         return {}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    state = json.loads(
-        (
-            out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text() / "state.json"
-        ).read_text()
-    )
+    ckpts = out_dir / "checkpoints"
+    state = json.loads((ckpts / (ckpts / "latest").read_text() / "state.json").read_text())
     return {
         "steps": result.steps,
         "versions": [r["extra"]["version"] for r in rows],
