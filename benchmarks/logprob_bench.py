@@ -88,7 +88,7 @@ def measure(fn, iters: int) -> tuple[float, float]:
 def trainer_rows(model: Glm4ForCausalLM, args: argparse.Namespace, chunk: int) -> list[dict]:
     """`TorchTrainer.train_step` itself: fp32 weights + AdamW, bf16 autocast, gradient checkpointing,
     old-log-prob recompute, one group of two sequences of seq_len / 2 tokens packed in one micro-batch."""
-    from agentrl.sample import Sample
+    from agentrl.episode.sample import Sample
     from agentrl.train.batch import with_advantages
     from agentrl.train.config import TrainConfig
     from agentrl.train.torch_backend import TorchTrainer

@@ -67,7 +67,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agentrl.sample import Sample  # noqa: E402
+from agentrl.episode.sample import Sample  # noqa: E402
 from agentrl.train.batch import build_batch, with_advantages  # noqa: E402
 from agentrl.train.config import TrainConfig  # noqa: E402
 

@@ -50,7 +50,7 @@ from agentrl.rollout.sim import (
     clock,
     run_virtual_time,
 )
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 
 ROWS = [{"prompt": f"task {i}", "metadata": {"task_id": f"t{i}", "p_pass": 0.5}} for i in range(4096)]
 

@@ -8,7 +8,7 @@
 2. Warm-pool acquire (a pre-started, liveness-checked container handed out), p50. Goal <= 20 ms.
 3. Cold start from a cached image (`podman run` + /logs set-up + first command), p50.
 4. Oracle sweep wall time over envs/tbench2/tasks at concurrency 2 (skipped if that is empty).
-5. The verification step (`agentrl.verify.verify` on a fresh sandbox of the fixture task), p50.
+5. The verification step (`agentrl.episode.verify.verify` on a fresh sandbox of the fixture task), p50.
 
 With `--baseline-podman OLD/podman.py` (e.g. `git show REV:agentrl/sandbox/podman.py > /tmp/old.py`,
 and `--baseline-shellstate` with that revision's `agentrl/sandbox/shellstate.py`)
@@ -33,10 +33,10 @@ import time
 import uuid
 from pathlib import Path
 
-from agentrl.oracle import run_oracle
+from agentrl.episode.oracle import run_oracle
 from agentrl.sandbox.podman import PodmanProvider, PodmanSandbox, reap
 from agentrl.tasks import discover_tasks, load_task
-from agentrl.verify import verify
+from agentrl.episode.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ROOT / "tests" / "fixtures" / "sandbox_tasks" / "write-hello"

@@ -1,1 +1,1 @@
-"""The bundled environment plugins (see `agentrl.environments`)."""
+"""The bundled environment plugins (see `agentrl.rollout.environment`)."""

@@ -22,7 +22,7 @@ from pydantic import Field, model_validator
 from rich.console import Console
 
 from agentrl.overrides import load_file
-from agentrl.runtime import cli as runtime_cli
+from agentrl.cli import train as runtime_cli
 from agentrl.runtime.config import RunConfig, _Section
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
@@ -68,10 +68,10 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.environments import EnvContext
+    from agentrl.rollout.environment import EnvContext
     from agentrl.models.tiny import tiny_model_dir
-    from agentrl.rows import write_jsonl
-    from agentrl.sft import SFTConfig, load_record_samples, run_sft
+    from agentrl.tasks.rows import write_jsonl
+    from agentrl.train.sft import SFTConfig, load_record_samples, run_sft
     from envs.tbench2 import TerminalConfig, TerminalEnvironment
     from envs.tbench2.harvest import harvest_solutions
 

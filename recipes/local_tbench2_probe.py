@@ -32,7 +32,7 @@ def probe(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.agent.actions import get_format
-    from agentrl.sample import Sample
+    from agentrl.episode.sample import Sample
     from agentrl.train.batch import with_advantages
     from agentrl.train.forward import model_logprobs
     from agentrl.train.torch_backend import TorchTrainer

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.sample import Episode, Sample, Status
+from agentrl.episode.sample import Episode, Sample, Status
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_TASKS = ROOT / "envs" / "tbench2" / "tasks"

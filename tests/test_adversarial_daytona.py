@@ -15,8 +15,8 @@ import pytest
 
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeResult, run_episode
-from agentrl.sample import Status
+from agentrl.episode.run import EpisodeResult, run_episode
+from agentrl.episode.sample import Status
 from agentrl.sandbox.daytona import DaytonaProvider
 from agentrl.tasks import load_task
 from tests.chat_tokenizer import byte_tokenizer

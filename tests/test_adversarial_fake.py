@@ -12,16 +12,16 @@ from typer.testing import CliRunner
 
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import run_episode
-from agentrl.episode_cli import _safe
-from agentrl.sample import Status
+from agentrl.episode.run import run_episode
+from agentrl.cli.episode import _safe
+from agentrl.episode.sample import Status
 from agentrl.sandbox.base import ExecResult, SandboxPolicyError, printable, tampered
 from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
 from agentrl.sandbox.podman import _DiffScan
 from agentrl.tasks import load_task
 from agentrl.tasks.lint import lint_task
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
-from agentrl.tasks_cli import app as tasks_app
+from agentrl.cli.tasks import app as tasks_app
 from tests.chat_tokenizer import byte_tokenizer
 from tests.test_adversarial_podman import GUARDED, episode_config, fenced
 

@@ -22,13 +22,13 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeConfig, EpisodeResult, run_episode
+from agentrl.episode.run import EpisodeConfig, EpisodeResult, run_episode
 from agentrl.errors import TaskFormatError
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, run_cli
 from agentrl.tasks import load_task
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
-from agentrl.verify import verify
+from agentrl.episode.verify import verify
 from tests.chat_tokenizer import byte_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from agentrl.rollout.buffer import Buffer, BufferError, BufferTimeout, Group, RolloutFinished
 from agentrl.rollout.source import PromptSource, PromptSourceError
-from agentrl.rows import write_jsonl
+from agentrl.tasks.rows import write_jsonl
 from tests.conftest import make_episode
 
 

@@ -163,7 +163,7 @@ async def test_server_with_api_key_answers_as_sglang_does(
         client = SGLangEngine(u, api_key_file=str(key_file), retries=3)
         bare = SGLangEngine(u, retries=3)
         # `agentrl eval --engine sglang --api-key-env VAR` against a keyed fleet.
-        from agentrl.eval_cli import EvalSettings, build_eval_engine
+        from agentrl.eval.harbor import EvalSettings, build_eval_engine
         from agentrl.models.tiny import tiny_model_dir
 
         monkeypatch.setenv("RUN_ENGINE_KEY", KEY)

@@ -18,11 +18,11 @@ pytest.importorskip("transformers")
 
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.environments import EnvContext, get_plugin
+from agentrl.rollout.environment import EnvContext, get_plugin
 from agentrl.errors import InfraError
-from agentrl.evaluation import evaluate
+from agentrl.eval.passk import evaluate
 from agentrl.runtime import RunConfig, resolve
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 from envs.dapo_math import MathConfig, MathEnvironment
 from envs.dapo_math.rows import MathRowError, dapo_row, read_rows
 from envs.dapo_math.synthetic import arithmetic_rows, solution_text, statement

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("math_verify")
 pytest.importorskip("torch")
 
-from agentrl.rows import write_jsonl
+from agentrl.tasks.rows import write_jsonl
 from agentrl.runtime import RunConfig, close_parts, resolve, train
 from agentrl.runtime.build import build_parts
 from envs.dapo_math.synthetic import arithmetic_rows

@@ -30,7 +30,7 @@ from agentrl.dashboard.server import DashboardError, make_app
 from agentrl.dashboard.sinks import MetricSinks, SinkError, flatten, open_sinks
 from agentrl.dashboard.synthetic import metrics_row, write_episode, write_run
 from agentrl.dashboard.tail import JsonlTail
-from agentrl.episode import Recorder
+from agentrl.episode.run import Recorder
 from tests.conftest import BUNDLED_TASKS
 
 CHROMIUM = shutil.which("chromium")

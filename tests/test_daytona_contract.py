@@ -18,7 +18,7 @@ import pytest
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, Generation, SamplingParams
-from agentrl.episode import EpisodeConfig, run_episode
+from agentrl.episode.run import EpisodeConfig, run_episode
 from agentrl.sandbox.daytona import DaytonaProvider
 from agentrl.tasks import load_task
 from tests.chat_tokenizer import byte_tokenizer
@@ -134,7 +134,7 @@ KEY = "dtn_secret_episode_key_42"
 
 
 async def test_oracle_run_leaves_the_key_out_of_logs_and_results(server, monkeypatch, caplog) -> None:
-    from agentrl.oracle import run_oracle
+    from agentrl.episode.oracle import run_oracle
 
     monkeypatch.setenv("DAYTONA_API_KEY", KEY)
     caplog.set_level(logging.DEBUG)

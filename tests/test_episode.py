@@ -11,9 +11,9 @@ from agentrl.agent.loop import AgentConfig, EndReason
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeConfig, EpisodeRunner, read_record, replay_episode, run_episode
+from agentrl.episode.run import EpisodeConfig, EpisodeRunner, read_record, replay_episode, run_episode
 from agentrl.errors import InfraError
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 from agentrl.sandbox.fake import FakeSandboxProvider, Faults
 from agentrl.tasks import load_task
 from tests.chat_tokenizer import byte_tokenizer

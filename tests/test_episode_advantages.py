@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 from agentrl.train.batch import build_batch, episode_chunks, loss_weights, training_samples
 from tests.conftest import make_episode
 

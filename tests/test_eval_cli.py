@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agentrl.eval_cli import EvalConfigError, EvalSettings, run_eval
-from agentrl.harbor_job import build_trajectory, harbor_pass_at_k, task_checksum, trial_name, turn_tokens
+from agentrl.eval.harbor import EvalConfigError, EvalSettings, run_eval
+from agentrl.eval.harbor_job import build_trajectory, harbor_pass_at_k, task_checksum, trial_name, turn_tokens
 from agentrl.sandbox.fake import FakeSandboxProvider
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ async def test_an_engine_that_keeps_failing_leaves_the_episode_unscored_with_har
 async def test_the_defaults_are_terminus_2s_and_real_model_sized(tmp_path: Path) -> None:
     async with ScriptedChat({"x": [IDLE]}, context=131072) as server:
         settings = _settings(tmp_path, server.url, terminal="auto")
-        from agentrl.eval_cli import build_eval_engine, harbor_warnings, resolve
+        from agentrl.eval.harbor import build_eval_engine, harbor_warnings, resolve
 
         built = await build_eval_engine(settings)
         await built.engine.aclose()
@@ -182,7 +182,7 @@ async def test_the_defaults_are_terminus_2s_and_real_model_sized(tmp_path: Path)
 
 
 async def test_settings_that_would_score_a_real_model_wrongly_are_warned_about(tmp_path: Path) -> None:
-    from agentrl.eval_cli import BuiltEngine, harbor_warnings, resolve
+    from agentrl.eval.harbor import BuiltEngine, harbor_warnings, resolve
     from agentrl.tasks import load_task
 
     settings = _settings(
@@ -227,7 +227,7 @@ def test_turn_tokens_split_segments_into_turns() -> None:
 
 
 def test_a_parse_error_turn_has_the_raw_reply_and_no_tool_calls() -> None:
-    from agentrl.harbor_job import TrajectoryInfo
+    from agentrl.eval.harbor_job import TrajectoryInfo
 
     record = {
         "header": {
@@ -261,7 +261,7 @@ def test_agentrl_help_lists_eval_without_importing_torch() -> None:
     code = (
         "import sys; from agentrl.cli import main; sys.argv=['agentrl','--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "assert 'torch' not in sys.modules and 'agentrl.eval_cli' not in sys.modules"
+        "assert 'torch' not in sys.modules and 'agentrl.cli.eval' not in sys.modules"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

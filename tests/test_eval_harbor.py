@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.eval_cli import run_eval
+from agentrl.eval.harbor import run_eval
 from agentrl.sandbox.fake import FakeSandboxProvider
 from tests.test_eval_cli import IDLE, SOLVE, ScriptedChat, _grader, _settings
 

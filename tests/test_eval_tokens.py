@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from agentrl.engine.local import LocalEngine
 from agentrl.engine.server import EngineServer
-from agentrl.eval_cli import EvalSettings, run_eval
+from agentrl.eval.harbor import EvalSettings, run_eval
 from agentrl.models.tiny import load_tiny, tiny_model_dir
 from agentrl.sandbox.fake import FakeSandboxProvider
 

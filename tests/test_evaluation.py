@@ -12,8 +12,8 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Generation, SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeConfig, EpisodeRunner
-from agentrl.evaluation import EvalError, evaluate, pass_at_k
+from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.eval.passk import EvalError, evaluate, pass_at_k
 from agentrl.sandbox.base import SandboxCreateError
 from agentrl.sandbox.fake import FakeSandboxProvider
 from agentrl.tasks import load_task

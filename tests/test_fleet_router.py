@@ -192,7 +192,7 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
     from agentrl.agent.tokens import ChatRenderer
     from agentrl.engine.base import SamplingParams
     from agentrl.engine.sglang import SGLangEngine
-    from agentrl.episode import EpisodeConfig, EpisodeRunner
+    from agentrl.episode.run import EpisodeConfig, EpisodeRunner
     from agentrl.models.tiny import tiny_model_dir
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
     from agentrl.sandbox.fake import FakeSandboxProvider

@@ -27,12 +27,12 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.environments import EnvContext, EnvironmentPluginError
-from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError
+from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.errors import InfraError
 from agentrl.openenv.client import OpenEnvInfraError
 from agentrl.rollout import RolloutConfig, RolloutManager
-from agentrl.sample import Episode, Status
+from agentrl.episode.sample import Episode, Status
 from agentrl.tasks import load_task
 from agentrl.tasks.dataset import task_row
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agentrl.cli import app
-from agentrl.oracle import run_oracle
+from agentrl.episode.oracle import run_oracle
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider
 from agentrl.tasks import discover_tasks, load_task
 

@@ -64,7 +64,7 @@ def test_the_oracle_sweep_draws_its_bars_on_stderr_only(monkeypatch):
 
 
 async def test_eval_episodes_bar_stays_out_of_the_job_files_and_the_summary(tmp_path, monkeypatch, capsys):
-    from agentrl.eval_cli import run_eval
+    from agentrl.eval.harbor import run_eval
     from tests.test_eval_cli import SOLVE, ScriptedChat, _grader, _settings
 
     monkeypatch.setenv("AGENTRL_PROGRESS", "1")

@@ -135,8 +135,8 @@ def test_probe_trains_on_harvest_records_with_the_proxy_reward(probe, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.models.tiny import tiny_model_dir
-    from agentrl.sample import Sample
-    from agentrl.sft import SFTConfig, run_sft
+    from agentrl.episode.sample import Sample
+    from agentrl.train.sft import SFTConfig, run_sft
 
     base = tiny_model_dir(seed=0)
     tok = AutoTokenizer.from_pretrained(str(base))

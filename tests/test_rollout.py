@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from agentrl.errors import InfraError
-from agentrl.evaluation import evaluate
+from agentrl.eval.passk import evaluate
 from agentrl.rollout import (
     BufferError,
     MetricsTracker,
@@ -35,7 +35,7 @@ from agentrl.rollout.sim import (
     clock,
     run_virtual_time,
 )
-from agentrl.sample import Episode, Status
+from agentrl.episode.sample import Episode, Status
 
 FAST = SimWorkload(
     engine_per_token_s=0.00005,
@@ -516,7 +516,7 @@ async def test_a_group_that_can_no_longer_be_trained_in_bound_is_cancelled_in_fl
 def test_rollout_sim_command_prints_step_tables_and_leaks_nothing(tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from agentrl.rollout.cli import app
+    from agentrl.cli.rollout import app
 
     path = tmp_path / "m.jsonl"
     result = CliRunner().invoke(

@@ -12,10 +12,10 @@ from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import DiskWeights, Engine, EngineError, Generation, SamplingParams
 from agentrl.engine.fake import FakeEngine
 from agentrl.engine.fake import Faults as EngineFaults
-from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.errors import InfraError
 from agentrl.rollout import MetricsTracker, RolloutConfig, RolloutManager
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 from agentrl.sandbox.fake import FakeSandboxProvider, Faults
 from tests.chat_tokenizer import byte_tokenizer
 

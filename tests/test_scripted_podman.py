@@ -15,8 +15,8 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeConfig, replay_episode, run_episode
-from agentrl.episode_cli import scripted_solution_texts
+from agentrl.episode.run import EpisodeConfig, replay_episode, run_episode
+from agentrl.cli.episode import scripted_solution_texts
 from agentrl.sandbox.podman import PodmanProvider
 from agentrl.tasks import discover_tasks
 from tests.chat_tokenizer import byte_tokenizer

@@ -11,7 +11,7 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.rollout import RolloutConfig, RolloutManager
 from agentrl.sandbox.fake import FakeSandboxProvider
 from agentrl.train.batch import build_batch, training_samples

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.errors import TaskFormatError
-from agentrl.healthcheck import HealthcheckError, run_healthcheck
+from agentrl.episode.healthcheck import HealthcheckError, run_healthcheck
 from agentrl.sandbox.base import ExecResult
 from agentrl.tasks import load_task
 from agentrl.tasks.lint import lint_task, warning_kinds
@@ -126,7 +126,7 @@ async def test_the_healthcheck_retries_then_passes_or_fails_typed(tmp_path: Path
 @pytest.mark.container
 @pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
 async def test_the_runnable_corpus_tasks_pass_the_oracle(tmp_path: Path) -> None:
-    from agentrl.oracle import run_oracle
+    from agentrl.episode.oracle import run_oracle
     from agentrl.sandbox.podman import PodmanProvider
 
     crlf = corpus_task(tmp_path, "corpus-crlf")

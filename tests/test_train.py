@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.algo import LossConfig
-from agentrl.sample import Sample, Status
+from agentrl.episode.sample import Sample, Status
 from agentrl.train.batch import build_batch, pack
 from agentrl.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig

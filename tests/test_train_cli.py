@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from agentrl.cli import app
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 from tests.test_train_models import make_samples, tiny_base  # noqa: F401
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 from agentrl.train.batch import with_advantages
 from agentrl.train.forward import model_logprobs
 

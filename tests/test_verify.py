@@ -12,7 +12,7 @@ from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import ExecResult
 from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider, Faults
 from agentrl.tasks import load_task
-from agentrl.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
+from agentrl.episode.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
 

@@ -192,7 +192,7 @@ def served() -> Iterator[str]:
 
 def test_a_plain_install_has_no_torch_and_finds_its_data(installed: Path) -> None:
     code = (
-        "import sys, agentrl.cli, agentrl.eval_cli, agentrl.tasks_cli, agentrl.sandbox.cli, agentrl.harbor_job\n"
+        "import sys, agentrl.cli, agentrl.cli.eval, agentrl.cli.tasks, agentrl.cli.sandbox, agentrl.eval.harbor_job\n"
         "from agentrl.sandbox.images import load_recipe\n"
         "assert 'debian:bookworm-slim' in load_recipe().names\n"
         "assert not any(m in sys.modules for m in ('torch', 'transformers', 'numpy'))\n"

@@ -644,7 +644,7 @@ def prepare_local_data(plan: ClusterPlan, run_dir: Path, seed: int = 0) -> None:
     math demo's `prepare`), written once under <run_dir>/data."""
     if plan.options.recipe != "dapo_math":
         return
-    from agentrl.rows import write_jsonl
+    from agentrl.tasks.rows import write_jsonl
     from envs.dapo_math.synthetic import arithmetic_rows, statement
 
     data = run_dir / "data"

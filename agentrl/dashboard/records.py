@@ -1,4 +1,4 @@
-"""Episode records (`<run>/records/*.jsonl`, written by `agentrl.episode.Recorder`): an index for
+"""Episode records (`<run>/records/*.jsonl`, written by `agentrl.episode.run.Recorder`): an index for
 the episode browser, and one episode read for the page.
 
 A record is a header line, one line per turn, then a result line that ends with the episode's

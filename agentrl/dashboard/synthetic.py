@@ -1,6 +1,6 @@
 """A synthetic run directory of any size, for the dashboard's benchmark and tests.
 
-Written with the runtime's own record and metric types (`agentrl.episode.Recorder`, `TurnRecord`,
+Written with the runtime's own record and metric types (`agentrl.episode.run.Recorder`, `TurnRecord`,
 `Sample`, `StepMetrics`), so its files have exactly the shape a real run writes; the numbers in
 them are made up (deterministic per seed) and say nothing about training.
 """
@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from agentrl.agent.loop import CommandOutput, TurnRecord
-from agentrl.episode import RECORD_VERSION, Recorder
+from agentrl.episode.run import RECORD_VERSION, Recorder
 from agentrl.rollout.metrics import StepMetrics
-from agentrl.sample import Sample, Status
+from agentrl.episode.sample import Sample, Status
 
 TASKS = ("count-lines", "hello-file", "make-dirs", "replace-word", "uppercase-file", "fix-build")
 

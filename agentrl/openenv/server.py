@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agentrl.environments import EnvContext, EnvironmentPluginError, get_plugin, resolve_config
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, get_plugin, resolve_config
 from agentrl.errors import AgentRLError
 from agentrl.sandbox.base import SandboxProvider
 

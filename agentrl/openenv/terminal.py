@@ -5,7 +5,7 @@ one sandbox per episode, the task's own verifier for the reward.
                                 the observation carries the instruction and the task's time limits
     step(exec, command)         `Sandbox.exec` with a timeout (the command path of the agent loop)
     step(write_file, ...)       a file into the sandbox
-    step(evaluate)              `agentrl.verify.verify`: processes stopped, tampering checked, tests
+    step(evaluate)              `agentrl.episode.verify.verify`: processes stopped, tampering checked, tests
                                 uploaded only now; the reward, done; the sandbox is closed
     step(close)                 close the sandbox
     state                       `TerminalState`
@@ -54,7 +54,7 @@ from agentrl.sandbox.base import (
     SandboxTransportError,
 )
 from agentrl.tasks import Task
-from agentrl.verify import verify
+from agentrl.episode.verify import verify
 
 if TYPE_CHECKING:
     from agentrl.openenv.server import ServeConfig

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.errors import AgentRLError
-from agentrl.sample import Episode
+from agentrl.episode.sample import Episode
 
 
 class BufferError(AgentRLError):

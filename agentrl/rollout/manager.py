@@ -59,7 +59,7 @@ from pydantic import ConfigDict
 from agentrl.errors import AgentRLError, InfraError, InputError
 from agentrl.rollout.buffer import Buffer, Group
 from agentrl.rollout.source import Prompt, PromptSource
-from agentrl.sample import Episode, Status
+from agentrl.episode.sample import Episode, Status
 
 log = logging.getLogger("agentrl.rollout")
 

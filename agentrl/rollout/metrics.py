@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentrl.rollout.buffer import Group
-from agentrl.sample import Status
+from agentrl.episode.sample import Status
 
 if TYPE_CHECKING:
     from agentrl.rollout.manager import RolloutManager

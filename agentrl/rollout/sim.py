@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from agentrl.engine.base import EngineAborted, EngineError
 from agentrl.errors import InfraError
-from agentrl.sample import Episode, Sample, Status
+from agentrl.episode.sample import Episode, Sample, Status
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import AgentRLError
-from agentrl.rows import read_jsonl, row_prompt_id
+from agentrl.tasks.rows import read_jsonl, row_prompt_id
 
 
 class PromptSourceError(AgentRLError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from agentrl.environments import EnvContext, get_plugin
+from agentrl.rollout.environment import EnvContext, get_plugin
 from agentrl.errors import AgentRLError
 from agentrl.models.source import check_model_source
 from agentrl.runtime.config import RunConfig

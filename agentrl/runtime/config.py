@@ -100,7 +100,7 @@ class SyncSettings(_Section):
 
 
 class EvalSettings(_Section):
-    """pass@k with fixed seeds through the shared evaluator (`agentrl.evaluation`)."""
+    """pass@k with fixed seeds through the shared evaluator (`agentrl.eval.passk`)."""
 
     before: bool = True
     after: bool = True
@@ -171,7 +171,7 @@ class RunConfig(_Section):
     @classmethod
     def _env(cls, value: Any) -> dict[str, Any]:
         """Validated by the named plugin's own Config, so its defaults show in --dry-run."""
-        from agentrl.environments import resolve_config
+        from agentrl.rollout.environment import resolve_config
 
         data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
         data.setdefault("name", DEFAULT_ENV)

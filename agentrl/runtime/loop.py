@@ -28,8 +28,8 @@ import torch
 
 from agentrl.dashboard.sinks import open_sinks
 from agentrl.engine.base import Engine, EngineVersionMismatch
-from agentrl.environments import Environment
-from agentrl.evaluation import EvalSummary, evaluate
+from agentrl.rollout.environment import Environment
+from agentrl.eval.passk import EvalSummary, evaluate
 from agentrl.overrides import ConfigError
 from agentrl.progress import progress_bar
 from agentrl.rollout.manager import RolloutManager
@@ -403,7 +403,7 @@ async def evaluate_engine(
 ) -> dict[str, Any]:
     """pass@k of any engine (local, SGLang, an OpenAI-compatible API) on the configured
     environment's eval rows; the environment and the engine are closed afterwards."""
-    from agentrl.environments import EnvContext, get_plugin
+    from agentrl.rollout.environment import EnvContext, get_plugin
 
     plugin = get_plugin(cfg.env["name"])
     context = EnvContext(

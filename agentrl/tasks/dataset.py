@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from agentrl.rows import read_jsonl, write_jsonl
+from agentrl.tasks.rows import read_jsonl, write_jsonl
 from agentrl.tasks.task import Task
 
 __all__ = ["read_jsonl", "split_rows", "task_row", "write_jsonl"]

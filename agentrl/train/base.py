@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 from agentrl.train.checkpoint import TrainState
 
 WeightBucket = list[tuple[str, torch.Tensor]]

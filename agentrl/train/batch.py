@@ -19,7 +19,7 @@ import torch
 
 from agentrl.algo import grpo_advantages
 from agentrl.algo.losses import Aggregation
-from agentrl.sample import Episode, Sample
+from agentrl.episode.sample import Episode, Sample
 
 
 @dataclass

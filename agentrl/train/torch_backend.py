@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import AgentRLError
-from agentrl.rows import write_jsonl
+from agentrl.tasks.rows import write_jsonl
 from envs.dapo_math.rows import dedup_rows, read_rows
 
 # output name -> (dataset repository, file in it)

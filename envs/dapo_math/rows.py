@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentrl.environments import EnvironmentPluginError
+from agentrl.rollout.environment import EnvironmentPluginError
 
 PROMPT_HEADER = (
     "Solve the following math problem step by step. The last line of your response should be of the "

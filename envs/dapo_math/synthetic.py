@@ -79,7 +79,7 @@ def solution_text(row: dict[str, Any]) -> str:
 def sft_samples(rows: list[dict[str, Any]], tokenizer: Any, prompt_ids: Any) -> list[Any]:
     """Reference replies as training samples on the exact token layout RL sees: the prompt rendered
     by the environment, then the reply's ids and the eos token."""
-    from agentrl.sample import Sample
+    from agentrl.episode.sample import Sample
 
     samples = []
     for i, row in enumerate(rows):

@@ -34,10 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, SamplingParams, generate_to_end
-from agentrl.environments import EnvContext, EnvironmentPluginError, Split
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.errors import InputError
-from agentrl.rows import read_jsonl
-from agentrl.sample import Episode, Sample, Status
+from agentrl.tasks.rows import read_jsonl
+from agentrl.episode.sample import Episode, Sample, Status
 
 log = logging.getLogger("agentrl.envs.openenv")
 

@@ -1,6 +1,6 @@
 """`RemoteTerminalRunner`: a terminal episode on a remote tbench2_env-schema server.
 
-The same agent loop and the same `Episode` as the local terminal environment (`agentrl.episode`),
+The same agent loop and the same `Episode` as the local terminal environment (`agentrl.episode.run`),
 with the sandbox replaced by the remote session: reset -> agent phase (each command an `exec` step)
 -> `evaluate`. Only the transport differs, so a task scores the same through either path.
 """
@@ -15,7 +15,7 @@ from agentrl.agent.actions import get_format
 from agentrl.agent.loop import run_agent
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine
-from agentrl.episode import episode_from_run
+from agentrl.episode.run import episode_from_run
 from agentrl.errors import InputError
 from agentrl.openenv.client import (
     OpenEnvInfraError,
@@ -25,7 +25,7 @@ from agentrl.openenv.client import (
     TerminalClient,
 )
 from agentrl.openenv.schema import TerminalAction
-from agentrl.sample import Episode, Status
+from agentrl.episode.sample import Episode, Status
 
 if TYPE_CHECKING:
     from envs.openenv.environment import OpenEnvEnvironment

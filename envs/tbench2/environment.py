@@ -1,4 +1,4 @@
-"""`TerminalEnvironment`: task directories -> rows; rows -> episodes in sandboxes (`agentrl.episode`)."""
+"""`TerminalEnvironment`: task directories -> rows; rows -> episodes in sandboxes (`agentrl.episode.run`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
-from agentrl.environments import EnvContext, EnvironmentPluginError, Split
-from agentrl.episode import EpisodeConfig, EpisodeRunner
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
+from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks import Task, discover_tasks
 from agentrl.tasks.dataset import task_row

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 from agentrl.train.batch import build_batch, with_advantages
 from agentrl.train.config import TrainConfig
 

@@ -1,6 +1,6 @@
 """Supervised warm start on recorded trajectories (`agentrl sft`).
 
-The trajectories are episode records (see `agentrl.episode`), typically harvested by driving each
+The trajectories are episode records (see `agentrl.episode.run`), typically harvested by driving each
 task's reference solution through the real agent loop, so the model learns the agent's own action
 format on exactly the token layout it will see in RL. The loss is the mean negative log-likelihood
 of assistant tokens only (loss mask 1); prompts and observations are context.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 
 
 @dataclass

@@ -3,7 +3,7 @@
 An environment plugin is a package (the bundled ones live under `envs/<name>/`) that exposes a
 `plugin` object with a `name`, a pydantic `Config` class (its settings, printed by `--dry-run` like
 every other setting) and `build(config, context) -> Environment`. Plugins are found by name: the
-bundled ones from `BUILTIN`, others from the `agentrl.environments` entry-point group of any
+bundled ones from `BUILTIN`, others from the `agentrl.rollout.environment` entry-point group of any
 installed package. The rollout manager, the trainer and the runtime import no environment: terminal
 tasks and single-turn math are two plugins of this one interface.
 """
@@ -51,7 +51,7 @@ class Environment(Protocol):
     """A built environment: its rows and a runner per engine."""
 
     def rows(self, split: Split) -> list[dict[str, Any]]:
-        """Prompt rows for training or evaluation (the JSONL row shape, `agentrl.rows`)."""
+        """Prompt rows for training or evaluation (the JSONL row shape, `agentrl.tasks.rows`)."""
         ...
 
     def runner(self, engine: Engine, *, run_id: str, record_dir: Path | None = None) -> EpisodeRunner:
@@ -83,7 +83,7 @@ def get_plugin(name: str) -> EnvironmentPlugin:
     if name not in known:
         raise EnvironmentPluginError(
             f"unknown environment {name!r}: choose one of {', '.join(sorted(known))}, or install a "
-            "package that registers it in the 'agentrl.environments' entry-point group"
+            "package that registers it in the 'agentrl.rollout.environment' entry-point group"
         )
     module, _, attr = known[name].partition(":")
     try:

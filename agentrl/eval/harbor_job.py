@@ -18,11 +18,11 @@ Layout (Harbor 0.25's `harbor/job.py`, `harbor/models/trial/paths.py`)::
 
 Semantics follow Harbor where they can: `result.json` of the job holds Harbor's statistics (its
 `Mean` metric and its pass@k, where a trial without a reward counts 0), while `agentrl-eval.json`
-and the printed table hold agentrl's (`agentrl.evaluation`: an episode that failed for
+and the printed table hold agentrl's (`agentrl.eval.passk`: an episode that failed for
 infrastructure reasons after every retry is unscored, never 0). A retried trial's directory is
 removed before the retry, as Harbor's queue does.
 
-Trajectories are built from agentrl's episode record (`agentrl.episode.Recorder`): the first
+Trajectories are built from agentrl's episode record (`agentrl.episode.run.Recorder`): the first
 prompt as a `user` step (a `system` step first on the command path), then one `agent` step per turn
 with Terminus-2's message ("Analysis: ...\\nPlan: ..."), one `bash_command` tool call per command
 (`call_<turn>_<i>`, and `mark_task_complete`), the observation the model was shown next, and, for
@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from agentrl.evaluation import pass_at_k
+from agentrl.eval.passk import pass_at_k
 
 ATIF_VERSION = "ATIF-v1.6"
 AGENT_NAME = "agentrl-terminus-2"
@@ -138,7 +138,7 @@ def harbor_pass_at_k(rewards_by_task: dict[str, list[float | None]]) -> dict[int
 
 
 def read_record_lines(path: Path) -> dict[str, Any]:
-    """An episode record (`agentrl.episode.Recorder`) as {header, terminal, turns, result}."""
+    """An episode record (`agentrl.episode.run.Recorder`) as {header, terminal, turns, result}."""
     out: dict[str, Any] = {"header": None, "terminal": None, "turns": [], "result": None}
     with path.open(encoding="utf-8") as fh:
         for line in fh:

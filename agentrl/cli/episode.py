@@ -101,7 +101,7 @@ def run_cmd(
     from agentrl.agent.loop import AgentConfig
     from agentrl.agent.tokens import ChatRenderer
     from agentrl.engine.base import SamplingParams
-    from agentrl.episode import EpisodeConfig, run_episode
+    from agentrl.episode.run import EpisodeConfig, run_episode
     from agentrl.sandbox.registry import make_provider
     from agentrl.tasks import load_task
 
@@ -190,7 +190,7 @@ def replay_cmd(
     task_dir: Path | None = typer.Option(None, help="Override the task path stored in the record."),
 ) -> None:
     """Re-run a record's actions in a fresh sandbox; exit 1 if the reward or any output differs."""
-    from agentrl.episode import replay_episode
+    from agentrl.episode.run import replay_episode
     from agentrl.sandbox.registry import make_provider
 
     async def go() -> Any:

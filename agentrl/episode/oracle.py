@@ -2,7 +2,7 @@
 
 Per task: build (or reuse) the image, start a sandbox, upload solution/ to /solution and run
 solve.sh with `[solution.env]` under the agent timeout (or nothing, with `solution=False`), then
-`agentrl.verify.verify`. With solutions every reward must be 1; without, every reward must be 0
+`agentrl.episode.verify.verify`. With solutions every reward must be 1; without, every reward must be 0
 (a task that passes untouched verifies nothing).
 """
 
@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.healthcheck import run_healthcheck
+from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.config import resolve_env_templates
 from agentrl.tasks.task import Task, scripts_with_lf
-from agentrl.verify import verify
+from agentrl.episode.verify import verify
 
 DEFAULT_SOLVE_TIMEOUT = 600.0
 

@@ -1,5 +1,5 @@
 """`agentrl train ...`: `run`, a training run of any environment and model through the library
-runtime, beside the trainer's own `replay` (`agentrl.train.cli`)."""
+runtime, beside the trainer's own `replay` (`agentrl.cli.train_replay`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from agentrl.train.cli import app
+from agentrl.cli.train_replay import app
 
 
 @app.command("run")

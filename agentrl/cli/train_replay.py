@@ -1,5 +1,5 @@
 """`agentrl train replay`: train-only steps over dumped samples, for debugging the trainer without
-engines or sandboxes (`agentrl train run`, the whole loop, lives in `agentrl.runtime.cli`)."""
+engines or sandboxes (`agentrl train run`, the whole loop, lives in `agentrl.cli.train`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from agentrl.sample import Sample
+from agentrl.episode.sample import Sample
 from agentrl.train.config import TrainConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Trainer: train-only runs, checkpoints.")

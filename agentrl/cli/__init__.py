@@ -1,4 +1,5 @@
-"""The `agentrl` command. Each area owns its sub-command group in its own `cli.py`."""
+"""The `agentrl` command. Each area's sub-command group is a module of this package (thin faces: parse,
+call the stage, print)."""
 
 from __future__ import annotations
 
@@ -17,27 +18,27 @@ from agentrl.errors import AgentRLError
 # lists them from this table without importing torch or any backend, and a group whose optional
 # extra is missing fails alone, saying which extra to install.
 _GROUPS = {
-    "tasks": ("agentrl.tasks_cli", "Validate, lint and inspect Harbor-format tasks.", None),
+    "tasks": ("agentrl.cli.tasks", "Validate, lint and inspect Harbor-format tasks.", None),
     "sandbox": (
-        "agentrl.sandbox.cli",
+        "agentrl.cli.sandbox",
         "Sandbox backends: stand-in base images, smoke checks, clean-up.",
         None,
     ),
-    "engine": ("agentrl.engine.cli", "Serve a model over an SGLang-compatible HTTP API.", "local"),
-    "episode": ("agentrl.episode_cli", "Run, record and replay single episodes.", None),
+    "engine": ("agentrl.cli.engine", "Serve a model over an SGLang-compatible HTTP API.", "local"),
+    "episode": ("agentrl.cli.episode", "Run, record and replay single episodes.", None),
     "eval": (
-        "agentrl.eval_cli",
+        "agentrl.cli.eval",
         "Evaluate a model on tasks with Harbor's semantics; write a Harbor job (ATIF trajectories).",
         None,
     ),
     "train": (
-        "agentrl.runtime.cli",
+        "agentrl.cli.train",
         "Train with the library runtime (run), or replay a trainer step.",
         "local",
     ),
-    "rollout": ("agentrl.rollout.cli", "Rollout-manager tools (the staleness simulator).", "local"),
+    "rollout": ("agentrl.cli.rollout", "Rollout-manager tools (the staleness simulator).", "local"),
     "env": (
-        "agentrl.openenv.cli",
+        "agentrl.cli.env",
         "Serve an environment as an OpenEnv server (reset / step / state).",
         "openenv",
     ),
@@ -121,7 +122,7 @@ def sft_cmd(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.sft import SFTConfig, load_record_samples, run_sft
+    from agentrl.train.sft import SFTConfig, load_record_samples, run_sft
 
     samples = load_record_samples(Path(records))
     net = AutoModelForCausalLM.from_pretrained(model)
@@ -175,6 +176,3 @@ def main() -> None:
         print("(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
 
-
-if __name__ == "__main__":
-    main()

@@ -23,11 +23,11 @@ from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.healthcheck import run_healthcheck
-from agentrl.sample import Episode, Sample, Status
+from agentrl.episode.healthcheck import run_healthcheck
+from agentrl.episode.sample import Episode, Sample, Status
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
 from agentrl.tasks import Task, load_task
-from agentrl.verify import VerifyResult, verify
+from agentrl.episode.verify import VerifyResult, verify
 
 RECORD_VERSION = 1
 

@@ -21,12 +21,12 @@ from typing import Any
 
 from rich.table import Table
 
+from agentrl.episode.sample import Status
 from agentrl.errors import AgentRLError, InfraError, InputError
 from agentrl.rollout.manager import EpisodeRunner
-from agentrl.rows import row_prompt_id
-from agentrl.sample import Status
+from agentrl.tasks.rows import row_prompt_id
 
-log = logging.getLogger("agentrl.evaluation")
+log = logging.getLogger("agentrl.eval.passk")
 
 # Causes an episode's own actions might have produced: scored as a failure, not left unscored.
 AMBIGUOUS_CAUSES = frozenset({"internal_error"})

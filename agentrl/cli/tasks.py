@@ -112,12 +112,12 @@ def oracle(
     import asyncio
     import uuid
 
-    from agentrl.oracle import run_oracle
+    from agentrl.episode.oracle import run_oracle
     from agentrl.sandbox.registry import make_provider
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
-    from agentrl.oracle import build_images
+    from agentrl.episode.oracle import build_images
     from agentrl.progress import progress_bar
 
     async def sweep() -> list:
