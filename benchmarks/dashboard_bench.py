@@ -1,6 +1,6 @@
 """How fast the dashboard opens a run with 10,000 episodes (issue 21: the first page in under 2 s).
 
-Writes a synthetic run directory (`agentrl.dashboard.synthetic`: the runtime's own record and
+Writes a synthetic run directory (`agentrl.testing.dashboard`: the runtime's own record and
 metric types, made-up numbers), starts `agentrl dashboard` on it as a fresh process, and times
 what the page asks for on first load: the page, the run list, the metrics, the evals and the
 first page of episodes (which reads the newest records first, for at most 0.5 s, and says how
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agentrl.dashboard.records import RecordIndex  # noqa: E402
-from agentrl.dashboard.synthetic import write_run  # noqa: E402
+from agentrl.testing.dashboard import write_run  # noqa: E402
 
 
 def free_port() -> int:

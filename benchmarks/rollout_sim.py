@@ -1,6 +1,6 @@
 """Rollout manager on a simulated workload: overhead, Little's-law efficiency, async vs sync.
 
-The workload is `agentrl.rollout.sim`: an engine with latency per token, sandbox create / exec
+The workload is `agentrl.testing.rollout_sim`: an engine with latency per token, sandbox create / exec
 and verifier latencies, and heavy-tailed episodes (turns ~ lognormal, sigma 1, capped). Part (a) runs
 in real time with short latencies, the process pinned to one core.
 
@@ -40,8 +40,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agentrl.episode.sample import Sample
 from agentrl.rollout import BufferTimeout, RolloutConfig, RolloutManager
-from agentrl.rollout.sim import (
+from agentrl.testing.rollout_sim import (
     SimEngine,
     SimFaults,
     SimSandboxProvider,
@@ -50,7 +51,6 @@ from agentrl.rollout.sim import (
     clock,
     run_virtual_time,
 )
-from agentrl.episode.sample import Sample
 
 ROWS = [{"prompt": f"task {i}", "metadata": {"task_id": f"t{i}", "p_pass": 0.5}} for i in range(4096)]
 

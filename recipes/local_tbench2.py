@@ -21,8 +21,8 @@ import typer
 from pydantic import Field, model_validator
 from rich.console import Console
 
-from agentrl.overrides import load_file
 from agentrl.cli import train as runtime_cli
+from agentrl.overrides import load_file
 from agentrl.runtime.config import RunConfig, _Section
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
@@ -68,8 +68,8 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.rollout.environment import EnvContext
     from agentrl.models.tiny import tiny_model_dir
+    from agentrl.rollout.environment import EnvContext
     from agentrl.tasks.rows import write_jsonl
     from agentrl.train.sft import SFTConfig, load_record_samples, run_sft
     from envs.tbench2 import TerminalConfig, TerminalEnvironment

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeResult, run_episode
 from agentrl.episode.sample import Status
 from agentrl.sandbox.daytona import DaytonaProvider

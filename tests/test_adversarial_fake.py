@@ -11,17 +11,17 @@ import pytest
 from typer.testing import CliRunner
 
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode.run import run_episode
 from agentrl.cli.episode import _safe
+from agentrl.cli.tasks import app as tasks_app
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.episode.run import run_episode
 from agentrl.episode.sample import Status
 from agentrl.sandbox.base import ExecResult, SandboxPolicyError, printable, tampered
-from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
 from agentrl.sandbox.podman import _DiffScan
 from agentrl.tasks import load_task
 from agentrl.tasks.lint import lint_task
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
-from agentrl.cli.tasks import app as tasks_app
+from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.chat_tokenizer import byte_tokenizer
 from tests.test_adversarial_podman import GUARDED, episode_config, fenced
 

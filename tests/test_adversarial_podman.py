@@ -21,14 +21,14 @@ import pytest
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeResult, run_episode
-from agentrl.errors import TaskFormatError
 from agentrl.episode.sample import Status
+from agentrl.episode.verify import verify
+from agentrl.errors import TaskFormatError
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, run_cli
 from agentrl.tasks import load_task
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
-from agentrl.episode.verify import verify
 from tests.chat_tokenizer import byte_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"

@@ -12,10 +12,10 @@ import uuid
 import pytest
 
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeRunner
-from agentrl.rollout import RolloutConfig, RolloutManager
 from agentrl.episode.sample import Status
+from agentrl.rollout import RolloutConfig, RolloutManager
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, run_cli
 from tests.chat_tokenizer import byte_tokenizer
 from tests.test_adversarial_podman import GUARDED, episode_config, fenced

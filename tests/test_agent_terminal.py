@@ -14,7 +14,7 @@ from agentrl.agent.loop import AgentConfig, EndReason, run_agent
 from agentrl.agent.prompts import TERMINUS_JSON_TEMPLATE, initial_prompt
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.errors import AgentRLError
 from agentrl.sandbox.base import SandboxError
 from tests.chat_tokenizer import byte_tokenizer
@@ -176,8 +176,8 @@ def test_a_custom_template_is_used_and_checked(tmp_path: Path) -> None:
 async def test_exit_ends_the_session_and_the_episode_is_still_verified(tmp_path: Path) -> None:
     """Terminus-2 stops when the agent ends its shell; what it did before is graded."""
     from agentrl.episode.run import EpisodeConfig, run_episode
-    from agentrl.sandbox.fake import FakeSandboxProvider
     from agentrl.tasks import load_task
+    from agentrl.testing.sandbox import FakeSandboxProvider
     from tests.conftest import BUNDLED_TASKS
 
     provider = FakeSandboxProvider(grader=lambda sb: 1.0 if "/app/hello.txt" in sb.files else 0.0)

@@ -17,12 +17,12 @@ pytest.importorskip("math_verify")
 pytest.importorskip("transformers")
 
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
-from agentrl.engine.fake import ScriptedEngine
-from agentrl.rollout.environment import EnvContext, get_plugin
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.episode.sample import Status
 from agentrl.errors import InfraError
 from agentrl.eval.passk import evaluate
+from agentrl.rollout.environment import EnvContext, get_plugin
 from agentrl.runtime import RunConfig, resolve
-from agentrl.episode.sample import Status
 from envs.dapo_math import MathConfig, MathEnvironment
 from envs.dapo_math.rows import MathRowError, dapo_row, read_rows
 from envs.dapo_math.synthetic import arithmetic_rows, solution_text, statement

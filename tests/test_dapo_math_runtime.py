@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("math_verify")
 pytest.importorskip("torch")
 
-from agentrl.tasks.rows import write_jsonl
 from agentrl.runtime import RunConfig, close_parts, resolve, train
 from agentrl.runtime.build import build_parts
+from agentrl.tasks.rows import write_jsonl
 from envs.dapo_math.synthetic import arithmetic_rows
 
 pytestmark = pytest.mark.slow

@@ -28,9 +28,9 @@ from agentrl.agent.loop import TurnRecord
 from agentrl.dashboard.records import TEXT_LIMIT, EpisodeQuery, RecordIndex, episode_view, full_text
 from agentrl.dashboard.server import DashboardError, make_app
 from agentrl.dashboard.sinks import MetricSinks, SinkError, flatten, open_sinks
-from agentrl.dashboard.synthetic import metrics_row, write_episode, write_run
 from agentrl.dashboard.tail import JsonlTail
 from agentrl.episode.run import Recorder
+from agentrl.testing.dashboard import metrics_row, write_episode, write_run
 from tests.conftest import BUNDLED_TASKS
 
 CHROMIUM = shutil.which("chromium")

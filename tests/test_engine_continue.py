@@ -93,7 +93,7 @@ async def _agent_with_hanging_engine(**config: object):  # type: ignore[no-untyp
     from agentrl.agent.actions import FencedBashFormat
     from agentrl.agent.loop import AgentConfig, run_agent
     from agentrl.agent.tokens import ChatRenderer
-    from agentrl.sandbox.fake import FakeSandbox
+    from agentrl.testing.sandbox import FakeSandbox
     from tests.chat_tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()

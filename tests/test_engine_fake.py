@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from agentrl.engine.base import DiskWeights, EngineBadRequest, EngineError, SamplingParams
-from agentrl.engine.fake import FakeEngine, Faults, ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.testing.engine import FakeEngine, Faults
 from tests.chat_tokenizer import byte_tokenizer
 
 

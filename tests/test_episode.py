@@ -10,12 +10,12 @@ import pytest
 from agentrl.agent.loop import AgentConfig, EndReason
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner, read_record, replay_episode, run_episode
-from agentrl.errors import InfraError
 from agentrl.episode.sample import Status
-from agentrl.sandbox.fake import FakeSandboxProvider, Faults
+from agentrl.errors import InfraError
 from agentrl.tasks import load_task
+from agentrl.testing.sandbox import FakeSandboxProvider, Faults
 from tests.chat_tokenizer import byte_tokenizer
 
 TASK = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "write-hello"

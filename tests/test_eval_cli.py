@@ -15,7 +15,7 @@ from aiohttp import web
 
 from agentrl.eval.harbor import EvalConfigError, EvalSettings, run_eval
 from agentrl.eval.harbor_job import build_trajectory, harbor_pass_at_k, task_checksum, trial_name, turn_tokens
-from agentrl.sandbox.fake import FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandboxProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "envs" / "tbench2" / "tasks"

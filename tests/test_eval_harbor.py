@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from agentrl.eval.harbor import run_eval
-from agentrl.sandbox.fake import FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandboxProvider
 from tests.test_eval_cli import IDLE, SOLVE, ScriptedChat, _grader, _settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -15,7 +15,7 @@ from agentrl.engine.local import LocalEngine
 from agentrl.engine.server import EngineServer
 from agentrl.eval.harbor import EvalSettings, run_eval
 from agentrl.models.tiny import load_tiny, tiny_model_dir
-from agentrl.sandbox.fake import FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandboxProvider
 
 TASKS = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks"
 

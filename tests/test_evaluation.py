@@ -11,13 +11,13 @@ import pytest
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Generation, SamplingParams
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.eval.passk import EvalError, evaluate, pass_at_k
 from agentrl.sandbox.base import SandboxCreateError
-from agentrl.sandbox.fake import FakeSandboxProvider
 from agentrl.tasks import load_task
 from agentrl.tasks.dataset import task_row
+from agentrl.testing.sandbox import FakeSandboxProvider
 from tests.chat_tokenizer import byte_tokenizer
 
 TASK = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "write-hello"

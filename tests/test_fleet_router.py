@@ -195,7 +195,7 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
     from agentrl.episode.run import EpisodeConfig, EpisodeRunner
     from agentrl.models.tiny import tiny_model_dir
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
-    from agentrl.sandbox.fake import FakeSandboxProvider
+    from agentrl.testing.sandbox import FakeSandboxProvider
     from agentrl.train.config import TrainConfig
     from agentrl.train.torch_backend import TorchTrainer
     from agentrl.train.weight_sync import DiskTransport, TensorTransport

@@ -26,13 +26,13 @@ from pydantic import Field
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
-from agentrl.engine.fake import ScriptedEngine
-from agentrl.rollout.environment import EnvContext, EnvironmentPluginError
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InfraError
 from agentrl.openenv.client import OpenEnvInfraError
 from agentrl.rollout import RolloutConfig, RolloutManager
-from agentrl.episode.sample import Episode, Status
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError
 from agentrl.tasks import load_task
 from agentrl.tasks.dataset import task_row
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment

@@ -27,11 +27,11 @@ from websockets.asyncio.client import connect
 
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.base import SamplingParams
-from agentrl.engine.fake import ScriptedEngine
-from agentrl.rollout.environment import EnvContext
-from agentrl.episode.run import EpisodeConfig, run_episode
 from agentrl.cli.episode import scripted_solution_texts
+from agentrl.engine.base import SamplingParams
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.episode.run import EpisodeConfig, run_episode
+from agentrl.rollout.environment import EnvContext
 from agentrl.sandbox.podman import PodmanProvider
 from agentrl.tasks import load_task
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment

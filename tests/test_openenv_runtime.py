@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 from agentrl.openenv.server import ServeConfig, run_in_thread
 from agentrl.runtime import RunConfig, close_parts, resolve, train
 from agentrl.runtime.build import build_parts
-from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.conftest import BUNDLED_TASKS
 from tests.test_openenv_server import eventually
 

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 
 from agentrl.openenv.server import ServeConfig, Server, run_in_thread
 from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError
-from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.conftest import BUNDLED_TASKS
 
 HELLO = "echo 'Hello, world!' > /app/hello.txt"

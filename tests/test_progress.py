@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agentrl.progress import progress_bar, progress_enabled
-from agentrl.sandbox.fake import FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandboxProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "envs" / "tbench2" / "tasks"

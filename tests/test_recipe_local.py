@@ -134,8 +134,8 @@ def test_probe_trains_on_harvest_records_with_the_proxy_reward(probe, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.models.tiny import tiny_model_dir
     from agentrl.episode.sample import Sample
+    from agentrl.models.tiny import tiny_model_dir
     from agentrl.train.sft import SFTConfig, run_sft
 
     base = tiny_model_dir(seed=0)

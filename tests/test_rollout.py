@@ -10,11 +10,13 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
 
+from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InfraError
 from agentrl.eval.passk import evaluate
 from agentrl.rollout import (
@@ -26,7 +28,7 @@ from agentrl.rollout import (
     RolloutManager,
     render,
 )
-from agentrl.rollout.sim import (
+from agentrl.testing.rollout_sim import (
     SimEngine,
     SimFaults,
     SimSandboxProvider,
@@ -35,7 +37,6 @@ from agentrl.rollout.sim import (
     clock,
     run_virtual_time,
 )
-from agentrl.episode.sample import Episode, Status
 
 FAST = SimWorkload(
     engine_per_token_s=0.00005,
@@ -296,7 +297,7 @@ async def test_leaving_the_manager_cancels_running_episodes_and_closes_every_san
 CTRL_C_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from agentrl.rollout import RolloutConfig, RolloutManager
-    from agentrl.rollout.sim import SimEngine, SimSandboxProvider, SimulatedRunner, SimWorkload
+    from agentrl.testing.rollout_sim import SimEngine, SimSandboxProvider, SimulatedRunner, SimWorkload
     w = SimWorkload(engine_per_token_s=0.01, median_turns=50, max_turns=100)
     engine, provider = SimEngine(w), SimSandboxProvider(w)
     async def main():
@@ -513,11 +514,21 @@ async def test_a_group_that_can_no_longer_be_trained_in_bound_is_cancelled_in_fl
     assert provider.live_sandboxes() == 0
 
 
-def test_rollout_sim_command_prints_step_tables_and_leaks_nothing(tmp_path) -> None:
+def test_the_old_rollout_sim_command_names_its_new_place() -> None:
     from typer.testing import CliRunner
 
-    from agentrl.cli.rollout import app
+    from agentrl.cli import app
 
+    result = CliRunner().invoke(app, ["rollout", "sim", "--steps", "2"])
+    assert result.exit_code == 2 and "benchmarks/rollout_faults.py sim" in result.output
+
+
+def test_rollout_sim_command_prints_step_tables_and_leaks_nothing(tmp_path) -> None:
+    import runpy
+
+    from typer.testing import CliRunner
+
+    app = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "rollout_faults.py"))["app"]
     path = tmp_path / "m.jsonl"
     result = CliRunner().invoke(
         app, ["sim", "--steps", "2", "--batch-size", "16", "--n-samples", "4", "--metrics", str(path)]

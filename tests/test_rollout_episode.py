@@ -10,13 +10,13 @@ from pathlib import Path
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import DiskWeights, Engine, EngineError, Generation, SamplingParams
-from agentrl.engine.fake import FakeEngine
-from agentrl.engine.fake import Faults as EngineFaults
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.sample import Status
 from agentrl.errors import InfraError
 from agentrl.rollout import MetricsTracker, RolloutConfig, RolloutManager
-from agentrl.episode.sample import Status
-from agentrl.sandbox.fake import FakeSandboxProvider, Faults
+from agentrl.testing.engine import FakeEngine
+from agentrl.testing.engine import Faults as EngineFaults
+from agentrl.testing.sandbox import FakeSandboxProvider, Faults
 from tests.chat_tokenizer import byte_tokenizer
 
 TASK = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "write-hello"

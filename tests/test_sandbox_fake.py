@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from agentrl.sandbox.base import ExecResult, SandboxCreateError, SandboxTransportError
-from agentrl.sandbox.fake import FakeSandboxProvider, Faults
 from agentrl.sandbox.registry import make_provider
 from agentrl.sandbox.terminal import TerminalClosedError
 from agentrl.tasks import load_task
+from agentrl.testing.sandbox import FakeSandboxProvider, Faults
 from tests.sandbox_contract import SandboxContract
 from tests.terminal_contract import TerminalContract
 

@@ -6,7 +6,14 @@ import subprocess
 import sys
 import textwrap
 
-TERMINAL = ("agentrl.sandbox", "agentrl.tasks", "agentrl.agent", "agentrl.episode.run", "agentrl.episode.verify", "envs")
+TERMINAL = (
+    "agentrl.sandbox",
+    "agentrl.tasks",
+    "agentrl.agent",
+    "agentrl.episode.run",
+    "agentrl.episode.verify",
+    "envs",
+)
 
 
 def test_manager_trainer_and_runtime_import_nothing_terminal_specific() -> None:

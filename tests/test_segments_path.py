@@ -10,10 +10,10 @@ import pytest
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
-from agentrl.engine.fake import ScriptedEngine
+from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.rollout import RolloutConfig, RolloutManager
-from agentrl.sandbox.fake import FakeSandboxProvider
+from agentrl.testing.sandbox import FakeSandboxProvider
 from agentrl.train.batch import build_batch, training_samples
 from tests.chat_tokenizer import THINK_STRIPPING_TEMPLATE, byte_tokenizer
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.errors import TaskFormatError
 from agentrl.episode.healthcheck import HealthcheckError, run_healthcheck
+from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import ExecResult
 from agentrl.tasks import load_task
 from agentrl.tasks.lint import lint_task, warning_kinds

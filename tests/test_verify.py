@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.episode.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import ExecResult
-from agentrl.sandbox.fake import FakeSandbox, FakeSandboxProvider, Faults
 from agentrl.tasks import load_task
-from agentrl.episode.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
+from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider, Faults
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
 

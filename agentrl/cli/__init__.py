@@ -36,12 +36,18 @@ _GROUPS = {
         "Train with the library runtime (run), or replay a trainer step.",
         "local",
     ),
-    "rollout": ("agentrl.cli.rollout", "Rollout-manager tools (the staleness simulator).", "local"),
     "env": (
         "agentrl.cli.env",
         "Serve an environment as an OpenEnv server (reset / step / state).",
         "openenv",
     ),
+}
+
+
+# Groups that moved: the old spelling names the new one instead of "no such command".
+_MOVED = {
+    "rollout": "`agentrl rollout sim` moved to `python benchmarks/rollout_faults.py sim` (same options): the "
+    "simulated workload is a test double (agentrl.testing.rollout_sim), which commands never import",
 }
 
 
@@ -54,6 +60,9 @@ class _LazyRoot(TyperGroup):
         return [*_GROUPS, *super().list_commands(ctx)]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _MOVED:
+            click.echo(f"error: {_MOVED[cmd_name]}", err=True)
+            raise typer.Exit(2)
         if cmd_name not in _GROUPS:
             return super().get_command(ctx, cmd_name)
         module, help_text, extra = _GROUPS[cmd_name]
@@ -175,4 +184,3 @@ def main() -> None:
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         print("(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
-

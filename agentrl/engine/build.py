@@ -65,7 +65,7 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
     model_dir = check_model_source(spec.model) if spec.model else tiny_model_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if spec.kind == "scripted":
-        from agentrl.engine.fake import ScriptedEngine
+        from agentrl.engine.scripted import ScriptedEngine
 
         if not spec.scripted_replies:
             raise EngineConfigError("the scripted engine needs its replies")

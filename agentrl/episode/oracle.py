@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agentrl.errors import AgentRLError, InfraError
 from agentrl.episode.healthcheck import run_healthcheck
+from agentrl.episode.verify import verify
+from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.config import resolve_env_templates
 from agentrl.tasks.task import Task, scripts_with_lf
-from agentrl.episode.verify import verify
 
 DEFAULT_SOLVE_TIMEOUT = 600.0
 

@@ -22,12 +22,12 @@ from agentrl.agent.actions import Command, get_format
 from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run_agent, run_command
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
-from agentrl.errors import AgentRLError, InfraError
 from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.episode.sample import Episode, Sample, Status
+from agentrl.episode.verify import VerifyResult, verify
+from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
 from agentrl.tasks import Task, load_task
-from agentrl.episode.verify import VerifyResult, verify
 
 RECORD_VERSION = 1
 

@@ -673,7 +673,7 @@ def _sandbox_can_open_terminal(provider: Any, backend: str) -> bool:
         "podman": ("agentrl.sandbox.podman", "PodmanSandbox"),
         "docker": ("agentrl.sandbox.podman", "PodmanSandbox"),
         "daytona": ("agentrl.sandbox.daytona", "DaytonaSandbox"),
-        "fake": ("agentrl.sandbox.fake", "FakeSandbox"),
+        "fake": ("agentrl.testing.sandbox", "FakeSandbox"),
     }
     cls = getattr(provider, "sandbox_class", None)
     if cls is None:

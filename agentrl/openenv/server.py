@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, get_plugin, resolve_config
 from agentrl.errors import AgentRLError
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, get_plugin, resolve_config
 from agentrl.sandbox.base import SandboxProvider
 
 log = logging.getLogger("agentrl.openenv")

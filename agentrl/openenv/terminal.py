@@ -37,6 +37,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
 
 import agentrl
+from agentrl.episode.verify import verify
 from agentrl.errors import InfraError, InputError
 from agentrl.openenv.schema import (
     ACTION_TYPES,
@@ -54,7 +55,6 @@ from agentrl.sandbox.base import (
     SandboxTransportError,
 )
 from agentrl.tasks import Task
-from agentrl.episode.verify import verify
 
 if TYPE_CHECKING:
     from agentrl.openenv.server import ServeConfig

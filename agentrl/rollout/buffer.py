@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.errors import AgentRLError
 from agentrl.episode.sample import Episode
+from agentrl.errors import AgentRLError
 
 
 class BufferError(AgentRLError):

@@ -56,10 +56,10 @@ from typing import Any, Literal, Protocol
 
 from pydantic import ConfigDict
 
+from agentrl.episode.sample import Episode, Status
 from agentrl.errors import AgentRLError, InfraError, InputError
 from agentrl.rollout.buffer import Buffer, Group
 from agentrl.rollout.source import Prompt, PromptSource
-from agentrl.episode.sample import Episode, Status
 
 log = logging.getLogger("agentrl.rollout")
 

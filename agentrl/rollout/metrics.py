@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from agentrl.rollout.buffer import Group
 from agentrl.episode.sample import Status
+from agentrl.rollout.buffer import Group
 
 if TYPE_CHECKING:
     from agentrl.rollout.manager import RolloutManager

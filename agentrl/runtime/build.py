@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from agentrl.rollout.environment import EnvContext, get_plugin
 from agentrl.errors import AgentRLError
 from agentrl.models.source import check_model_source
+from agentrl.rollout.environment import EnvContext, get_plugin
 from agentrl.runtime.config import RunConfig
 from agentrl.runtime.loop import RunParts
 

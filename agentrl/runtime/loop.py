@@ -28,10 +28,10 @@ import torch
 
 from agentrl.dashboard.sinks import open_sinks
 from agentrl.engine.base import Engine, EngineVersionMismatch
-from agentrl.rollout.environment import Environment
 from agentrl.eval.passk import EvalSummary, evaluate
 from agentrl.overrides import ConfigError
 from agentrl.progress import progress_bar
+from agentrl.rollout.environment import Environment
 from agentrl.rollout.manager import RolloutManager
 from agentrl.rollout.metrics import MetricsTracker, StepMetrics
 from agentrl.runtime.config import RunConfig

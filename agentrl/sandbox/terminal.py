@@ -1,7 +1,7 @@
 """Terminal sessions: what an agent that types keystrokes and reads the screen (Harbor's
 Terminus-2) works in. `Sandbox.open_terminal` gives a `TerminalSession`; the podman and Daytona
 backends run a tmux server inside the sandbox (`TmuxTerminal`), the fake backend an in-memory line
-discipline with simulated programs (`agentrl.sandbox.fake_terminal.FakeTerminal`).
+discipline with simulated programs (`agentrl.testing.terminal.FakeTerminal`).
 
 Fidelity with Harbor 0.25 (`harbor/agents/terminus_2/tmux_session.py`), as Terminus-2 uses it
 (`send_keys(keystrokes, block=False, min_timeout_sec=duration)`, `capture_pane`):

@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.engine.base import Engine, SamplingParams, generate_to_end
-from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.episode.sample import Episode, Sample, Status
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from envs.dapo_math.answer import ANSWER_WINDOW_CHARS, extract_answer
 from envs.dapo_math.rows import ground_truth, read_rows
 from envs.dapo_math.verify import MathVerifier, Verdict

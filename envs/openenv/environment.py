@@ -34,10 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, SamplingParams, generate_to_end
-from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
-from agentrl.errors import InputError
-from agentrl.tasks.rows import read_jsonl
 from agentrl.episode.sample import Episode, Sample, Status
+from agentrl.errors import InputError
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
+from agentrl.tasks.rows import read_jsonl
 
 log = logging.getLogger("agentrl.envs.openenv")
 

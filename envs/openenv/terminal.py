@@ -16,6 +16,7 @@ from agentrl.agent.loop import run_agent
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine
 from agentrl.episode.run import episode_from_run
+from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InputError
 from agentrl.openenv.client import (
     OpenEnvInfraError,
@@ -25,7 +26,6 @@ from agentrl.openenv.client import (
     TerminalClient,
 )
 from agentrl.openenv.schema import TerminalAction
-from agentrl.episode.sample import Episode, Status
 
 if TYPE_CHECKING:
     from envs.openenv.environment import OpenEnvEnvironment

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
-from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks import Task, discover_tasks
 from agentrl.tasks.dataset import task_row

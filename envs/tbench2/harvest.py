@@ -11,9 +11,9 @@ from typing import Any
 
 from agentrl.agent.actions import get_format
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.fake import ScriptedEngine
-from agentrl.episode.run import run_episode
 from agentrl.cli.episode import scripted_solution_texts
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.episode.run import run_episode
 from agentrl.errors import AgentRLError
 from envs.tbench2.environment import TerminalEnvironment
 

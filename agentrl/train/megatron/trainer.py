@@ -45,8 +45,8 @@ import torch.distributed as dist
 from agentrl.algo import vocab_parallel_logprobs
 from agentrl.algo.fused_loss import TokenLossResult, vocab_parallel_token_loss
 from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
-from agentrl.overrides import ConfigError
 from agentrl.episode.sample import Sample
+from agentrl.overrides import ConfigError
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
 from agentrl.train.checkpoint import CheckpointError, TrainState, latest_checkpoint
 from agentrl.train.config import TrainConfig

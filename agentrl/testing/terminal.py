@@ -34,7 +34,7 @@ from agentrl.sandbox.base import DEFAULT_OUTPUT_LIMIT
 from agentrl.sandbox.terminal import ENTER_KEYS, TerminalClosedError, TerminalSession, wait_rest
 
 if TYPE_CHECKING:
-    from agentrl.sandbox.fake import FakeSandbox, ShellState
+    from agentrl.testing.sandbox import FakeSandbox, ShellState
 
 _SLEEP = re.compile(r"^sleep (\d+(?:\.\d+)?)$")
 _HTTP = re.compile(r"^python3? -m http\.server(?: (\d+))?(?: --bind (\S+))?$")

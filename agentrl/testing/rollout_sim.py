@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agentrl.engine.base import EngineAborted, EngineError
-from agentrl.errors import InfraError
 from agentrl.episode.sample import Episode, Sample, Status
+from agentrl.errors import InfraError
 
 T = TypeVar("T")
 

@@ -1,4 +1,5 @@
-"""`agentrl rollout ...`: the rollout manager on the simulated, fault-injecting workload."""
+"""The rollout manager on the simulated, fault-injecting workload, step by step (formerly `agentrl
+rollout sim`): `python benchmarks/rollout_faults.py sim --steps 5 --create-failure 0.2`."""
 
 from __future__ import annotations
 
@@ -44,7 +45,13 @@ def sim_cmd(
 
     from agentrl.errors import AgentRLError
     from agentrl.rollout import MetricsTracker, RolloutConfig, RolloutManager, render
-    from agentrl.rollout.sim import SimEngine, SimFaults, SimSandboxProvider, SimulatedRunner, SimWorkload
+    from agentrl.testing.rollout_sim import (
+        SimEngine,
+        SimFaults,
+        SimSandboxProvider,
+        SimulatedRunner,
+        SimWorkload,
+    )
 
     faults = SimFaults(
         create_failure=create_failure,
@@ -98,3 +105,7 @@ def sim_cmd(
         raise typer.Exit(1) from None
     finally:
         logger.setLevel(level)
+
+
+if __name__ == "__main__":
+    app()

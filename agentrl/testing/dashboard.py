@@ -15,8 +15,8 @@ from pathlib import Path
 
 from agentrl.agent.loop import CommandOutput, TurnRecord
 from agentrl.episode.run import RECORD_VERSION, Recorder
-from agentrl.rollout.metrics import StepMetrics
 from agentrl.episode.sample import Sample, Status
+from agentrl.rollout.metrics import StepMetrics
 
 TASKS = ("count-lines", "hello-file", "make-dirs", "replace-word", "uppercase-file", "fix-build")
 

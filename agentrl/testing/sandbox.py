@@ -51,8 +51,8 @@ from agentrl.sandbox.base import (
     bound_output,
     tampered,
 )
-from agentrl.sandbox.fake_terminal import FakeTerminal, probe_port
 from agentrl.sandbox.terminal import TerminalSession, check_size
+from agentrl.testing.terminal import FakeTerminal, probe_port
 
 if TYPE_CHECKING:
     from agentrl.tasks import Task
