@@ -28,7 +28,7 @@ from agentrl.engine.base import (
 Script = Sequence[str] | Callable[[str | None, int, list[int]], str]
 
 
-class _PauseGate:
+class PauseGate:
     """Shared pause/abort behaviour: requests wait while paused; "abort" ends in-flight ones."""
 
     def __init__(self) -> None:
@@ -81,7 +81,7 @@ class InMemoryControl(Engine):
     its own or requested by an update) fails while a request is in flight (0.5.16
     `Scheduler.flush_cache`), and updates are typed. `updates` records every update applied."""
 
-    _gate: _PauseGate
+    _gate: PauseGate
     updates: list[WeightUpdate]
 
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -144,7 +144,7 @@ class ScriptedEngine(InMemoryControl):
         self.eos_id = eos
         self.calls: list[tuple[str | None, list[int]]] = []
         self._turns: dict[str | None, int] = {}
-        self._gate = _PauseGate()
+        self._gate = PauseGate()
         self.updates = []
 
     def _text(self, session_id: str | None, input_ids: list[int]) -> str:

@@ -13,7 +13,7 @@ from agentrl.engine.base import (
     Generation,
     SamplingParams,
 )
-from agentrl.engine.scripted import InMemoryControl
+from agentrl.engine.scripted import InMemoryControl, PauseGate
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class FakeEngine(InMemoryControl):
         self.failures = 0
         self.aborts = 0
         self.tokens = 0  # generated, over all requests
-        self._gate = _PauseGate()
+        self._gate = PauseGate()
         self.updates = []
 
     async def generate(
