@@ -36,7 +36,7 @@ from pathlib import Path
 from agentrl.episode.oracle import run_oracle
 from agentrl.episode.verify import verify
 from agentrl.sandbox.podman import PodmanProvider, PodmanSandbox, reap
-from agentrl.tasks import discover_tasks, load_task
+from agentrl.tasks.task import discover_tasks, load_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ROOT / "tests" / "fixtures" / "sandbox_tasks" / "write-hello"

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from agentrl.episode.verify import verify
-from agentrl.sandbox.base import Sandbox, SandboxProvider
-from agentrl.sandbox.terminal import TerminalClosedError, TerminalSession
-from agentrl.tasks import load_task
+from agentrl.sandbox.base import Sandbox, SandboxProvider, TerminalClosedError, TerminalSession
+from agentrl.tasks.task import load_task
 
 INTERACTIVE = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "interactive"
 PROBE = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=5).status)\""

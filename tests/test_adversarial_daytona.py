@@ -18,7 +18,7 @@ from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeResult, run_episode
 from agentrl.episode.sample import Status
 from agentrl.sandbox.daytona import DaytonaProvider
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from tests.chat_tokenizer import byte_tokenizer
 from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
 from tests.test_adversarial_podman import FAIL, GUARDED, HONEST, episode_config, fenced

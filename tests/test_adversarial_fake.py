@@ -17,10 +17,9 @@ from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import run_episode
 from agentrl.episode.sample import Status
 from agentrl.sandbox.base import ExecResult, SandboxPolicyError, printable, tampered
+from agentrl.sandbox.lint import lint_task
 from agentrl.sandbox.podman import _DiffScan
-from agentrl.tasks import load_task
-from agentrl.tasks.lint import lint_task
-from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
+from agentrl.tasks.task import MAX_INSTRUCTION_BYTES, load_task
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.chat_tokenizer import byte_tokenizer
 from tests.test_adversarial_podman import GUARDED, episode_config, fenced

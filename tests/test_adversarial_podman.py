@@ -27,8 +27,7 @@ from agentrl.episode.sample import Status
 from agentrl.episode.verify import verify
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, run_cli
-from agentrl.tasks import load_task
-from agentrl.tasks.task import MAX_INSTRUCTION_BYTES
+from agentrl.tasks.task import MAX_INSTRUCTION_BYTES, load_task
 from tests.chat_tokenizer import byte_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"

@@ -176,7 +176,7 @@ def test_a_custom_template_is_used_and_checked(tmp_path: Path) -> None:
 async def test_exit_ends_the_session_and_the_episode_is_still_verified(tmp_path: Path) -> None:
     """Terminus-2 stops when the agent ends its shell; what it did before is graded."""
     from agentrl.episode.run import EpisodeConfig, run_episode
-    from agentrl.tasks import load_task
+    from agentrl.tasks.task import load_task
     from agentrl.testing.sandbox import FakeSandboxProvider
     from tests.conftest import BUNDLED_TASKS
 

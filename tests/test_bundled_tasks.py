@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.tasks import Task, discover_tasks
-from agentrl.tasks.lint import lint_tasks
+from agentrl.sandbox.lint import lint_tasks
+from agentrl.tasks.task import Task, discover_tasks
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks"
 ALLOWED_BASES = {

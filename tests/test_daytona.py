@@ -54,7 +54,7 @@ from agentrl.sandbox.daytona import (
 )
 from agentrl.sandbox.registry import make_provider
 from agentrl.sandbox.terminal import INSTALL_TMUX
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from tests.fake_daytona import (
     FakeAsyncDaytona,
     FakeAsyncFileSystem,

@@ -20,7 +20,7 @@ from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, Generation, SamplingParams
 from agentrl.episode.run import EpisodeConfig, run_episode
 from agentrl.sandbox.daytona import DaytonaProvider
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from tests.chat_tokenizer import byte_tokenizer
 from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
 from tests.sandbox_contract import SandboxContract
@@ -185,7 +185,7 @@ def test_sandboxes_left_open_are_deleted_at_interpreter_exit(server) -> None:
         f"""
         import asyncio
         from agentrl.sandbox.daytona import DaytonaProvider
-        from agentrl.tasks import load_task
+        from agentrl.tasks.task import load_task
         from tests.fake_daytona import FakeDaytonaServer, PodmanRuntime
 
         server = FakeDaytonaServer(PodmanRuntime({CLI!r}, server_tag={tag!r}))

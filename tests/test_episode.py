@@ -14,7 +14,7 @@ from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner, read_record, replay_episode, run_episode
 from agentrl.episode.sample import Status
 from agentrl.errors import InfraError
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from agentrl.testing.sandbox import FakeSandboxProvider, Faults
 from tests.chat_tokenizer import byte_tokenizer
 

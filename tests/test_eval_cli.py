@@ -183,7 +183,7 @@ async def test_the_defaults_are_terminus_2s_and_real_model_sized(tmp_path: Path)
 
 async def test_settings_that_would_score_a_real_model_wrongly_are_warned_about(tmp_path: Path) -> None:
     from agentrl.eval.harbor import BuiltEngine, harbor_warnings, resolve
-    from agentrl.tasks import load_task
+    from agentrl.tasks.task import load_task
 
     settings = _settings(
         tmp_path, "http://127.0.0.1:1/v1", max_turns=3, max_new_tokens=64, max_agent_timeout=120

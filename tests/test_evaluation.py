@@ -15,8 +15,8 @@ from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.eval.passk import EvalError, evaluate, pass_at_k
 from agentrl.sandbox.base import SandboxCreateError
-from agentrl.tasks import load_task
 from agentrl.tasks.dataset import task_row
+from agentrl.tasks.task import load_task
 from agentrl.testing.sandbox import FakeSandboxProvider
 from tests.chat_tokenizer import byte_tokenizer
 

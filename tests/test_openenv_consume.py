@@ -33,8 +33,8 @@ from agentrl.errors import InfraError
 from agentrl.openenv.client import OpenEnvInfraError
 from agentrl.rollout import RolloutConfig, RolloutManager
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError
-from agentrl.tasks import load_task
 from agentrl.tasks.dataset import task_row
+from agentrl.tasks.task import load_task
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment
 from tests.chat_tokenizer import byte_tokenizer
 from tests.conftest import BUNDLED_TASKS

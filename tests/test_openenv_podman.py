@@ -26,14 +26,14 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import connect
 
 from agentrl.agent.loop import AgentConfig
+from agentrl.agent.solution import scripted_solution_texts
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.cli.episode import scripted_solution_texts
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, run_episode
 from agentrl.rollout.environment import EnvContext
 from agentrl.sandbox.podman import PodmanProvider
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment
 from tests.chat_tokenizer import byte_tokenizer
 from tests.conftest import BUNDLED_TASKS
@@ -172,7 +172,8 @@ async def test_the_daytona_backend_serves_the_same_episodes(tmp_path: Path) -> N
     """The server is backend-blind: on Daytona (the in-process fake, its sandboxes real podman
     containers) the solution scores 1, nothing scores 0, and a vanished client leaves nothing."""
     pytest.importorskip("daytona")
-    from agentrl.openenv.server import ServeConfig, run_in_thread
+    from agentrl.openenv.config import ServeConfig
+    from agentrl.openenv.server import run_in_thread
     from agentrl.sandbox.daytona import DaytonaProvider
     from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
 

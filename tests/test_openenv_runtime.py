@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("openenv.core.env_server")
 pytest.importorskip("torch")
 
-from agentrl.openenv.server import ServeConfig, run_in_thread
+from agentrl.openenv.config import ServeConfig
+from agentrl.openenv.server import run_in_thread
 from agentrl.runtime import RunConfig, close_parts, resolve, train
 from agentrl.runtime.build import build_parts
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider

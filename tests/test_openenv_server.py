@@ -21,7 +21,8 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from agentrl.openenv.server import ServeConfig, Server, run_in_thread
+from agentrl.openenv.config import ServeConfig
+from agentrl.openenv.server import Server, run_in_thread
 from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.conftest import BUNDLED_TASKS

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from agentrl.cli import app
 from agentrl.episode.oracle import run_oracle
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider
-from agentrl.tasks import discover_tasks, load_task
+from agentrl.tasks.task import discover_tasks, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
 CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")

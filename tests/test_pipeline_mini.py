@@ -38,8 +38,8 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
     from agentrl.models.tiny import load_tiny
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
     from agentrl.sandbox.podman import PodmanProvider
-    from agentrl.tasks import load_task
     from agentrl.tasks.dataset import task_row
+    from agentrl.tasks.task import load_task
     from agentrl.train.batch import training_samples
     from agentrl.train.config import TrainConfig
     from agentrl.train.torch_backend import TorchTrainer

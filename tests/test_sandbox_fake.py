@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.sandbox.base import ExecResult, SandboxCreateError, SandboxTransportError
+from agentrl.sandbox.base import ExecResult, SandboxCreateError, SandboxTransportError, TerminalClosedError
 from agentrl.sandbox.registry import make_provider
-from agentrl.sandbox.terminal import TerminalClosedError
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from agentrl.testing.sandbox import FakeSandboxProvider, Faults
 from tests.sandbox_contract import SandboxContract
 from tests.terminal_contract import TerminalContract

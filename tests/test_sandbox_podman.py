@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.sandbox.base import ImageBuildError, SandboxTransportError
+from agentrl.sandbox.base import ImageBuildError, SandboxTransportError, TerminalUnavailableError
 from agentrl.sandbox.images import load_recipe
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, PodmanSandbox, context_hash, reap, run_cli
-from agentrl.sandbox.terminal import TerminalUnavailableError
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from tests.sandbox_contract import SandboxContract
 from tests.terminal_contract import ShellSessionContract, TerminalContract
 

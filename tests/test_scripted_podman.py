@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from agentrl.agent.loop import AgentConfig
+from agentrl.agent.solution import scripted_solution_texts
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.cli.episode import scripted_solution_texts
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import EpisodeConfig, replay_episode, run_episode
 from agentrl.sandbox.podman import PodmanProvider
-from agentrl.tasks import discover_tasks
+from agentrl.tasks.task import discover_tasks
 from tests.chat_tokenizer import byte_tokenizer
 
 pytestmark = [pytest.mark.container, pytest.mark.slow]

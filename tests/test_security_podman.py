@@ -13,7 +13,7 @@ import pytest
 
 from agentrl.episode.verify import verify
 from agentrl.sandbox.podman import PodmanProvider, run_cli
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"
 CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")

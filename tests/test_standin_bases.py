@@ -17,8 +17,8 @@ import pytest
 
 from agentrl.sandbox import images
 from agentrl.sandbox.base import ImageBuildError
-from agentrl.tasks import Task
-from agentrl.tasks.lint import lint_task
+from agentrl.sandbox.lint import lint_task
+from agentrl.tasks.task import Task
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sandbox_tasks" / "write-hello"
 RECIPE = images.load_recipe()

@@ -12,11 +12,10 @@ from typer.testing import CliRunner
 
 from agentrl.cli import app
 from agentrl.errors import TaskFormatError
-from agentrl.tasks import discover_tasks, load_task, parse_task_config, resolve_env_templates
-from agentrl.tasks.config import parse_size_mb
+from agentrl.sandbox.lint import lint_tasks
+from agentrl.tasks.config import parse_size_mb, parse_task_config, resolve_env_templates
 from agentrl.tasks.dataset import read_jsonl, split_bucket
-from agentrl.tasks.lint import lint_tasks
-from agentrl.tasks.task import strip_canary
+from agentrl.tasks.task import discover_tasks, load_task, strip_canary
 
 BROKEN = Path(__file__).parent / "fixtures" / "broken_tasks"
 

@@ -13,8 +13,8 @@ import pytest
 from agentrl.episode.healthcheck import HealthcheckError, run_healthcheck
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import ExecResult
-from agentrl.tasks import load_task
-from agentrl.tasks.lint import lint_task, warning_kinds
+from agentrl.sandbox.lint import lint_task, warning_kinds
+from agentrl.tasks.task import load_task
 
 HELLO = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks" / "hello-file"
 

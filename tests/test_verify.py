@@ -11,7 +11,7 @@ import pytest
 from agentrl.episode.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import ExecResult
-from agentrl.tasks import load_task
+from agentrl.tasks.task import load_task
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider, Faults
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sandbox_tasks"

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 from agentrl.agent.actions import Command, incremental_terminal_output, limit_terminal_output
 
 if TYPE_CHECKING:
-    from agentrl.sandbox.base import Sandbox
-    from agentrl.sandbox.terminal import TerminalSession
+    from agentrl.sandbox.base import Sandbox, TerminalSession
 
 # Key names a command-path agent may send, which only mean something to a running program.
 _TMUX_KEYS = {"C-c", "C-d", "C-z", "C-l", "Enter", "Escape", "Tab", "Up", "Down", "Left", "Right", "C-m"}

@@ -37,8 +37,7 @@ from agentrl.agent.prompts import initial_prompt
 from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
 from agentrl.engine.base import Engine, EngineError, SamplingParams, generate_to_end
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.sandbox.base import Sandbox, SandboxError, SandboxPolicyError, bound_output
-from agentrl.sandbox.terminal import TerminalClosedError
+from agentrl.sandbox.base import Sandbox, SandboxError, SandboxPolicyError, TerminalClosedError, bound_output
 
 OBSERVATION_LIMIT_BYTES = 10_000
 TERMINAL_MODES = ("auto", "tmux", "commands")

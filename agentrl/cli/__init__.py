@@ -10,9 +10,11 @@ import sys
 
 import click
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from agentrl.errors import AgentRLError
+from agentrl.sandbox.base import printable
 
 # Sub-command groups, each in its own module, imported only when that group runs: `agentrl --help`
 # lists them from this table without importing torch or any backend, and a group whose optional
@@ -49,6 +51,12 @@ _MOVED = {
     "rollout": "`agentrl rollout sim` moved to `python benchmarks/rollout_faults.py sim` (same options): the "
     "simulated workload is a test double (agentrl.testing.rollout_sim), which commands never import",
 }
+
+
+def safe_text(text: str) -> str:
+    """Text from a task or a sandbox as inert terminal text: escape sequences shown, never obeyed,
+    and no rich markup."""
+    return escape(printable(text))
 
 
 class _LazyRoot(TyperGroup):

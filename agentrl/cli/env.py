@@ -40,7 +40,8 @@ def serve_cmd(
     from pydantic import ValidationError
 
     from agentrl.errors import AgentRLError
-    from agentrl.openenv.server import ServeConfig, serve
+    from agentrl.openenv.config import ServeConfig
+    from agentrl.openenv.server import serve
     from agentrl.overrides import apply_overrides, load_file
 
     data: dict = load_file(config) if config is not None else {}

@@ -9,71 +9,14 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from agentrl.agent.solution import scripted_solution_texts
+from agentrl.cli import safe_text as _safe
 from agentrl.errors import AgentRLError, InfraError, TaskFormatError
-from agentrl.sandbox.base import printable
 
 app = typer.Typer(no_args_is_help=True, help="Run, record and replay single episodes.")
 console = Console()
-
-
-def _safe(text: str) -> str:
-    """Sandbox or task text as inert terminal text: escape sequences shown, never obeyed."""
-    return escape(printable(text))
-
-
-# A solution script typed into a terminal as one line: base64 keeps tabs (which a shell would take
-# for completion), quotes and heredocs out of the keystrokes.
-_TYPE_SCRIPT = "echo {b64} | base64 -d > /tmp/solve.sh && bash /tmp/solve.sh\n"
-
-
-def scripted_solution_texts(task: Any, action_format: str, *, terminal: bool = False) -> list[str]:
-    """The replies of a model that knows the reference solution.
-
-    Command path: solve.sh's content as one command, then declare the task complete. Terminal
-    path (`terminal`, terminus-json): the task's `solution/keystrokes.json` when it has one (a
-    list of Terminus-2 commands: keystrokes and durations), else solve.sh typed into the terminal
-    and run; then `task_complete` twice (Terminus-2 asks for a confirmation)."""
-    import base64
-    import json
-
-    from agentrl.agent.actions import get_format
-
-    fmt = get_format(action_format)
-    keystrokes = task.path / "solution" / "keystrokes.json"
-    if terminal and keystrokes.is_file():
-        commands = json.loads(keystrokes.read_text(encoding="utf-8"))
-    else:
-        if task.solve_script is None:
-            raise AgentRLError(f"{task.task_id} has no solution/solve.sh: the scripted engine needs one")
-        text = task.solve_script.read_text(encoding="utf-8")
-        if terminal:
-            b64 = base64.b64encode(text.encode()).decode()
-            commands = [{"keystrokes": _TYPE_SCRIPT.format(b64=b64), "duration": 3.0}]
-    if terminal:
-
-        def reply(cmds: list[dict[str, Any]], complete: bool) -> str:
-            body = {
-                "analysis": "Run the solution.",
-                "plan": "Type it.",
-                "commands": cmds,
-                "task_complete": complete,
-            }
-            return json.dumps(body, ensure_ascii=False)
-
-        return [reply(commands, False), reply([], True), reply([], True)]
-    lines = text.splitlines()
-    # Drop the shebang, comments and `set -e...` boilerplate at the top: shorter replies, same effect
-    # in a fresh shell (each command runs on its own).
-    while lines and (not lines[0].strip() or lines[0].lstrip().startswith(("#", "set -"))):
-        lines.pop(0)
-    script = "\n".join(lines) + "\n"
-    return [
-        fmt.render([script], task_complete=False, analysis="Run the solution.", plan="Execute the script."),
-        fmt.render([], task_complete=True, analysis="Done.", plan="Finish."),
-    ]
 
 
 @app.command("run")
@@ -103,7 +46,7 @@ def run_cmd(
     from agentrl.engine.base import SamplingParams
     from agentrl.episode.run import EpisodeConfig, run_episode
     from agentrl.sandbox.registry import make_provider
-    from agentrl.tasks import load_task
+    from agentrl.tasks.task import load_task
 
     try:
         task = load_task(task_dir)

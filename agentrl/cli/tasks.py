@@ -6,23 +6,16 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from agentrl.cli import safe_text as _safe
 from agentrl.errors import AgentRLError, TaskFormatError
-from agentrl.sandbox.base import printable
+from agentrl.sandbox.lint import lint_tasks, warning_kinds
 from agentrl.tasks.dataset import split_rows, write_jsonl
-from agentrl.tasks.lint import lint_tasks, warning_kinds
 from agentrl.tasks.task import discover_tasks
 
 app = typer.Typer(no_args_is_help=True, help="Harbor / terminal-bench-2 task directories.")
 console = Console()
-
-
-def _safe(text: str) -> str:
-    """Text from a task or a sandbox as inert terminal text: escape sequences shown, never obeyed,
-    and no rich markup."""
-    return escape(printable(text))
 
 
 def _discover(dirs: list[Path]) -> list:

@@ -80,6 +80,7 @@ from agentrl.engine.base import (
     TensorWeights,
     WeightUpdate,
 )
+from agentrl.engine.keys import EngineKeyError, read_key
 
 log = logging.getLogger("agentrl.engine.sglang")
 
@@ -194,8 +195,6 @@ class SGLangEngine(Engine):
     def _headers(self) -> dict[str, str]:
         if self._api_key_file:
             if self._file_key is None:
-                from agentrl.cluster.launch import EngineKeyError, read_key
-
                 try:
                     self._file_key = read_key(self._api_key_file)
                 except EngineKeyError as exc:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from agentrl.sandbox.base import Sandbox, SandboxCreateError, printable
-from agentrl.tasks import Task
+from agentrl.tasks.task import Task
 
 
 class HealthcheckError(SandboxCreateError):

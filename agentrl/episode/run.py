@@ -27,7 +27,7 @@ from agentrl.episode.sample import Episode, Sample, Status
 from agentrl.episode.verify import VerifyResult, verify
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
-from agentrl.tasks import Task, load_task
+from agentrl.tasks.task import Task, load_task
 
 RECORD_VERSION = 1
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import Sandbox, SandboxPolicyError
-from agentrl.tasks import Task, resolve_env_templates
-from agentrl.tasks.task import scripts_with_lf
+from agentrl.tasks.config import resolve_env_templates
+from agentrl.tasks.task import Task, scripts_with_lf
 
 PASS_THRESHOLD = 1.0
 REWARD_RANGE = (0.0, 1.0)

@@ -107,9 +107,9 @@ def _glob_ok(name: str, globs: list[str]) -> bool:
 def load_task_set(settings: EvalSettings) -> TaskSet:
     """Task directories, directories of tasks, or JSONL rows naming `metadata.task_path`; lint
     errors skip a task (reported), as Harbor skips invalid task directories."""
-    from agentrl.tasks import Task, discover_tasks
-    from agentrl.tasks.lint import lint_tasks
+    from agentrl.sandbox.lint import lint_tasks
     from agentrl.tasks.rows import read_jsonl
+    from agentrl.tasks.task import Task, discover_tasks
 
     found: list[tuple[Any, str]] = []
     datasets: list[dict[str, Any]] = []

@@ -31,7 +31,7 @@ import tempfile
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
@@ -39,6 +39,7 @@ from openenv.core.env_server.types import EnvironmentMetadata
 import agentrl
 from agentrl.episode.verify import verify
 from agentrl.errors import InfraError, InputError
+from agentrl.openenv.config import ServeConfig
 from agentrl.openenv.schema import (
     ACTION_TYPES,
     UPSTREAM_ONLY,
@@ -54,10 +55,7 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     SandboxTransportError,
 )
-from agentrl.tasks import Task
-
-if TYPE_CHECKING:
-    from agentrl.openenv.server import ServeConfig
+from agentrl.tasks.task import Task
 
 log = logging.getLogger("agentrl.openenv")
 

@@ -2,9 +2,9 @@
 
 An environment plugin is a package (the bundled ones live under `envs/<name>/`) that exposes a
 `plugin` object with a `name`, a pydantic `Config` class (its settings, printed by `--dry-run` like
-every other setting) and `build(config, context) -> Environment`. Plugins are found by name: the
-bundled ones from `BUILTIN`, others from the `agentrl.rollout.environment` entry-point group of any
-installed package. The rollout manager, the trainer and the runtime import no environment: terminal
+every other setting) and `build(config, context) -> Environment`. Plugins are found by name in
+the `agentrl.environments` entry-point group of any installed package (the bundled ones are declared
+in pyproject.toml). The rollout manager, the trainer and the runtime import no environment: terminal
 tasks and single-turn math are two plugins of this one interface.
 """
 
@@ -23,13 +23,6 @@ from agentrl.errors import AgentRLError
 from agentrl.rollout.manager import EpisodeRunner
 
 Split = Literal["train", "eval"]
-
-BUILTIN = {
-    "tbench2": "envs.tbench2:plugin",
-    "dapo_math": "envs.dapo_math:plugin",
-    "openenv": "envs.openenv:plugin",
-}
-
 
 class EnvironmentPluginError(AgentRLError):
     """An environment plugin cannot be found, configured or built."""
@@ -71,11 +64,9 @@ class EnvironmentPlugin(Protocol):
 
 
 def available() -> dict[str, str]:
-    """Environment name -> "module:attribute" of its plugin, bundled and installed."""
-    found = dict(BUILTIN)
-    for ep in entry_points(group="agentrl.environments"):
-        found[ep.name] = ep.value
-    return found
+    """Environment name -> "module:attribute" of its plugin: every installed package's entry in the
+    `agentrl.environments` entry-point group (the bundled ones are declared in pyproject.toml)."""
+    return {ep.name: ep.value for ep in entry_points(group="agentrl.environments")}
 
 
 def get_plugin(name: str) -> EnvironmentPlugin:
@@ -83,7 +74,7 @@ def get_plugin(name: str) -> EnvironmentPlugin:
     if name not in known:
         raise EnvironmentPluginError(
             f"unknown environment {name!r}: choose one of {', '.join(sorted(known))}, or install a "
-            "package that registers it in the 'agentrl.rollout.environment' entry-point group"
+            "package that registers it in the 'agentrl.environments' entry-point group (or reinstall agentrl: pip install -e .)"
         )
     module, _, attr = known[name].partition(":")
     try:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import abc
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from agentrl.errors import AgentRLError, InfraError
+from agentrl.errors import AgentRLError, InfraError, InputError
 
 if TYPE_CHECKING:
-    from agentrl.sandbox.terminal import TerminalSession
-    from agentrl.tasks import Task
+    from agentrl.tasks.task import Task
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024
 
@@ -112,6 +112,62 @@ def bound_output(text: str, limit: int = DEFAULT_OUTPUT_LIMIT) -> str:
     return f"{text[:half]}\n[... {cut} characters omitted ...]\n{text[-half:]}"
 
 
+class TerminalUnavailableError(InputError):
+    """The sandbox cannot host a terminal (no tmux in its image, a tmux that does not start, a
+    backend without terminals). A property of the task's image, not of the policy: the episode is
+    unscored, never retried. Open terminals before the agent's first action."""
+
+
+class TerminalClosedError(SandboxPolicyError):
+    """The terminal's tmux session is gone or refuses commands. The agent's keystrokes can do that
+    (`exit` ends the session, a command can kill or stop tmux), so it is a policy outcome (Harbor's
+    Terminus-2 ends its loop when the session is gone: check `is_alive()` to do the same)."""
+
+    def __init__(self, message: str, *, cause: str = "terminal_closed") -> None:
+        super().__init__(message, cause=cause)
+
+
+class TerminalSession(abc.ABC):
+    """One interactive terminal in a sandbox: keystrokes in, screens out. Use as `async with`."""
+
+    width: int
+    height: int
+
+    @abc.abstractmethod
+    async def send_keys(self, keys: str | Sequence[str], *, duration: float = 0.0) -> None:
+        """Type `keys` (one string, or several keys in order) as Terminus-2 does: a key that is a
+        tmux key name (`C-c`, `C-d`, `Enter`, `Escape`, `Up`, `Tab`, ...) is that key, anything else
+        is typed literally (a newline presses Enter). Returns once `duration` seconds have passed
+        since the call began (at once when it is not positive); it never waits for a program."""
+
+    @abc.abstractmethod
+    async def capture(self, *, history: bool = False) -> str:
+        """The visible screen (`height` lines), or with `history` the scrollback and screen (its
+        last `capture_limit` characters at most). Sandbox output: escape it before printing."""
+
+    @abc.abstractmethod
+    async def is_idle(self) -> bool:
+        """Whether the session's shell is waiting at its prompt: in the terminal's foreground,
+        asleep (reading input), with no job of its own in the foreground."""
+
+    @abc.abstractmethod
+    async def is_alive(self) -> bool:
+        """Whether the session still exists (Harbor's `is_session_alive`)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """End the session and everything running in it. Idempotent."""
+
+    async def __aenter__(self) -> TerminalSession:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+
 class Sandbox(abc.ABC):
     """A started sandbox. Use as `async with`; `close()` is idempotent."""
 
@@ -197,8 +253,6 @@ class Sandbox(abc.ABC):
         """An interactive terminal in the sandbox (`agentrl.sandbox.terminal`): keystrokes in,
         screens out, Harbor's Terminus-2 semantics. Its shell is separate from the `exec` session.
         Raises `TerminalUnavailableError` where the sandbox cannot host one."""
-        from agentrl.sandbox.terminal import TerminalUnavailableError
-
         raise TerminalUnavailableError(f"{type(self).__name__} sandboxes have no terminal")
 
     async def stop_processes(self) -> None:

@@ -79,15 +79,16 @@ from agentrl.sandbox.base import (
     SandboxPolicyError,
     SandboxProvider,
     SandboxTransportError,
+    TerminalSession,
     bound_output,
     tampered,
 )
 from agentrl.sandbox.credentials import DaytonaCredentials
-from agentrl.sandbox.terminal import INSTALL_TMUX, TerminalSession, TmuxTerminal
+from agentrl.sandbox.terminal import INSTALL_TMUX, TmuxTerminal
 from agentrl.tasks.config import resolve_env_templates
 
 if TYPE_CHECKING:
-    from agentrl.tasks import Task
+    from agentrl.tasks.task import Task
 
 log = logging.getLogger(__name__)
 

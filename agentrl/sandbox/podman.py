@@ -79,12 +79,13 @@ from agentrl.sandbox.base import (
     SandboxPolicyError,
     SandboxProvider,
     SandboxTransportError,
+    TerminalSession,
 )
-from agentrl.sandbox.terminal import INSTALL_TMUX, NO_TMUX, TerminalSession, TmuxTerminal
+from agentrl.sandbox.terminal import INSTALL_TMUX, NO_TMUX, TmuxTerminal
 from agentrl.tasks.config import resolve_env_templates
 
 if TYPE_CHECKING:
-    from agentrl.tasks import Task
+    from agentrl.tasks.task import Task
 
 log = logging.getLogger(__name__)
 _UNRESOLVED_FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*\S*\$", re.IGNORECASE | re.MULTILINE)

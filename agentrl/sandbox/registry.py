@@ -37,7 +37,7 @@ def _lazy_bases_provider() -> type[SandboxProvider]:
     family is built only when a task asks for it; `agentrl sandbox build-bases` builds the root)."""
     from agentrl.sandbox import images
     from agentrl.sandbox.podman import PodmanProvider
-    from agentrl.tasks import Task
+    from agentrl.tasks.task import Task
 
     class LazyBasesPodmanProvider(PodmanProvider):
         async def image_for(self, task: Task) -> str:

@@ -36,17 +36,23 @@ terminal.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import base64
 import shlex
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
 
-from agentrl.errors import InputError
-from agentrl.sandbox.base import DEFAULT_OUTPUT_LIMIT, ExecResult, SandboxError, SandboxPolicyError, printable
+from agentrl.sandbox.base import (
+    DEFAULT_OUTPUT_LIMIT,
+    ExecResult,
+    SandboxError,
+    SandboxPolicyError,
+    TerminalClosedError,
+    TerminalSession,
+    TerminalUnavailableError,
+    printable,
+)
 
 SESSION_NAME = "terminus-2"  # Harbor's name for Terminus-2's session (the agent's `name()`)
 HISTORY_LIMIT = 10_000_000
@@ -75,61 +81,6 @@ INSTALL_TMUX = (
     f'command -v tmux >/dev/null 2>&1 || echo "{NO_TMUX}; the command path works, open_terminal() will not" >&2; '
     "fi; true"
 )
-
-
-class TerminalUnavailableError(InputError):
-    """The sandbox cannot host a terminal (no tmux in its image, a tmux that does not start, a
-    backend without terminals). A property of the task's image, not of the policy: the episode is
-    unscored, never retried. Open terminals before the agent's first action."""
-
-
-class TerminalClosedError(SandboxPolicyError):
-    """The terminal's tmux session is gone or refuses commands. The agent's keystrokes can do that
-    (`exit` ends the session, a command can kill or stop tmux), so it is a policy outcome (Harbor's
-    Terminus-2 ends its loop when the session is gone: check `is_alive()` to do the same)."""
-
-    def __init__(self, message: str, *, cause: str = "terminal_closed") -> None:
-        super().__init__(message, cause=cause)
-
-
-class TerminalSession(abc.ABC):
-    """One interactive terminal in a sandbox: keystrokes in, screens out. Use as `async with`."""
-
-    width: int
-    height: int
-
-    @abc.abstractmethod
-    async def send_keys(self, keys: str | Sequence[str], *, duration: float = 0.0) -> None:
-        """Type `keys` (one string, or several keys in order) as Terminus-2 does: a key that is a
-        tmux key name (`C-c`, `C-d`, `Enter`, `Escape`, `Up`, `Tab`, ...) is that key, anything else
-        is typed literally (a newline presses Enter). Returns once `duration` seconds have passed
-        since the call began (at once when it is not positive); it never waits for a program."""
-
-    @abc.abstractmethod
-    async def capture(self, *, history: bool = False) -> str:
-        """The visible screen (`height` lines), or with `history` the scrollback and screen (its
-        last `capture_limit` characters at most). Sandbox output: escape it before printing."""
-
-    @abc.abstractmethod
-    async def is_idle(self) -> bool:
-        """Whether the session's shell is waiting at its prompt: in the terminal's foreground,
-        asleep (reading input), with no job of its own in the foreground."""
-
-    @abc.abstractmethod
-    async def is_alive(self) -> bool:
-        """Whether the session still exists (Harbor's `is_session_alive`)."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """End the session and everything running in it. Idempotent."""
-
-    async def __aenter__(self) -> TerminalSession:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
 
 def check_size(width: int, height: int) -> None:

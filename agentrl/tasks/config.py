@@ -46,7 +46,7 @@ class VerifierConfig:
 
 
 @dataclass(frozen=True)
-class AgentConfig:
+class TaskAgentConfig:
     timeout_sec: float | None = None
     user: str | int | None = None
     network_mode: str | None = None  # the agent phase's own policy; None: the environment's
@@ -104,7 +104,7 @@ class TaskConfig:
     name: str | None = None
     metadata: Metadata = field(default_factory=Metadata)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
+    agent: TaskAgentConfig = field(default_factory=TaskAgentConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     solution: SolutionConfig = field(default_factory=SolutionConfig)
     unknown_keys: tuple[str, ...] = ()
@@ -403,7 +403,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
     ver.finish(_KNOWN_PASSIVE["verifier"])
 
     ag = _Reader(file, top.table("agent"), "agent", unknown)
-    agent = AgentConfig(
+    agent = TaskAgentConfig(
         timeout_sec=ag.number("timeout_sec", positive=True),
         user=ag.user("user"),
         network_mode=_phase_network(ag),

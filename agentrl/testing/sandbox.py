@@ -48,14 +48,15 @@ from agentrl.sandbox.base import (
     SandboxError,
     SandboxProvider,
     SandboxTransportError,
+    TerminalSession,
     bound_output,
     tampered,
 )
-from agentrl.sandbox.terminal import TerminalSession, check_size
-from agentrl.testing.terminal import FakeTerminal, probe_port
+from agentrl.sandbox.terminal import check_size
+from agentrl.testing.terminal import FakeTerminal, ShellState, probe_port
 
 if TYPE_CHECKING:
-    from agentrl.tasks import Task
+    from agentrl.tasks.task import Task
 
 Handler = Callable[["FakeSandbox", str, "re.Match[str]"], "ExecResult | str | None"]
 
@@ -238,17 +239,6 @@ def _builtin_handlers() -> list[tuple[re.Pattern[str], Handler]]:
         (r"^(?:true|mkdir .*|chmod .*)$", lambda sb, c, m: _result()),
     ]
     return [(re.compile(p, re.DOTALL), h) for p, h in rules]
-
-
-@dataclass
-class ShellState:
-    """What the fake tracks of a shell: its working directory and its environment."""
-
-    cwd: str = "/"
-    env: dict[str, str] = field(default_factory=dict)
-
-    def copy(self) -> ShellState:
-        return ShellState(self.cwd, dict(self.env))
 
 
 class FakeSandbox(Sandbox):

@@ -28,13 +28,11 @@ import operator
 import re
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from agentrl.sandbox.base import DEFAULT_OUTPUT_LIMIT
-from agentrl.sandbox.terminal import ENTER_KEYS, TerminalClosedError, TerminalSession, wait_rest
-
-if TYPE_CHECKING:
-    from agentrl.testing.sandbox import FakeSandbox, ShellState
+from agentrl.sandbox.base import DEFAULT_OUTPUT_LIMIT, ExecResult, TerminalClosedError, TerminalSession
+from agentrl.sandbox.terminal import ENTER_KEYS, wait_rest
 
 _SLEEP = re.compile(r"^sleep (\d+(?:\.\d+)?)$")
 _HTTP = re.compile(r"^python3? -m http\.server(?: (\d+))?(?: --bind (\S+))?$")
@@ -44,6 +42,29 @@ _BACKGROUND = re.compile(r"^(.*[^&])&$")
 # Keys with no effect on the simulated programs where they are not handled.
 _IGNORED = frozenset({"C-l", "Tab", "Escape", "Up", "Down", "Left", "Right", "C-a", "C-e", "C-k", "BSpace"})
 _KEY_NAMES = _IGNORED | ENTER_KEYS | {"C-c", "C-d", "C-u", "Space"}
+
+
+@dataclass
+class ShellState:
+    """What the fake tracks of a shell: its working directory and its environment."""
+
+    cwd: str = "/"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def copy(self) -> ShellState:
+        return ShellState(self.cwd, dict(self.env))
+
+
+class FakeSandbox(Protocol):
+    """What a fake terminal needs of its fake sandbox (`agentrl.testing.sandbox.FakeSandbox`)."""
+
+    sandbox_id: str
+    provider: Any
+    files: dict[str, bytes]
+    processes: Any
+    listeners: dict[int, Any]
+
+    async def run_line(self, line: str, state: ShellState) -> ExecResult: ...
 
 
 class Program:

@@ -216,10 +216,17 @@ class OpenEnvEnvironment:
     def runner(self, engine: Engine, *, run_id: str, record_dir: Path | None = None) -> Any:
         tok = self.context.tokenizer
         if self.config.protocol == "tbench2":
-            from envs.openenv.terminal import RemoteTerminalRunner
+            from envs.openenv.terminal import RemoteTerminalRunner  # needs the openenv package
 
             renderer = ChatRenderer.for_format(tok, self.config.action_format) if tok is not None else None
-            return RemoteTerminalRunner(self, engine, renderer=renderer, run_id=run_id)
+            return RemoteTerminalRunner(
+                self.config,
+                engine,
+                client_options=self.client_options(),
+                sampling=self.sampling,
+                renderer=renderer,
+                run_id=run_id,
+            )
         if tok is None:
             raise EnvironmentPluginError(
                 "the text protocol generates token-in/token-out: it needs a tokenizer"

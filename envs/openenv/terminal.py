@@ -8,13 +8,14 @@ with the sandbox replaced by the remote session: reset -> agent phase (each comm
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrl.agent.actions import get_format
 from agentrl.agent.loop import run_agent
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.engine.base import Engine
+from agentrl.engine.base import Engine, SamplingParams
 from agentrl.episode.run import episode_from_run
 from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InputError
@@ -27,9 +28,6 @@ from agentrl.openenv.client import (
 )
 from agentrl.openenv.schema import TerminalAction
 
-if TYPE_CHECKING:
-    from envs.openenv.environment import OpenEnvEnvironment
-
 EVALUATE_MARGIN_S = 300.0  # over the task's verifier limit: stopping processes, the tamper scan, copies
 
 
@@ -37,13 +35,22 @@ class RemoteTerminalRunner:
     """One task row -> one `Episode` (the `EpisodeRunner` protocol), or an `InfraError`."""
 
     def __init__(
-        self, env: OpenEnvEnvironment, engine: Engine, *, renderer: ChatRenderer | None, run_id: str
+        self,
+        config: Any,
+        engine: Engine,
+        *,
+        client_options: dict[str, Any],
+        sampling: Callable[[int, int | None], SamplingParams],
+        renderer: ChatRenderer | None,
+        run_id: str,
     ) -> None:
-        self.env = env
+        """`config`: the openenv plugin's settings; `sampling(max_new_tokens, seed)` its sampling."""
+        self.config = config
         self.engine = engine
+        self.client_options = client_options
+        self.sampling = sampling
         self.renderer = renderer
         self.run_id = run_id
-        self.config = env.config
 
     async def run(
         self,
@@ -60,7 +67,7 @@ class RemoteTerminalRunner:
         session_id = f"{self.run_id}:{group_id}:{sample_index}:{attempt}"
         timings: dict[str, float] = {}
         t0 = time.monotonic()
-        client = TerminalClient(**self.env.client_options())
+        client = TerminalClient(**self.client_options)
         async with RemoteSession(client, url=c.url, connect_timeout_s=c.connect_timeout_s) as session:
             first = await session.reset(task_id=task_id, timeout_s=c.reset_timeout_s)
             obs = first.observation
@@ -86,7 +93,7 @@ class RemoteTerminalRunner:
                 action_format=get_format(c.action_format),
                 instruction=obs.instruction,
                 config=agent,
-                sampling=self.env.sampling(agent.max_new_tokens, seed),
+                sampling=self.sampling(agent.max_new_tokens, seed),
                 session_id=session_id,
                 system_prompt=c.system_prompt,
             )

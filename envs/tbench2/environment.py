@@ -14,8 +14,8 @@ from agentrl.engine.base import Engine, SamplingParams
 from agentrl.episode.run import EpisodeConfig, EpisodeRunner
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.sandbox.base import SandboxProvider
-from agentrl.tasks import Task, discover_tasks
 from agentrl.tasks.dataset import task_row
+from agentrl.tasks.task import Task, discover_tasks
 
 log = logging.getLogger("agentrl.envs.tbench2")
 
@@ -64,7 +64,7 @@ def solution_chars(task: Task) -> int | None:
 
 def valid_tasks(root: str | Path) -> list[Task]:
     """Every task under `root` that lints clean; the others are logged and skipped."""
-    from agentrl.tasks.lint import lint_tasks
+    from agentrl.sandbox.lint import lint_tasks
 
     chosen = []
     for result in lint_tasks(discover_tasks(Path(root))):

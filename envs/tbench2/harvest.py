@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.agent.actions import get_format
+from agentrl.agent.solution import scripted_solution_texts
 from agentrl.agent.tokens import ChatRenderer
-from agentrl.cli.episode import scripted_solution_texts
 from agentrl.engine.scripted import ScriptedEngine
 from agentrl.episode.run import run_episode
 from agentrl.errors import AgentRLError

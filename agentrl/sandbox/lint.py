@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from agentrl.errors import TaskFormatError
+from agentrl.sandbox import images
 from agentrl.tasks.task import Task
 
 
@@ -99,8 +100,6 @@ def unservable_bases(task: Task) -> list[str]:
     base serves its repository (whatever tag, digest or registry mirror names it)."""
     if task.dockerfile is None:
         return []
-    from agentrl.sandbox import images  # no container CLI is needed to read the recipe
-
     recipe = images.load_recipe()
     text = task.dockerfile.read_text(encoding="utf-8", errors="replace")
     return [
