@@ -14,6 +14,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 ENV = "AGENTRL_PROGRESS"
 
 
@@ -52,7 +56,6 @@ class Bar:
 
 def _inert(text: str) -> str:
     """Task ids and error text shown as they are: no rich markup, no terminal escapes."""
-    from rich.markup import escape
 
     return escape("".join(c if c.isprintable() else "?" for c in text))[:120]
 
@@ -76,8 +79,6 @@ def progress_bar(label: str, total: float | None, *, enabled: bool | None = None
         finally:
             progress.remove_task(task)
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(file=sys.stderr, force_terminal=True if os.environ.get(ENV) else None)
     columns: list[Any] = [

@@ -18,7 +18,7 @@ from agentrl.episode.run import run_episode
 from agentrl.episode.sample import Status
 from agentrl.sandbox.base import ExecResult, SandboxPolicyError, printable, tampered
 from agentrl.sandbox.lint import lint_task
-from agentrl.sandbox.podman import _DiffScan
+from agentrl.sandbox.podman.sandbox import _DiffScan
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES, load_task
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.chat_tokenizer import byte_tokenizer
@@ -52,7 +52,7 @@ def test_tasks_oracle_escapes_sandbox_output(monkeypatch, tmp_path: Path) -> Non
             .on(r"^chmod \+x /solution/solve\.sh", ExecResult("", HOSTILE_OUTPUT, 1))
         )
 
-    monkeypatch.setattr("agentrl.sandbox.registry.make_provider", fake_provider)
+    monkeypatch.setattr("agentrl.cli.tasks.make_provider", fake_provider)
     result = CliRunner().invoke(tasks_app, ["oracle", str(task_dir), "--backend", "fake"])
     assert result.exit_code == 1  # reward 0 where 1 was expected: reported, with the output
     assert "pwned" in result.output

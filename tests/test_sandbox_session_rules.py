@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.sandbox.podman import _stateless_words
+from agentrl.sandbox.podman.shell import _stateless_words
 
 
 @pytest.mark.parametrize(

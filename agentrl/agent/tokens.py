@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.agent.actions import get_format
+
 _SENT_USER = "\u2063AGENTRL_PROBE_USER\u2063"
 _SENT_ASSISTANT = "\u2063AGENTRL_PROBE_ASSISTANT\u2063"
 _SENT_OBS = "\u2063AGENTRL_PROBE_OBSERVATION\u2063"
@@ -78,7 +80,6 @@ class ChatRenderer:
     def for_format(cls, tokenizer: Any, action_format: str) -> ChatRenderer:
         """The renderer of an action format: observations in the role the format defines (a
         tool-call format's outputs are `tool` messages where the template has that role)."""
-        from agentrl.agent.actions import get_format
 
         return cls(tokenizer, observation_role=get_format(action_format).observation_role)
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import typer
+
+from agentrl.engine.server import serve
+from agentrl.models.tiny import tiny_model_dir
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inference engines.")
 
@@ -53,9 +57,6 @@ def serve_cmd(
     and its control-plane endpoints (see agentrl.engine.server).
 
     Exits with status 1 after an error that would kill a real SGLang server (the reason is printed)."""
-    import logging
-
-    from agentrl.engine.server import serve
 
     logging.basicConfig(format=LOG_FORMAT)  # a no-op under `agentrl`, which configured logging
     if request_log:
@@ -95,6 +96,5 @@ def tiny_cmd(
     cache_dir: str = typer.Option(None, "--cache-dir", help="Defaults to $AGENTRL_CACHE/tiny."),
 ) -> None:
     """Build (once) the tiny GLM-family test model and print its directory."""
-    from agentrl.models.tiny import tiny_model_dir
 
     typer.echo(str(tiny_model_dir(cache_dir, seed=seed)))

@@ -6,6 +6,12 @@ import json
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
+
+from agentrl.errors import AgentRLError
+from agentrl.openenv.config import ServeConfig
+from agentrl.openenv.server import serve
+from agentrl.overrides import apply_overrides, load_file
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Environments as OpenEnv environment servers."
@@ -37,12 +43,6 @@ def serve_cmd(
 ) -> None:
     """Serve an environment over OpenEnv (reset / step / state on /ws, the upstream tbench2_env
     schema for terminal tasks): one sandbox per session, closed on disconnect and when idle."""
-    from pydantic import ValidationError
-
-    from agentrl.errors import AgentRLError
-    from agentrl.openenv.config import ServeConfig
-    from agentrl.openenv.server import serve
-    from agentrl.overrides import apply_overrides, load_file
 
     data: dict = load_file(config) if config is not None else {}
     data.setdefault("env", {})["name"] = environment

@@ -11,9 +11,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from agentrl.agent.actions import get_format
+from agentrl.agent.loop import AgentConfig
 from agentrl.agent.solution import scripted_solution_texts
+from agentrl.agent.tokens import ChatRenderer
 from agentrl.cli import safe_text as _safe
+from agentrl.engine.base import SamplingParams
+from agentrl.engine.build import EngineSpec, build_engine
+from agentrl.episode.run import EpisodeConfig, replay_episode, run_episode
 from agentrl.errors import AgentRLError, InfraError, TaskFormatError
+from agentrl.sandbox.registry import make_provider
+from agentrl.tasks.task import load_task
 
 app = typer.Typer(no_args_is_help=True, help="Run, record and replay single episodes.")
 console = Console()
@@ -40,13 +48,6 @@ def run_cmd(
     seed: int = typer.Option(0),
 ) -> None:
     """Run one episode and print its outcome."""
-    from agentrl.agent.actions import get_format
-    from agentrl.agent.loop import AgentConfig
-    from agentrl.agent.tokens import ChatRenderer
-    from agentrl.engine.base import SamplingParams
-    from agentrl.episode.run import EpisodeConfig, run_episode
-    from agentrl.sandbox.registry import make_provider
-    from agentrl.tasks.task import load_task
 
     try:
         task = load_task(task_dir)
@@ -55,7 +56,6 @@ def run_cmd(
     except TaskFormatError as exc:
         console.print(f"[red]task error:[/red] {_safe(str(exc))}")
         raise typer.Exit(2) from None
-    from agentrl.engine.build import EngineSpec, build_engine
 
     spec = EngineSpec(
         kind=engine,
@@ -133,8 +133,6 @@ def replay_cmd(
     task_dir: Path | None = typer.Option(None, help="Override the task path stored in the record."),
 ) -> None:
     """Re-run a record's actions in a fresh sandbox; exit 1 if the reward or any output differs."""
-    from agentrl.episode.run import replay_episode
-    from agentrl.sandbox.registry import make_provider
 
     async def go() -> Any:
         provider = make_provider(backend)

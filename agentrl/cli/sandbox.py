@@ -3,11 +3,17 @@ dead process left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from agentrl.errors import AgentRLError
+from agentrl.sandbox.images import build_bases, list_standins, load_recipe, prune_task_images, remove_standins
+from agentrl.sandbox.podman import reap as reap_podman
 
 app = typer.Typer(no_args_is_help=True, help="Local sandboxes: base images, pruning, reaping.")
 bases_app = typer.Typer(no_args_is_help=True, help="Offline stand-in base images.")
@@ -31,8 +37,6 @@ def build_bases_cmd(
     """Build the offline stand-in (under localhost/agentrl-base/ only) that task builds use for a
     known base which is neither local nor pullable. Language stand-ins (node, golang, rust, gcc)
     are built when a task first needs one, or now with --family."""
-    from agentrl.errors import AgentRLError
-    from agentrl.sandbox.images import build_bases
 
     try:
         status = build_bases(
@@ -60,7 +64,6 @@ def bases_list(
     """The stand-ins that exist, their recipe hash and the repositories they answer for (and what
     they really contain); the families not built yet; names an older agentrl tagged on real
     image names are listed as legacy."""
-    from agentrl.sandbox.images import list_standins, load_recipe
 
     catalog = load_recipe()
     items = list_standins(cli or default_cli(), catalog)
@@ -110,7 +113,6 @@ def bases_remove(
 ) -> None:
     """Remove the stand-ins and the real-name tags older agentrl versions put on them (--legacy:
     only those tags)."""
-    from agentrl.sandbox.images import remove_standins
 
     removed, failed = remove_standins(cli or default_cli(), legacy_only=legacy, dry_run=dry_run)
     for name in removed:
@@ -130,9 +132,6 @@ def prune(
 ) -> None:
     """Remove the images agentrl built for tasks (localhost/agentrl-task/*, and their terminal
     layers localhost/agentrl-terminal/*). Images any container uses are never touched."""
-    import time
-
-    from agentrl.sandbox.images import prune_task_images
 
     age = parse_duration(older_than) if older_than else None
     now = time.time()
@@ -166,7 +165,6 @@ def reap(
     backend: str = typer.Option("podman", help="podman | docker | daytona"),
 ) -> None:
     """Remove sandboxes a dead process left behind, found by their agentrl labels."""
-    import asyncio
 
     age = parse_duration(older_than) if older_than else None
     if backend == "daytona":
@@ -180,7 +178,6 @@ def reap(
         removed = asyncio.run(reap_daytona(run_id=run_id, older_than_s=age))
         console.print(f"removed {removed} daytona sandboxes")
         return
-    from agentrl.sandbox.podman import reap as reap_podman
 
     names = asyncio.run(reap_podman(cli=backend, run_id=run_id, older_than_s=age))
     for name in names:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from pathlib import Path
 
 import typer
@@ -9,8 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from agentrl.cli import safe_text as _safe
+from agentrl.episode.oracle import build_images, run_oracle
 from agentrl.errors import AgentRLError, TaskFormatError
+from agentrl.progress import progress_bar
 from agentrl.sandbox.lint import lint_tasks, warning_kinds
+from agentrl.sandbox.registry import make_provider
 from agentrl.tasks.dataset import split_rows, write_jsonl
 from agentrl.tasks.task import discover_tasks
 
@@ -102,16 +107,9 @@ def oracle(
     run_id: str | None = typer.Option(None, help="Label of the sandboxes (default: a fresh id)."),
 ) -> None:
     """Run each task's solution (or nothing) and its verifier; exit 1 on an unexpected reward."""
-    import asyncio
-    import uuid
-
-    from agentrl.episode.oracle import run_oracle
-    from agentrl.sandbox.registry import make_provider
 
     tasks = _discover(dirs)
     run_id = run_id or f"oracle-{uuid.uuid4().hex[:8]}"
-    from agentrl.episode.oracle import build_images
-    from agentrl.progress import progress_bar
 
     async def sweep() -> list:
         with progress_bar("images", total=len(tasks)) as bar:

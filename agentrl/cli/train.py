@@ -3,13 +3,20 @@ runtime, beside the trainer's own `replay` (`agentrl.cli.train_replay`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import typer
+from rich.console import Console
 
 from agentrl.cli.train_replay import app
+from agentrl.errors import AgentRLError
+from agentrl.overrides import ConfigError
+from agentrl.runtime import RunConfig, close_parts, resolve, train
+from agentrl.runtime.build import build_parts
+from agentrl.runtime.ranks import run_ranks, world_size
 
 
 @app.command("run")
@@ -30,12 +37,6 @@ def run_cmd(
     """A training run of any environment and model through the library runtime (the same loop the
     recipes call): `agentrl train run run.toml --set engine.model=<dir>`; `agentrl train run
     --resume runs/x --set steps=8` continues one."""
-    import asyncio
-
-    from agentrl.errors import AgentRLError
-    from agentrl.overrides import ConfigError
-    from agentrl.runtime import RunConfig, close_parts, resolve, train
-    from agentrl.runtime.build import build_parts
 
     if config_arg is not None and config is not None:
         typer.echo("give the config file once: as CONFIG or as --config", err=True)
@@ -60,8 +61,6 @@ def run_cmd(
         typer.echo(json.dumps(cfg.dump(), indent=1))
         return
     import torch
-
-    from agentrl.runtime.ranks import run_ranks, world_size
 
     torch.set_num_threads(cfg.torch_threads)
     if world_size() > 1:  # torchrun: rank 0 drives, the others follow (agentrl.runtime.ranks)
@@ -100,10 +99,6 @@ def configure(
 ) -> Any:
     """A recipe's config resolved (defaults <- file <- --set); printed and None on --dry-run; a
     ConfigError exits 2 with its message. Sets torch's thread count for the run."""
-    from rich.console import Console
-
-    from agentrl.overrides import ConfigError
-    from agentrl.runtime.config import resolve
 
     console = Console()
     try:

@@ -8,9 +8,14 @@ import json
 from pathlib import Path
 
 import typer
+from pydantic import TypeAdapter, ValidationError
 
 from agentrl.episode.sample import Sample
+from agentrl.overrides import ConfigError, apply_overrides
+from agentrl.train.batch import with_advantages
+from agentrl.train.checkpoint import latest_checkpoint
 from agentrl.train.config import TrainConfig
+from agentrl.train.torch_backend import TorchTrainer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Trainer: train-only runs, checkpoints.")
 
@@ -46,9 +51,6 @@ def load_samples(paths: list[Path]) -> list[Sample]:
 def resolve_config(overrides: list[str]) -> TrainConfig:
     """TrainConfig with the runtime's one override syntax (`lr=1e-5`, `loss.eps_clip=0.1`,
     `betas=[0.9,0.95]`, `logprob_chunk_size=null`: JSON values, else plain strings)."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from agentrl.overrides import ConfigError, apply_overrides
 
     try:
         data = apply_overrides(dataclasses.asdict(TrainConfig()), overrides)
@@ -95,10 +97,6 @@ def replay_cmd(
     if model is None or output is None:
         raise typer.BadParameter("--model and --output are required (unless --dry-run)")
     from transformers import AutoModelForCausalLM
-
-    from agentrl.train.batch import with_advantages
-    from agentrl.train.checkpoint import latest_checkpoint
-    from agentrl.train.torch_backend import TorchTrainer
 
     rows = [s for s in load_samples(samples) if s.trainable]
     if not rows:

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.engine.local import LocalEngine
+from agentrl.engine.openai import OpenAIChatEngine
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.engine.sglang import SGLangEngine
 from agentrl.errors import AgentRLError
+from agentrl.models.source import check_model_source
+from agentrl.models.tiny import tiny_model_dir
 
 KINDS = ("local", "sglang", "openai", "scripted")
 
@@ -37,8 +43,6 @@ class EngineSpec:
 def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
     """(engine, tokenizer or None). The tokenizer is None for chat APIs that take text."""
     if spec.kind == "openai":
-        from agentrl.engine.openai import OpenAIChatEngine
-
         if not spec.urls or not spec.api_model:
             raise EngineConfigError("the openai engine needs a base URL and an API model name")
         return OpenAIChatEngine(
@@ -47,8 +51,6 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
     if spec.kind == "sglang":
-        from agentrl.engine.sglang import SGLangEngine
-
         if not spec.urls or spec.tokenizer is None:
             raise EngineConfigError(
                 "the sglang engine needs one or more worker URLs and a tokenizer directory"
@@ -59,19 +61,13 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
         return engine, AutoTokenizer.from_pretrained(str(spec.tokenizer))
     if spec.kind not in KINDS:
         raise EngineConfigError(f"unknown engine {spec.kind!r}: choose one of {', '.join(KINDS)}")
-    from agentrl.models.source import check_model_source
-    from agentrl.models.tiny import tiny_model_dir
 
     model_dir = check_model_source(spec.model) if spec.model else tiny_model_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if spec.kind == "scripted":
-        from agentrl.engine.scripted import ScriptedEngine
-
         if not spec.scripted_replies:
             raise EngineConfigError("the scripted engine needs its replies")
         return ScriptedEngine(list(spec.scripted_replies), tok), tok
     from transformers import AutoModelForCausalLM
-
-    from agentrl.engine.local import LocalEngine
 
     return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok), tok

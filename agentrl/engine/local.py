@@ -42,6 +42,7 @@ from agentrl.engine.base import (
     TensorWeights,
     WeightUpdate,
 )
+from agentrl.engine.tensors import deserialize_named_tensors
 
 _GREEDY_T = 1e-6
 _GATE_POLL_S = 0.05
@@ -500,7 +501,6 @@ class LocalEngine(Engine):
                     f"serialized_named_tensors has {len(update.serialized_named_tensors)} entries; this "
                     "engine is one TP rank and takes exactly one"
                 )
-            from agentrl.engine.tensors import deserialize_named_tensors
 
             pairs = await asyncio.to_thread(deserialize_named_tensors, update.serialized_named_tensors[0])
             await self.load_state_dict(dict(pairs), weight_version)

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import importlib
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
@@ -34,10 +36,29 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from rich.console import Console
 from rich.markup import escape
 
+import agentrl
+from agentrl.agent.actions import get_format
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.prompts import harbor_template_path
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import SamplingParams
+from agentrl.engine.build import EngineSpec, build_engine
+from agentrl.episode.oracle import build_images
+from agentrl.episode.run import EpisodeConfig, run_episode
 from agentrl.errors import AgentRLError
+from agentrl.eval.harbor_job import AGENT_NAME, HarborJob, TrajectoryInfo, first_messages, harbor_pass_at_k
+from agentrl.eval.passk import evaluate
+from agentrl.progress import progress_bar
+from agentrl.sandbox import base
+from agentrl.sandbox.lint import lint_tasks
+from agentrl.sandbox.registry import make_provider
+from agentrl.tasks.dataset import task_row
+from agentrl.tasks.rows import read_jsonl
+from agentrl.tasks.task import Task, discover_tasks
 
 log = logging.getLogger("agentrl.eval")
 console = Console()
@@ -107,9 +128,6 @@ def _glob_ok(name: str, globs: list[str]) -> bool:
 def load_task_set(settings: EvalSettings) -> TaskSet:
     """Task directories, directories of tasks, or JSONL rows naming `metadata.task_path`; lint
     errors skip a task (reported), as Harbor skips invalid task directories."""
-    from agentrl.sandbox.lint import lint_tasks
-    from agentrl.tasks.rows import read_jsonl
-    from agentrl.tasks.task import Task, discover_tasks
 
     found: list[tuple[Any, str]] = []
     datasets: list[dict[str, Any]] = []
@@ -164,7 +182,6 @@ def load_task_set(settings: EvalSettings) -> TaskSet:
 
 
 async def _get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> Any:
-    import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         async with session.get(url, headers=headers or {}) as resp:
@@ -182,7 +199,6 @@ async def probe_models(url: str, key_env: str = "") -> tuple[str | None, int | N
     """(first served model id, its context length) from an OpenAI-compatible `GET /v1/models`
     (SGLang and vLLM report `max_model_len`); (None, None) when the server does not say. With
     `key_env`, the API key in that variable is sent."""
-    import os
 
     key = os.environ.get(key_env) if key_env else None
     headers = {"Authorization": f"Bearer {key}"} if key else None
@@ -208,7 +224,6 @@ class BuiltEngine:
 
 
 async def build_eval_engine(settings: EvalSettings) -> BuiltEngine:
-    from agentrl.engine.build import EngineSpec, build_engine
 
     if settings.engine == "openai":
         if not settings.urls:
@@ -219,7 +234,6 @@ async def build_eval_engine(settings: EvalSettings) -> BuiltEngine:
         model = settings.model or served
         if not model:
             raise EvalConfigError(f"{settings.urls[0]} lists no model at /v1/models: pass --model NAME")
-        import os
 
         key_env = settings.api_key_env if os.environ.get(settings.api_key_env) else ""
         if not key_env:
@@ -271,8 +285,6 @@ class Resolved:
 
 
 def resolve(settings: EvalSettings, built: BuiltEngine) -> Resolved:
-    from agentrl.agent.actions import get_format
-    from agentrl.agent.loop import AgentConfig
 
     context = built.context or FALLBACK_CONTEXT
     max_total = settings.max_total_tokens
@@ -372,9 +384,6 @@ class TrialRunner:
         return limit
 
     def _info(self, task: Any) -> Any:
-        import agentrl
-        from agentrl.agent.actions import get_format
-        from agentrl.eval.harbor_job import TrajectoryInfo, first_messages
 
         fmt = get_format(self.config.action_format)
         instruction = task.instruction
@@ -396,7 +405,6 @@ class TrialRunner:
 
     async def run(self, row: dict[str, Any], *, group_id: str, sample_index: int, attempt: int = 0,
                   eval: bool = False, seed: int | None = None) -> Any:  # fmt: skip
-        from agentrl.episode.run import run_episode
 
         task = self.tasks[row["metadata"]["task_path"]]
         key = (group_id, sample_index)
@@ -430,7 +438,6 @@ class TrialRunner:
 
 
 def _default_ks(n: int) -> list[int]:
-    from agentrl.eval.harbor_job import harbor_pass_at_k
 
     return sorted({1, n, *harbor_pass_at_k({"t": [1.0] * n})})
 
@@ -440,14 +447,6 @@ async def run_eval(
 ) -> dict[str, Any] | None:
     """Run the evaluation; returns agentrl's summary (`EvalSummary.to_dict()` plus the job
     directory and the warnings), or None for a dry run. `provider` overrides `--backend`."""
-    from agentrl.agent.loop import AgentConfig
-    from agentrl.engine.base import SamplingParams
-    from agentrl.episode.oracle import build_images
-    from agentrl.episode.run import EpisodeConfig
-    from agentrl.eval.harbor_job import AGENT_NAME, HarborJob
-    from agentrl.eval.passk import evaluate
-    from agentrl.progress import progress_bar
-    from agentrl.tasks.dataset import task_row
 
     if settings.n_attempts < 1:
         raise EvalConfigError(f"--n-attempts must be >= 1 (got {settings.n_attempts})")
@@ -457,8 +456,6 @@ async def run_eval(
             f"every --pass-at k must be in 1..--n-attempts={settings.n_attempts} (got {ks})"
         )
     if settings.prompt_template == "harbor":
-        from agentrl.agent.prompts import harbor_template_path
-
         found = harbor_template_path()
         if found is None:
             raise EvalConfigError(
@@ -545,14 +542,10 @@ async def run_eval(
         for w in warnings:
             console.print(f"[yellow]warning:[/yellow] {escape(w)}")
         if provider is None:
-            from agentrl.sandbox.registry import make_provider
-
             provider = make_provider(settings.backend)
         _check_terminal(provider, resolved.mode, settings.backend)
         renderer = None
         if built.tokenizer is not None:
-            from agentrl.agent.tokens import ChatRenderer
-
             renderer = ChatRenderer.for_format(built.tokenizer, settings.action_format)
         n_total = len(task_set.tasks) * settings.n_attempts
         job = HarborJob(
@@ -665,9 +658,6 @@ def _check_terminal(provider: Any, mode: str, backend: str) -> None:
 def _sandbox_can_open_terminal(provider: Any, backend: str) -> bool:
     """Whether the backend's sandboxes implement `open_terminal` themselves (the base class's only
     says there is no terminal)."""
-    import importlib
-
-    from agentrl.sandbox import base
 
     classes = {
         "podman": ("agentrl.sandbox.podman", "PodmanSandbox"),

@@ -48,6 +48,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from agentrl.agent.actions import limit_terminal_output
+from agentrl.agent.prompts import initial_prompt
 from agentrl.eval.passk import pass_at_k
 
 ATIF_VERSION = "ATIF-v1.6"
@@ -642,9 +644,6 @@ def first_messages(
     path Terminus-2's one user message (after a system message only if one was configured), on the
     command path a system message and the instruction."""
     if mode == "tmux" and initial_state is not None:
-        from agentrl.agent.actions import limit_terminal_output
-        from agentrl.agent.prompts import initial_prompt
-
         first = initial_prompt(instruction, limit_terminal_output(initial_state), prompt_template)
         head = [{"role": "system", "content": system_prompt}] if system_prompt else []
         return [*head, {"role": "user", "content": first}]

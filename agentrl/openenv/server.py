@@ -25,11 +25,11 @@ from typing import Any
 
 from agentrl.errors import AgentRLError
 from agentrl.openenv.config import ServeConfig
+from agentrl.openenv.guard import Guard
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, get_plugin
 from agentrl.sandbox.base import SandboxProvider
 
 log = logging.getLogger("agentrl.openenv")
-
 
 
 @dataclass
@@ -60,7 +60,6 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
     _require_openenv()
     from openenv.core.env_server.http_server import create_fastapi_app
 
-    from agentrl.openenv.guard import Guard
     from agentrl.openenv.schema import TerminalAction, TerminalObservation, TerminalState
     from agentrl.openenv.terminal import TerminalHub, TerminalSession
 

@@ -24,6 +24,7 @@ from agentrl.rollout.manager import EpisodeRunner
 
 Split = Literal["train", "eval"]
 
+
 class EnvironmentPluginError(AgentRLError):
     """An environment plugin cannot be found, configured or built."""
 

@@ -31,7 +31,7 @@ from agentrl.engine.base import Engine, EngineVersionMismatch
 from agentrl.eval.passk import EvalSummary, evaluate
 from agentrl.overrides import ConfigError
 from agentrl.progress import progress_bar
-from agentrl.rollout.environment import Environment
+from agentrl.rollout.environment import EnvContext, Environment, get_plugin
 from agentrl.rollout.manager import RolloutManager
 from agentrl.rollout.metrics import MetricsTracker, StepMetrics
 from agentrl.runtime.config import RunConfig
@@ -403,7 +403,6 @@ async def evaluate_engine(
 ) -> dict[str, Any]:
     """pass@k of any engine (local, SGLang, an OpenAI-compatible API) on the configured
     environment's eval rows; the environment and the engine are closed afterwards."""
-    from agentrl.rollout.environment import EnvContext, get_plugin
 
     plugin = get_plugin(cfg.env["name"])
     context = EnvContext(

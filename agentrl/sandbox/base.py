@@ -167,7 +167,6 @@ class TerminalSession(abc.ABC):
         await self.close()
 
 
-
 class Sandbox(abc.ABC):
     """A started sandbox. Use as `async with`; `close()` is idempotent."""
 

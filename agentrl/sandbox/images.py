@@ -27,6 +27,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.progress import progress_bar
 from agentrl.sandbox.base import ImageBuildError
 
 
@@ -385,7 +386,6 @@ def build_standin(
 ) -> str:
     """Build the stand-in of `recipe` (default: the root family; a language family builds the
     root first) only under its own name, unless it exists with this recipe's label."""
-    from agentrl.progress import progress_bar
 
     recipe = recipe or load_recipe().root
     cache = cache or Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))

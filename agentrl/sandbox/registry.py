@@ -8,7 +8,10 @@ import importlib
 from typing import Any
 
 from agentrl.errors import AgentRLError
+from agentrl.sandbox import images
 from agentrl.sandbox.base import SandboxProvider
+from agentrl.sandbox.podman import PodmanProvider
+from agentrl.tasks.task import Task
 
 BACKENDS = ("podman", "docker", "daytona", "fake")
 
@@ -35,9 +38,6 @@ def make_provider(backend: str, **options: Any) -> SandboxProvider:
 def _lazy_bases_provider() -> type[SandboxProvider]:
     """PodmanProvider that first builds the stand-in families a task's `FROM`s need (a language
     family is built only when a task asks for it; `agentrl sandbox build-bases` builds the root)."""
-    from agentrl.sandbox import images
-    from agentrl.sandbox.podman import PodmanProvider
-    from agentrl.tasks.task import Task
 
     class LazyBasesPodmanProvider(PodmanProvider):
         async def image_for(self, task: Task) -> str:

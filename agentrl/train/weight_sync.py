@@ -41,6 +41,8 @@ import torch
 from safetensors.torch import save_file
 
 from agentrl.engine.base import DiskWeights, DistributedWeights, Engine, TensorWeights
+from agentrl.engine.tensors import serialize_named_tensors
+from agentrl.engine.weight_group import WeightGroup, rendezvous_store
 from agentrl.errors import InfraError
 from agentrl.train.checkpoint import atomic_dir
 
@@ -236,8 +238,6 @@ class TensorTransport(Transport):
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.tp_size = tp_size
         if serialize is None:
-            from agentrl.engine.tensors import serialize_named_tensors
-
             serialize = serialize_named_tensors
         self.serialize: Callable[[Bucket], str] = serialize
         self.load_format = load_format
@@ -318,7 +318,6 @@ class DistributedTransport(Transport):
         return None
 
     async def _form(self, live: list[dict[str, int]]) -> None:
-        from agentrl.engine.weight_group import WeightGroup, rendezvous_store
 
         previous = self.group_name if self._formed else None
         self._drop_group()

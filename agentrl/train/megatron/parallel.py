@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agentrl.train.megatron.model import cpu_shims
 from agentrl.train.megatron.settings import MegatronSettings
 
 
@@ -26,8 +27,6 @@ def initialize(settings: MegatronSettings, *, seed: int = 0) -> None:
     one-rank trainer."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-
-    from agentrl.train.megatron.model import cpu_shims
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:

@@ -51,7 +51,8 @@ from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_st
 from agentrl.train.checkpoint import CheckpointError, TrainState, latest_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.megatron import convert, parallel
-from agentrl.train.megatron.model import build_model, layout_of, require_megatron
+from agentrl.train.megatron.fp8 import quantize_named
+from agentrl.train.megatron.model import build_model, layout_of, require_megatron, schedule_device_shim
 from agentrl.train.megatron.settings import MegatronSettings
 from agentrl.train.torch_backend import bucket_named_tensors
 
@@ -482,8 +483,6 @@ class MegatronTrainer:
         # stacked experts: ~19 GB in bf16 per GLM-5.2 layer on every EP rank).
         named = self.hf_weights(self.settings.export_layout)
         if self.settings.export_quantization == "fp8_block128":
-            from agentrl.train.megatron.fp8 import quantize_named
-
             named = quantize_named(named, dtype=dtype or torch.bfloat16)
             dtype = None  # already cast; the fp8 tensors keep their dtype
         return bucket_named_tensors(named, dtype=dtype, bucket_bytes=bucket_bytes)
@@ -508,8 +507,6 @@ class MegatronTrainer:
         pass) and on_output gets a fourth argument, (this rank's loss to backpropagate, the loss
         over the CP group), to return the first of."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from agentrl.train.megatron.model import schedule_device_shim
 
         real = len(micro_batches)
         if len(chunks) > 1:

@@ -1,0 +1,504 @@
+"""`PodmanProvider`: images (build, stand-in bases, tmux layer), container creation with the task's
+limits and network, and `reap` of what a dead run left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentrl.sandbox import images
+from agentrl.sandbox.base import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS_LIMIT,
+    DEFAULT_STORAGE_MB,
+    ImageBuildError,
+    Sandbox,
+    SandboxCreateError,
+    SandboxError,
+    SandboxProvider,
+)
+from agentrl.sandbox.podman.cli import (
+    _LIVE,
+    _UNRESOLVED_FROM,
+    BUILD_PIP_DIR,
+    INIT_PATH,
+    LABEL_CREATED,
+    LABEL_RUN,
+    LABEL_TASK,
+    build_ca_dir,
+    context_hash,
+    find_init,
+    is_podman,
+    rm_args,
+    run_cli,
+)
+from agentrl.sandbox.podman.sandbox import PodmanSandbox
+from agentrl.sandbox.terminal import INSTALL_TMUX, NO_TMUX
+from agentrl.tasks.config import resolve_env_templates
+
+if TYPE_CHECKING:
+    from agentrl.tasks.task import Task
+log = logging.getLogger(__name__)
+
+
+class PodmanProvider(SandboxProvider):
+    """Creates `PodmanSandbox`es for tasks; optionally keeps a warm pool per task."""
+
+    def __init__(
+        self,
+        *,
+        cli: str | None = None,
+        allow_network: bool | None = None,
+        pids_limit: int = DEFAULT_PIDS_LIMIT,
+        inject_ca: bool = True,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        warm_pool: int = 0,
+        default_cpus: float | None = DEFAULT_CPUS,
+        default_memory_mb: int | None = DEFAULT_MEMORY_MB,
+        default_storage_mb: int | None = DEFAULT_STORAGE_MB,
+        storage_check_s: float = 2.0,
+        shell_grace_s: float = 30.0,
+        init: str | None = None,
+        terminal_tools: bool = True,
+    ) -> None:
+        """Limits: a task's own `cpus` / `memory_mb` / `storage_mb` win; when it is silent the
+        defaults apply (None: no limit). `init` is a static init run as PID 1 in pause mode
+        (default: catatonit, found like podman finds it): it reaps zombies and cannot be killed from
+        inside, so `kill -9 -1` ends the agent's processes but never the container.
+        `terminal_tools`: sandboxes run the task's image plus one layer that installs tmux where it
+        is missing (built once per image, with the build network), so `open_terminal` works."""
+        self.cli = cli or os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
+        self.allow_network = allow_network  # None: the task decides; True/False: user override
+        self.pids_limit = pids_limit
+        # docker build has no build-time mounts; podman's `-v` on build is what makes this work.
+        self._podman = is_podman(self.cli)
+        self._ca_dir = build_ca_dir() if inject_ca and self._podman else None
+        self.output_limit = output_limit
+        self.warm_pool = warm_pool
+        self.default_cpus = default_cpus
+        self.default_memory_mb = default_memory_mb
+        self.default_storage_mb = default_storage_mb
+        self.storage_check_s = storage_check_s
+        self.shell_grace_s = shell_grace_s
+        self.init = init if init is not None else find_init()
+        self.terminal_tools = terminal_tools
+        self._terminal_images: dict[str, str] = {}
+        self._terminal_notes: dict[str, str] = {}  # image -> why its tmux layer is missing
+        self._storage_opt: bool | None = None  # whether the storage driver caps a container's size
+        self._build_locks: dict[str, asyncio.Lock] = {}
+        self._unpullable: set[str] = set()
+        self._standins_said: set[tuple[str, str]] = set()  # warned once per provider
+        self._live: set[str] = set()
+        self._pool: dict[str, list[PodmanSandbox]] = {}
+        self._pool_tasks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- images ---------------------------------------------------------------------------------
+    async def image_for(self, task: Task) -> str:
+        """The image to run `task` in: `docker_image` when it is local or can be pulled (Harbor's
+        default), else the image built from environment/Dockerfile."""
+        env = task.config.environment
+        if env.docker_image:
+            if await self._have_or_pull(env.docker_image):
+                return env.docker_image
+            if task.dockerfile is None:
+                raise SandboxCreateError(
+                    f"{task.task_id}: docker_image {env.docker_image!r} is neither local nor pullable"
+                    " and there is no environment/Dockerfile to build instead"
+                )
+            log.info("%s: %s unavailable; building environment/Dockerfile", task.task_id, env.docker_image)
+        if task.dockerfile is None:
+            raise SandboxCreateError(f"{task.task_id}: no environment/Dockerfile and no docker_image")
+        dockerfile = await self._dockerfile_offline(task)
+        key = context_hash(task.environment_dir)
+        if dockerfile is not None:
+            # the rewrite names the stand-in with its recipe hash: a new recipe is a new image
+            key = hashlib.sha256(f"{key}\n{dockerfile}".encode()).hexdigest()[:16]
+        tag = f"localhost/agentrl-task/{task.task_id.lower()}:{key}"
+        lock = self._build_locks.setdefault(tag, asyncio.Lock())
+        async with lock:
+            rc, _, _ = await run_cli(self.cli, "image", "inspect", tag, timeout=60)
+            if rc == 0:
+                return tag
+            await self._build(task, tag, dockerfile)
+        return tag
+
+    async def _dockerfile_offline(self, task: Task) -> str | None:
+        """environment/Dockerfile with every `FROM` whose base is neither local nor pullable
+        rewritten to the stand-in serving its repository; None when no line needs it. A stand-in
+        an older agentrl tagged under the real name counts as local only while the stand-in under
+        its own name is missing."""
+        assert task.dockerfile is not None
+        text = task.dockerfile.read_text(encoding="utf-8", errors="replace")
+        recipe = images.load_recipe()
+        replace: dict[int, str] = {}
+        for line in images.from_lines(text):
+            standin = images.standin_for(line.image, recipe)
+            if await self._have_or_pull(line.image) and (
+                standin is None
+                or await self._recipe_label(line.image) is None
+                or not await self._have(standin)
+            ):
+                continue
+            if standin is None:
+                raise ImageBuildError(
+                    f"{task.task_id}: environment/Dockerfile line {line.line + 1}: FROM {line.written} "
+                    "is not present locally, cannot be pulled, and no offline stand-in serves it "
+                    f"(sandbox_images/bases.toml lists {', '.join(recipe.repositories)}): load the "
+                    f"image on this machine (`{self.cli} load` / `{self.cli} pull` where a registry "
+                    "answers), or start FROM a base the stand-ins serve"
+                )
+            if not await self._have(standin):
+                raise ImageBuildError(
+                    f"{task.task_id}: FROM {line.written} is not present locally and cannot be "
+                    f"pulled; its offline stand-in {standin} is not built: run `agentrl sandbox "
+                    "build-bases`"
+                )
+            if (task.task_id, line.written) not in self._standins_said:
+                self._standins_said.add((task.task_id, line.written))
+                log.warning(
+                    "%s: FROM %s is not present locally and cannot be pulled: the stand-in %s answers "
+                    "instead; %s",
+                    task.task_id,
+                    line.written,
+                    standin,
+                    recipe.content,
+                )
+            replace[line.line] = standin
+        return images.rewrite_froms(text, replace) if replace else None
+
+    async def _have(self, image: str) -> bool:
+        return (await run_cli(self.cli, "image", "inspect", image, timeout=60))[0] == 0
+
+    async def _recipe_label(self, image: str) -> str | None:
+        rc, out, _ = await run_cli(
+            self.cli,
+            "image",
+            "inspect",
+            "--format",
+            f'{{{{ index .Config.Labels "{images.RECIPE_LABEL}" }}}}',
+            image,
+            timeout=60,
+        )
+        value = out.strip()
+        return value if rc == 0 and value and value != "<no value>" else None
+
+    async def terminal_image(self, image: str, timeout: float = 600.0) -> str:
+        """`image` plus a layer that installs tmux where it is missing (`INSTALL_TMUX`), built
+        once and tagged by the image's id. An image whose layer cannot be built (no shell in it,
+        say) is used as it is: the command path does not need tmux, and `open_terminal` says why
+        there is none."""
+        if not self.terminal_tools:
+            return image
+        if image in self._terminal_images:
+            return self._terminal_images[image]
+        lock = self._build_locks.setdefault(f"terminal:{image}", asyncio.Lock())
+        async with lock:
+            if image in self._terminal_images:
+                return self._terminal_images[image]
+            rc, out, err = await run_cli(
+                self.cli, "image", "inspect", "--format", "{{.Id}}\t{{.Config.User}}", image, timeout=60
+            )
+            image_id, _, user = out.strip().partition("\t")
+            if rc != 0 or not image_id:
+                raise SandboxCreateError(f"inspecting image {image} failed", log_tail=err[-500:])
+            recipe = hashlib.sha256(f"{image_id}\n{INSTALL_TMUX}".encode()).hexdigest()[:16]
+            tag = f"localhost/agentrl-terminal/image:{recipe}"
+            if (await run_cli(self.cli, "image", "inspect", tag, timeout=60))[0] != 0:
+                dockerfile = f"FROM {image_id}\nUSER root\nRUN {INSTALL_TMUX}\n"
+                if user and user not in ("root", "0", "0:0"):
+                    dockerfile += f"USER {user}\n"
+                with tempfile.TemporaryDirectory(prefix="agentrl-terminal-") as ctx:
+                    (Path(ctx) / "Dockerfile").write_text(dockerfile)
+                    args = ["build", "--network=host", "--pull=never" if self._podman else "--pull=false"]
+                    try:
+                        rc, out, err = await run_cli(self.cli, *args, "-t", tag, ctx, timeout=timeout)
+                    except TimeoutError:
+                        rc, out, err = 1, "", f"took longer than {timeout:.0f}s"
+                if rc != 0:
+                    note = (out + err).strip()[-300:]
+                    log.warning(
+                        "could not add tmux to %s (the terminal will be unavailable): %s", image, note
+                    )
+                    self._terminal_notes[image] = note
+                    tag = image
+                elif NO_TMUX in out + err:
+                    self._terminal_notes[tag] = "no package manager of the image could install it"
+                    log.warning("%s has no tmux and none could be installed: no terminal in it", image)
+            self._terminal_images[image] = tag
+            return tag
+
+    async def _have_or_pull(self, image: str) -> bool:
+        if image in self._unpullable:
+            return await self._have(image)
+        lock = self._build_locks.setdefault(image, asyncio.Lock())
+        async with lock:
+            if await self._have(image):
+                return True
+            try:
+                pulled = (await run_cli(self.cli, "pull", "--quiet", image, timeout=600))[0] == 0
+            except TimeoutError:
+                pulled = False
+            if not pulled:
+                self._unpullable.add(image)  # one try per provider: offline, every try fails
+            return pulled
+
+    async def _build(self, task: Task, tag: str, dockerfile: str | None = None) -> None:
+        """Build `tag` from environment/ with the Dockerfile as written, or `dockerfile` (the
+        rewritten text) from a temporary file next to the unchanged context. Every base is local
+        by now (present, pulled or a stand-in), so nothing is pulled during the build, unless a
+        `FROM` names its image through a build argument no one could resolve beforehand."""
+        assert task.dockerfile is not None
+        with tempfile.TemporaryDirectory(prefix="agentrl-dockerfile-") as tmp:
+            path = Path(task.dockerfile).resolve()
+            if dockerfile is not None:
+                path = Path(tmp) / "Dockerfile"
+                path.write_text(dockerfile, encoding="utf-8")
+                ignore = Path(task.environment_dir) / "Dockerfile.dockerignore"
+                if ignore.is_file():
+                    shutil.copyfile(ignore, Path(tmp) / "Dockerfile.dockerignore")
+            args = ["build", "--network=host", "-t", tag, "-f", str(path)]
+            if not _UNRESOLVED_FROM.search(dockerfile or path.read_text(errors="replace")):
+                # docker never pulls a base it has unless told to; its --pull takes no value.
+                args.append("--pull=never" if self._podman else "--pull=false")
+            if self._ca_dir is not None:
+                args += ["-v", f"{Path(self._ca_dir).resolve()}:{BUILD_PIP_DIR}:ro"]
+            args.append(str(Path(task.environment_dir).resolve()))  # the CLI runs in cli_cwd()
+            timeout = task.config.environment.build_timeout_sec
+            try:
+                rc, out, err = await run_cli(self.cli, *args, timeout=timeout)
+            except TimeoutError:
+                raise ImageBuildError(
+                    f"building {task.task_id} took longer than {timeout:.0f}s (build_timeout_sec)"
+                ) from None
+        if rc != 0:
+            raise ImageBuildError(
+                f"building the image of {task.task_id} failed (exit {rc})", log_tail=(out + err)[-4000:]
+            )
+
+    # -- containers -----------------------------------------------------------------------------
+    def _network(self, task: Task) -> str:
+        allowed = (
+            task.config.environment.internet_allowed if self.allow_network is None else self.allow_network
+        )
+        return "bridge" if allowed else "none"
+
+    def _run_args(self, task: Task, run_id: str, name: str) -> tuple[list[str], int | None]:
+        """`run` arguments without the storage cap, and the storage limit in MiB."""
+        env = task.config.environment
+        args = [
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            self._network(task),
+            "--label",
+            f"{LABEL_RUN}={run_id}",
+            "--label",
+            f"{LABEL_TASK}={task.task_id}",
+            "--label",
+            f"{LABEL_CREATED}={int(time.time())}",
+            "--pids-limit",
+            str(self.pids_limit),
+        ]
+        if self._podman:
+            args.append("--http-proxy=false")  # podman copies the host's proxy variables by default
+        if self.init:
+            args += ["-v", f"{self.init}:{INIT_PATH}:ro", "--entrypoint", INIT_PATH]
+        else:
+            args += ["--init", "--entrypoint", "sleep"]
+        cpus = env.cpus or self.default_cpus
+        if cpus:
+            args += ["--cpus", str(cpus)]
+        memory = env.memory_mb or self.default_memory_mb
+        if memory:
+            args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
+        if env.workdir:
+            args += ["-w", env.workdir]
+        # `${VAR}` / `${VAR:-default}` values come from the host, as in Harbor (an unset one is a
+        # task error that names the variable).
+        for k, v in resolve_env_templates(env.env, str(task.path / "task.toml")).items():
+            args += ["-e", f"{k}={v}"]
+        return args, env.storage_mb or self.default_storage_mb
+
+    async def _start(self, task: Task, run_id: str, image: str) -> PodmanSandbox:
+        env = task.config.environment
+        # Container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]*; run ids and task ids may hold anything.
+        safe = re.sub(r"[^a-z0-9_.-]+", "-", f"{run_id[:24]}-{task.task_id[:24]}".lower())
+        name = f"agentrl-{safe}-{uuid.uuid4().hex[:8]}"
+        args, storage = self._run_args(task, run_id, name)
+        tail = [image, "-P"] if self.init else [image, "infinity"]
+        _LIVE[name] = self.cli
+        self._live.add(name)
+        try:
+            rc, err = 1, ""
+            if storage and self._storage_opt is not False:
+                rc, _, err = await run_cli(
+                    self.cli, *args, "--storage-opt", f"size={storage}m", *tail, timeout=120
+                )
+                if rc == 0:
+                    self._storage_opt = True
+                elif "only supported for" in err or "storage-opt" in err.lower() or "quota" in err.lower():
+                    log.info(
+                        "the storage driver cannot cap container size (%s): measuring from the host",
+                        err.strip()[-200:],
+                    )
+                    self._storage_opt = False
+                    await run_cli(self.cli, *rm_args(self.cli), name, timeout=120)
+            if rc != 0 and not (storage and self._storage_opt):
+                rc, _, err = await run_cli(self.cli, *args, *tail, timeout=120)
+            if rc != 0:
+                raise SandboxCreateError(
+                    f"starting a container for {task.task_id} failed", log_tail=err[-2000:]
+                )
+            # One inspect for both: the writable layer (storage measured from the host) and the
+            # init's host pid (the verifier kills the agent's processes by its PID namespace).
+            rc, out, err = await run_cli(
+                self.cli,
+                "inspect",
+                "--format",
+                "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}",
+                name,
+                timeout=60,
+            )
+            pid, _, upper_out = out.strip().partition("\t")
+            upper = upper_out if rc == 0 and os.path.isdir(upper_out) else None
+            if storage and not self._storage_opt and upper is None:
+                raise SandboxCreateError(
+                    f"{task.task_id} asks for storage_mb={storage}, which this host can enforce neither "
+                    "with the storage driver (overlay on xfs with pquota) nor by measuring the "
+                    "container's writable layer from the host; pass default_storage_mb=None and set no "
+                    "storage_mb to run without a storage limit",
+                    log_tail=err[-500:],
+                )
+            if not (storage and not self._storage_opt):
+                upper = None
+            sandbox = PodmanSandbox(
+                self, name, env.workdir, storage_mb=storage if upper else None, upper_dir=upper, image=image
+            )
+            sandbox._init_pid = int(pid) if pid.isdigit() else None
+            res = await sandbox._exec_clean(
+                "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
+            )
+            if res.exit_code != 0:
+                raise SandboxCreateError(f"preparing /logs in {name} failed", log_tail=res.stderr)
+            return sandbox
+        except BaseException:
+            await asyncio.shield(self._remove(name))
+            raise
+
+    async def create(self, task: Task, *, run_id: str) -> Sandbox:
+        pooled = self._pool.get(task.task_id)
+        while pooled:
+            sandbox = pooled.pop()
+            if await sandbox.alive():
+                self._refill(task, run_id)
+                return sandbox
+            await sandbox.close()
+        image = await self.terminal_image(
+            await self.image_for(task), task.config.environment.build_timeout_sec
+        )
+        sandbox = await self._start(task, run_id, image)
+        self._refill(task, run_id)
+        return sandbox
+
+    def _refill(self, task: Task, run_id: str) -> None:
+        if self.warm_pool > 0:
+            self.prefetch(task, run_id=run_id)
+
+    def prefetch(self, task: Task, *, run_id: str, count: int | None = None) -> None:
+        """Start containers for an upcoming task in the background (the warm pool)."""
+        want = (
+            (count or self.warm_pool)
+            - len(self._pool.get(task.task_id, []))
+            - sum(1 for t in self._pool_tasks if t.get_name() == task.task_id)
+        )
+        for _ in range(max(0, want)):
+            t = asyncio.create_task(self._warm_one(task, run_id), name=task.task_id)
+            self._pool_tasks.add(t)
+            t.add_done_callback(self._pool_tasks.discard)
+
+    async def wait_warm(self, task: Task) -> int:
+        """Wait for the pre-starts of `task` in flight; return how many sandboxes are pooled."""
+        pending = [t for t in self._pool_tasks if t.get_name() == task.task_id]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return len(self._pool.get(task.task_id, []))
+
+    async def _warm_one(self, task: Task, run_id: str) -> None:
+        try:
+            image = await self.image_for(task)
+            image = await self.terminal_image(image, task.config.environment.build_timeout_sec)
+            sandbox = await self._start(task, run_id, image)
+        except SandboxError as exc:
+            log.warning("warm pool: could not pre-start %s: %s", task.task_id, exc)
+            return
+        self._pool.setdefault(task.task_id, []).append(sandbox)
+
+    async def _remove(self, name: str) -> None:
+        try:
+            await run_cli(self.cli, *rm_args(self.cli), name, timeout=120)
+        finally:
+            self._live.discard(name)
+            _LIVE.pop(name, None)
+
+    def live_sandboxes(self) -> int:
+        return len(self._live)
+
+    async def aclose(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for t in list(self._pool_tasks):
+            t.cancel()
+        if self._pool_tasks:
+            await asyncio.gather(*self._pool_tasks, return_exceptions=True)
+        for sandboxes in self._pool.values():
+            for s in sandboxes:
+                await s.close()
+        self._pool.clear()
+        for name in list(self._live):
+            await self._remove(name)
+
+
+async def reap(
+    *, cli: str = "podman", run_id: str | None = None, older_than_s: float | None = None
+) -> list[str]:
+    """Remove agentrl containers by label: of one run, or older than a cutoff, or all."""
+    args = [
+        "ps",
+        "-a",
+        "--filter",
+        f"label={LABEL_RUN}",
+        "--format",
+        f'{{{{.Names}}}}\t{{{{index .Labels "{LABEL_RUN}"}}}}\t{{{{index .Labels "{LABEL_CREATED}"}}}}',
+    ]
+    if run_id is not None:
+        args[3] = f"label={LABEL_RUN}={run_id}"
+    rc, out, err = await run_cli(cli, *args, timeout=120)
+    if rc != 0:
+        raise SandboxError(f"listing containers failed: {err.strip()[-500:]}")
+    now = time.time()
+    doomed = []
+    for line in out.splitlines():
+        parts = line.split("\t")
+        if len(parts) < 3:
+            continue
+        name, _, created = parts[:3]
+        if older_than_s is not None and created.isdigit() and now - int(created) < older_than_s:
+            continue
+        doomed.append(name)
+    for name in doomed:
+        await run_cli(cli, *rm_args(cli), name, timeout=120)
+    return doomed
