@@ -294,7 +294,7 @@ def test_containers_are_removed_at_interpreter_exit() -> None:
     script = (
         "import asyncio\n"
         "from agentrl.sandbox.podman import PodmanProvider\n"
-        "from agentrl.tasks import load_task\n"
+        "from agentrl.tasks.task import load_task\n"
         "async def main():\n"
         f"    sb = await PodmanProvider(cli={CLI!r}).create(load_task({str(FIXTURES / 'write-hello')!r}), run_id={run_id!r})\n"
         "    print(sb.sandbox_id, flush=True)\n"
