@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 
-from agentrl.cluster.model import ModelSpec
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from _glm52 import MODELS
+
 from agentrl.cluster.planner import HARDWARE, GiB, Layout, memory_estimate
 
 
@@ -70,7 +74,7 @@ def expected_max(n: int, mean: float, sigma: float, cap: float) -> float:
 
 
 def model(a: Assumptions) -> dict[str, float]:
-    glm = ModelSpec.named("GLM-5.2")
+    glm = MODELS["GLM-5.2"].spec()
     hw = HARDWARE["GB300"]
     train_gpus = 32  # 8 training nodes x 4 GB300
     c = glm.config

@@ -2,12 +2,19 @@
 
 The reference run: 16 GB300 nodes of 4 GPUs, 8 training (TP2 / CP4 / PP4 / EP8, optimizer state
 off the GPU) and 8 inference nodes (one 4-GPU dp-attention FP8 SGLang engine each), one Daytona
-sandbox per task. `--dry-run` prints the whole resolved plan. Everything lives in agentrl.cluster.
+sandbox per task. `--dry-run` prints the whole resolved plan. The recipe is `recipes/_glm52.py`;
+the planner and launcher are agentrl.cluster's.
 """
 
-from agentrl.cluster.cli import make_app
+import sys
+from pathlib import Path
 
-app = make_app("tbench2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _glm52 import TBENCH2 as spec
+from _glm52 import app as _app
+
+app = _app(spec.name)
 
 if __name__ == "__main__":
     app()

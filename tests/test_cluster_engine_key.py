@@ -57,7 +57,8 @@ def _call(method: str, url: str, key: str | None = None, body: object = None, au
 
 
 def test_ensure_key_creates_a_private_random_key_once(tmp_path: Path) -> None:
-    from agentrl.cluster.launch import ensure_key, read_key
+    from agentrl.cluster.launch import ensure_key
+    from agentrl.engine.keys import read_key
 
     path = ensure_key(tmp_path / "sub" / "engine.key")
     assert oct(path.stat().st_mode & 0o777) == "0o600"
@@ -67,7 +68,7 @@ def test_ensure_key_creates_a_private_random_key_once(tmp_path: Path) -> None:
 
 
 def test_a_missing_or_malformed_key_file_is_a_clear_error(tmp_path: Path) -> None:
-    from agentrl.cluster.launch import EngineKeyError, read_key
+    from agentrl.engine.keys import EngineKeyError, read_key
 
     with pytest.raises(EngineKeyError, match="cannot read the engine key file"):
         read_key(tmp_path / "absent")
@@ -212,7 +213,8 @@ def _wait(check, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-
 def test_launched_server_and_router_need_the_key_which_no_cmdline_or_log_shows(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from agentrl.cluster.actors import leave_router
-    from agentrl.cluster.launch import ensure_key, keyed, read_key
+    from agentrl.cluster.launch import ensure_key, keyed
+    from agentrl.engine.keys import read_key
     from agentrl.models.tiny import tiny_model_dir
 
     key_file = str(ensure_key(tmp_path / "engine.key"))

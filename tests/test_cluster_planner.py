@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.cluster.model import GLM52_CONFIG, ModelSpec
+from agentrl.cluster.model import ModelSpec
 from agentrl.cluster.planner import (
     GiB,
     Layout,
@@ -18,9 +18,12 @@ from agentrl.cluster.planner import (
     hardware,
     memory_estimate,
 )
+from tests.test_recipe_glm52 import SPECS
 
-GLM52 = ModelSpec.named("GLM-5.2")
-PRUNED = ModelSpec.named("GLM-5.2_5layer")
+MODELS = SPECS["tbench2"].models
+GLM52_CONFIG = MODELS["GLM-5.2"].config
+GLM52 = MODELS["GLM-5.2"].spec()
+PRUNED = MODELS["GLM-5.2_5layer"].spec()
 
 
 def test_glm52_has_744b_parameters_and_about_40b_active() -> None:

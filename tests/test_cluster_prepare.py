@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentrl.cluster.model import ModelSpec
 from agentrl.cluster.planner import Layout
 from agentrl.cluster.prepare import (
     CheckpointError,
@@ -27,7 +26,8 @@ from agentrl.cluster.prepare import (
     rank_shard_params,
     validate_checkpoint,
 )
-from agentrl.cluster.recipe import ClusterPlan, RecipeOptions, resolve
+from agentrl.cluster.recipe import ClusterPlan, resolve
+from tests.test_recipe_glm52 import SPECS
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -95,11 +95,11 @@ def test_prepare_cp_copies_whole_or_not_at_all(ckpt: Path, tmp_path: Path) -> No
 
 
 def _tbench2(**kw: object) -> ClusterPlan:
-    return resolve(RecipeOptions(recipe="tbench2", **kw))  # type: ignore[arg-type]
+    return resolve(SPECS["tbench2"].options(**kw), SPECS["tbench2"])
 
 
 def test_a_conversion_rank_of_one_holds_the_whole_model_and_ranks_split_it() -> None:
-    model = ModelSpec.named("GLM-5.2")
+    model = SPECS["tbench2"].models["GLM-5.2"].spec()
     assert rank_shard_params(model, Layout(1, 1, 1, 1)) == [model.total_params(with_mtp=False)]
     # TP2 PP4 EP8, 18/20: every stage's rank holds its layers' TP half, experts / 8, the rest whole.
     per_stage = rank_shard_params(model, Layout(2, 4, 1, 8, 1, 18, 20))
@@ -180,7 +180,7 @@ def test_prepare_cp_gives_each_node_what_its_role_loads() -> None:
         **{n: ["megatron"] for n in range(8)},
         **{n: ["fp8"] for n in range(8, 16)},
     }
-    math = resolve(RecipeOptions(recipe="dapo_math", num_nodes=16, hardware="H200"))
+    math = resolve(SPECS["dapo_math"].options(num_nodes=16, hardware="H200"), SPECS["dapo_math"])
     assert node_needs(math) == {n: ["megatron", "hf"] for n in range(16)}  # colocated, BF16 rollout
     args = [
         "prepare-cp",

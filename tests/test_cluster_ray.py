@@ -24,7 +24,9 @@ from typing import Any
 
 import pytest
 
-from agentrl.cluster.recipe import RecipeOptions, resolve
+from agentrl.cluster.recipe import ClusterPlan
+from agentrl.cluster.recipe import resolve as resolve_plan
+from tests.test_recipe_glm52 import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "dtn_not-a-real-key-but-secret-0123456789"
@@ -36,7 +38,12 @@ def _local_plan(recipe: str = "tbench2", **kw: Any) -> Any:
         defaults["hardware"] = "H200"  # 8 GPUs per node: two 4-GPU engines on the rollout node
     else:
         defaults["enable_pd"] = False
-    return resolve(RecipeOptions(recipe=recipe, **{**defaults, **kw}))  # type: ignore[arg-type]
+    return plan_of(recipe, **{**defaults, **kw})
+
+
+def plan_of(recipe: str, **kw: Any) -> ClusterPlan:
+    """The plan of the GLM-5.2 recipe `recipe` (recipes/_glm52.py) with these flags."""
+    return resolve_plan(SPECS[recipe].options(**kw), SPECS[recipe])
 
 
 def _settings(tmp_path: Path) -> Any:
@@ -98,7 +105,7 @@ def test_local_processes_are_the_plans_with_engine_serve_in_place_of_sglang(tmp_
 def test_cluster_processes_keep_the_plans_command_lines_with_real_hosts() -> None:
     from agentrl.cluster.ray_runtime import build_specs
 
-    plan = resolve(RecipeOptions(recipe="tbench2", num_nodes=16))
+    plan = plan_of("tbench2", num_nodes=16)
     hosts = {n: f"192.0.2.{n + 1}" for n in range(16)}  # TEST-NET addresses: never contacted
     specs = build_specs(plan, hosts)
     engines = [s for s in specs if s.role == "engine"]
@@ -127,7 +134,7 @@ def test_cluster_processes_keep_the_plans_command_lines_with_real_hosts() -> Non
 def test_placement_groups_per_role() -> None:
     from agentrl.cluster.ray_runtime import ClusterRun
 
-    tb = ClusterRun(resolve(RecipeOptions(recipe="tbench2", num_nodes=16)), log_dir=Path("/nonexistent"))
+    tb = ClusterRun(plan_of("tbench2", num_nodes=16), log_dir=Path("/nonexistent"))
     assert tb.role_nodes() == {"trainer": list(range(8)), "rollout": list(range(8, 16))}
     assert tb.bundles()["rollout"] == [{"CPU": 1.0, "GPU": 4.0}] * 8
     # A cluster whose nodes advertise agentrl_node_NN pins plan node N to that host (where
@@ -136,7 +143,7 @@ def test_placement_groups_per_role() -> None:
     assert tb.bundles()["rollout"][2] == {"CPU": 1.0, "GPU": 4.0, "agentrl_node_10": 1.0}
     assert tb.bundles()["trainer"][0] == {"CPU": 1.0, "GPU": 4.0, "agentrl_node_00": 1.0}
     math = ClusterRun(
-        resolve(RecipeOptions(recipe="dapo_math", num_nodes=16, gpus_per_node=8, hardware="H200")),
+        plan_of("dapo_math", num_nodes=16, gpus_per_node=8, hardware="H200"),
         log_dir=Path("/nonexistent"),
     )
     assert list(math.role_nodes()) == ["colocated"] and len(math.bundles()["colocated"]) == 16
@@ -146,7 +153,7 @@ def test_local_mode_refuses_prefill_decode_disaggregation(tmp_path: Path) -> Non
     from agentrl.cluster.ray_runtime import ClusterRun
     from agentrl.cluster.recipe import RecipeError
 
-    plan = resolve(RecipeOptions(recipe="dapo_math", model_name="GLM-5.2_5layer", num_nodes=2))
+    plan = plan_of("dapo_math", model_name="GLM-5.2_5layer", num_nodes=2)
     assert plan.enable_pd
     with pytest.raises(RecipeError, match="drop --enable-pd"):
         ClusterRun(plan, log_dir=tmp_path, local=_settings(tmp_path))
@@ -163,11 +170,7 @@ def test_no_credential_value_reaches_ray(tmp_path: Path, monkeypatch: pytest.Mon
     engine_key.write_text(SECRET[::-1])
     monkeypatch.setenv("DAYTONA_API_KEY", SECRET)
     monkeypatch.setenv("DAYTONA_API_KEY_FILE", str(key_file))
-    plan = resolve(
-        RecipeOptions(
-            recipe="tbench2", num_nodes=16, daytona_key_file=str(key_file), engine_key_file=str(engine_key)
-        )
-    )
+    plan = plan_of("tbench2", num_nodes=16, daytona_key_file=str(key_file), engine_key_file=str(engine_key))
     run = ClusterRun(plan, log_dir=tmp_path)
     specs = build_specs(plan, {n: f"192.0.2.{n + 1}" for n in range(16)})
     local = build_specs(_local_plan(), {0: "127.0.0.1", 1: "127.0.0.1"}, _settings(tmp_path))
@@ -393,7 +396,7 @@ def test_a_multi_node_engine_restarts_all_its_ranks_once(tmp_path: Path) -> None
     restarts, the supervisor restarts its siblings, once, and their restarts set off nothing more."""
     from agentrl.cluster.ray_runtime import ClusterRun, engine_siblings
 
-    plan = resolve(RecipeOptions(recipe="dapo_math", num_nodes=16))
+    plan = plan_of("dapo_math", num_nodes=16)
     names = [p.name for p in plan.processes]
     prefill = [n for n in names if n.startswith("sglang-prefill-0-node")]
     assert len(prefill) > 1

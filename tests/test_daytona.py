@@ -42,15 +42,14 @@ from agentrl.sandbox.credentials import (
     DaytonaCredentialsError,
     ray_runtime_env_for_daytona,
 )
-from agentrl.sandbox.daytona import (
+from agentrl.sandbox.daytona import DaytonaProvider, reap_daytona
+from agentrl.sandbox.daytona.common import (
     LABEL_LAUNCHER,
     LABEL_RUN,
     LABEL_TASK,
     PREPARE_LOGS,
-    DaytonaProvider,
     SandboxQuotaError,
     classify_create_error,
-    reap_daytona,
 )
 from agentrl.sandbox.registry import make_provider
 from agentrl.sandbox.terminal import INSTALL_TMUX
@@ -132,7 +131,7 @@ def test_fake_methods_have_the_sdk_signatures(fake, real, method) -> None:
 
 
 def test_every_sdk_call_agentrl_makes_is_in_the_checked_surface() -> None:
-    source = Path("agentrl/sandbox/daytona.py").read_text()
+    source = "".join(p.read_text() for p in sorted(Path("agentrl/sandbox/daytona").glob("*.py")))
     checked = {m for _, _, ms in SURFACE for m in ms}
     called = set(re.findall(r"\.(?:process|fs)\.(\w+)\(", source))
     called |= set(re.findall(r"(?:client|sdk_sandbox|found|self\.sdk)\.(\w+)\(", source))
@@ -402,7 +401,7 @@ def test_keepalive_must_beat_auto_stop() -> None:
 
 
 async def test_a_failed_delete_is_logged_and_left_for_the_exit_handler(caplog) -> None:
-    from agentrl.sandbox import daytona as mod
+    from agentrl.sandbox.daytona import provider as mod
 
     server = FakeDaytonaServer()
     provider = provider_on(server)

@@ -22,8 +22,8 @@ from agentrl.engine.base import (  # noqa: E402
 )
 from agentrl.engine.local import LocalEngine  # noqa: E402
 from agentrl.engine.server import EngineServer  # noqa: E402
-from agentrl.engine.tensors import serialize_named_tensors  # noqa: E402
 from agentrl.engine.sglang import ROUTING_KEY_HEADER, SGLangEngine  # noqa: E402
+from agentrl.engine.tensors import serialize_named_tensors  # noqa: E402
 from agentrl.models.tiny import load_tiny  # noqa: E402
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from agentrl.runtime.config import RunConfig, resolve
 from agentrl.train.checkpoint import CheckpointError
+from agentrl.train.megatron.checkpointing import InitCheckpointError, init_checkpoint_dir
 from agentrl.train.megatron.settings import MegatronSettings
-from agentrl.train.megatron.trainer import InitCheckpointError, init_checkpoint_dir
 
 
 def test_init_checkpoint_is_a_run_setting_and_not_part_of_the_resume_layout() -> None:

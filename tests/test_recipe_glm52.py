@@ -18,15 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOTS = ROOT / "tests" / "fixtures" / "glm52_dryrun"
 
 
-def recipe_app(name: str):
+def recipe_module(name: str):
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.app
+    return module
 
 
-APPS = {"tbench2": recipe_app("glm52_tbench2"), "dapo_math": recipe_app("glm52_dapo_math")}
+MODULES = {"tbench2": recipe_module("glm52_tbench2"), "dapo_math": recipe_module("glm52_dapo_math")}
+APPS = {name: m.app for name, m in MODULES.items()}
+SPECS = {name: m.spec for name, m in MODULES.items()}  # the RecipeSpec each launcher plans with
 
 CASES = {
     # tbench2: separate training and rollout nodes
@@ -97,7 +99,7 @@ def test_each_process_loads_the_checkpoint_prepare_cp_put_on_its_node(case: str,
     )
     assert result.exit_code == 0, result.output
     written = json.loads((root / "runs" / recipe / "launch" / "plan.json").read_text())
-    plan = resolve(RecipeOptions(**written["options"]))
+    plan = resolve(RecipeOptions(**written["options"]), SPECS[recipe])
     model = plan.options.model_name
     loads: dict[int, set[str]] = {}
     for p in written["processes"]:

@@ -1,3 +1,4 @@
-"""Cluster recipes for GLM-5.2: the layout planner (`planner`), the model's shape (`model`), the
+"""Cluster recipes for any model on any layout: the layout planner (`planner`), the model's shape (`model`), the
 resolved plan of a recipe with every process's command line (`recipe`), checkpoint preparation
-(`prepare`). Pure Python; nothing here imports Ray, torch or SGLang at module level."""
+(`prepare`), the recipe CLI (`cli.make_app`). The recipes themselves (models, defaults, run
+settings) live under `recipes/`. Pure Python; nothing here imports Ray, torch or SGLang at module level."""

@@ -1,40 +1,45 @@
-"""The Typer app behind `recipes/glm52_tbench2.py` and `recipes/glm52_dapo_math.py`.
+"""The Typer app of a cluster recipe: `make_app(spec)` for a `RecipeSpec` (the launchers under
+`recipes/` build theirs and call it).
 
 Subcommands: `prepare` (download, validate, convert, FP8 copy), `prepare-cp` (to node-local disk),
 `train` (`--dry-run` prints the resolved plan; otherwise it places and supervises the plan on a
 Ray cluster, `agentrl.cluster.ray_runtime`; `--local` runs the same Ray code on this machine with
 simulated nodes; `--write-scripts` only writes the plan and one shell script per node),
-`full-train` (all three).
+`full-train` (all three). The environment's data steps of `prepare` are the environment
+plugin's `data` hooks (`agentrl.cluster.recipe.env_data`). Annotations are evaluated (no
+`from __future__ import annotations`): the options' help texts name the spec's models.
 """
 
-from __future__ import annotations
-
 import json
+import os
 import shlex
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-from agentrl.cluster.model import HF_REPOS, MODELS, ModelSpec
-from agentrl.cluster.planner import HARDWARE, LayoutError
+from agentrl.cluster import prepare as prep
+from agentrl.cluster import prepare_ray, ray_runtime
+from agentrl.cluster.launch import ensure_key
+from agentrl.cluster.model import ModelSpec
+from agentrl.cluster.planner import HARDWARE, Layout, LayoutError, find_pipeline_split
+from agentrl.cluster.prepare import CONVERT_PORT, MEGATRON_PYTHON, ConvertPlacement, convert_argv
+from agentrl.cluster.prepare_ray import conversion_specs
+from agentrl.cluster.ray_runtime import LocalSettings, build_specs
 from agentrl.cluster.recipe import (
     ClusterPlan,
-    Recipe,
     RecipeError,
     RecipeOptions,
+    RecipeSpec,
+    env_data,
     render,
     resolve,
     validate_overrides,
 )
+from agentrl.cluster.recipe import engine_key_file as run_key_file
 from agentrl.errors import AgentRLError
 
-if TYPE_CHECKING:
-    from agentrl.cluster.planner import Layout
-    from agentrl.cluster.prepare import ConvertPlacement
-
-ModelName = Annotated[str, typer.Option("--model-name", help=f"One of {', '.join(MODELS)}.")]
 NumNodes = Annotated[int, typer.Option("--num-nodes", min=1)]
 GpusPerNode = Annotated[
     int | None, typer.Option("--gpus-per-node", help="Default: the hardware's (8; GB300 4).")
@@ -108,22 +113,23 @@ HostMemory = Annotated[
         "--local: this machine's divided among the simulated nodes).",
     ),
 ]
-LOCAL_MODEL = "GLM-5.2_5layer"  # the plan of a few simulated nodes: the pruned model's branch
 
 
-def _options(recipe: Recipe, **kw: object) -> RecipeOptions:
+def _options(spec: RecipeSpec, **kw: object) -> RecipeOptions:
     if kw.get("hardware") not in HARDWARE:
         raise typer.BadParameter(f"--hardware {kw.get('hardware')}: choose one of {', '.join(HARDWARE)}")
     if kw.get("sglang_config") not in (None, "low-latency", "balanced"):
         raise typer.BadParameter(f"--sglang-config {kw.get('sglang_config')}: choose low-latency or balanced")
-    if kw.get("model_name") not in MODELS:
-        raise typer.BadParameter(f"--model-name {kw.get('model_name')}: choose one of {', '.join(MODELS)}")
-    return RecipeOptions(recipe=recipe, **kw)  # type: ignore[arg-type]
+    if kw.get("model_name") not in spec.models:
+        raise typer.BadParameter(
+            f"--model-name {kw.get('model_name')}: choose one of {', '.join(spec.models)}"
+        )
+    return spec.options(**kw)
 
 
-def _plan(opts: RecipeOptions) -> ClusterPlan:
+def _plan(opts: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
     try:
-        plan = resolve(opts)
+        plan = resolve(opts, spec)
         validate_overrides(plan)
     except (LayoutError, RecipeError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -167,19 +173,17 @@ def _run_dir(plan: ClusterPlan) -> Path:
 
 
 def _prep_options(
-    recipe: Recipe, model_name: str, num_nodes: int, gpus_per_node: int | None, hardware: str,
+    spec: RecipeSpec, model_name: str, num_nodes: int, gpus_per_node: int | None, hardware: str,
     fp8_rollout: bool | None, local: bool, root: str,
 ) -> RecipeOptions:  # fmt: skip
     """The plan `prepare` and `prepare-cp` work for: its training and rollout nodes, its layout."""
     return _options(
-        recipe, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
+        spec, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
         fp8_rollout=fp8_rollout, enable_pd=False if local else None, root=root,
     )  # fmt: skip
 
 
 def _this_host_gib() -> float:
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
@@ -188,9 +192,6 @@ def _convert_lines(
 ) -> list[str]:
     """What each node of the conversion runs (`prepare --dry-run`); in local mode the port is picked
     at launch, on a cluster node 0's name becomes its address."""
-    from agentrl.cluster.prepare import CONVERT_PORT, MEGATRON_PYTHON, convert_argv
-    from agentrl.cluster.prepare_ray import conversion_specs
-
     report = out.parent / f".{out.name}-report-<id>.json"
     if single_host:
         argv = convert_argv(
@@ -206,8 +207,6 @@ def _convert_lines(
 
 def _render_local(plan: ClusterPlan, overrides: list[str]) -> str:
     """The processes local mode starts in place of the plan's (ports are picked at launch)."""
-    from agentrl.cluster.ray_runtime import LocalSettings, build_specs
-
     settings = LocalSettings(
         run_dir=_run_dir(plan).resolve(), model_dir=Path("<tiny model>"), overrides=tuple(overrides)
     )
@@ -219,8 +218,6 @@ def _render_local(plan: ClusterPlan, overrides: list[str]) -> str:
 
 
 def _launch(plan: ClusterPlan, *, local: bool, overrides: list[str], ray_address: str | None) -> None:
-    from agentrl.cluster import ray_runtime
-
     try:
         if local:
             outcome = ray_runtime.run_local(plan, _run_dir(plan), overrides=overrides)
@@ -237,31 +234,27 @@ def _launch(plan: ClusterPlan, *, local: bool, overrides: list[str], ray_address
     typer.echo(f"run finished in {outcome.seconds:.0f} s (restarts: {restarts}); results in {_run_dir(plan)}")
 
 
-def prepare_tasks(root: str, source: str | None, eval_count: int, seed: int) -> None:
-    """tbench2's data: the task set (downloaded, or `source`), split into the training tasks
-    (`<root>/data/tbench2`, `env.tasks`) and the held-out eval tasks (`<root>/data/tbench2-eval`)."""
-    from envs.tbench2.hub import download_tasks, split_tasks
-
-    data = Path(root) / "data"
-    tasks = Path(source) if source else download_tasks(data / "terminal-bench-2")
-    split_tasks(
-        tasks, data / "tbench2", data / "tbench2-eval", eval_count=eval_count, seed=seed, report=typer.echo
+def make_app(spec: RecipeSpec) -> typer.Typer:
+    """The recipe's commands (`prepare`, `prepare-cp`, `train`, `full-train`), its defaults the spec's."""
+    default_hw = spec.hardware
+    default_model = spec.default_model
+    default_nodes = spec.num_nodes
+    models = ", ".join(spec.models)
+    ModelName = Annotated[str, typer.Option("--model-name", help=f"One of {models}.")]
+    app = typer.Typer(
+        no_args_is_help=True, add_completion=False, help=spec.title or f"The {spec.name} recipe."
     )
-
-
-def make_app(recipe: Recipe) -> typer.Typer:
-    default_hw = "GB300"
-    app = typer.Typer(no_args_is_help=True, add_completion=False, help=f"GLM-5.2 {recipe} recipe.")
 
     @app.command()
     def train(
         model_name: Annotated[
             str | None,
             typer.Option(
-                "--model-name", help=f"One of {', '.join(MODELS)} (default GLM-5.2; --local: {LOCAL_MODEL})."
+                "--model-name",
+                help=f"One of {models} (default {default_model}; --local: {spec.local_model}).",
             ),
         ] = None,
-        num_nodes: NumNodes = 16,
+        num_nodes: NumNodes = default_nodes,
         gpus_per_node: GpusPerNode = None,
         hardware: Hw = default_hw,
         sglang_config: SglangConfig = None,
@@ -272,9 +265,11 @@ def make_app(recipe: Recipe) -> typer.Typer:
         enable_optimizer_offload: Offload = None,
         root: Annotated[
             str | None,
-            typer.Option("--root", help="Shared storage (default /shared/glm52; --local: runs/glm52-local)."),
+            typer.Option(
+                "--root", help=f"Shared storage (default {spec.root}; --local: {spec.local_run_root})."
+            ),
         ] = None,
-        local_root: LocalRoot = "/local/glm52",
+        local_root: LocalRoot = spec.local_root,
         dry_run: DryRun = False,
         local: Local = False,
         set_: SetOpt = None,
@@ -288,8 +283,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
         engine_key_file: EngineKeyFile = None,
     ) -> None:
         """Resolve the plan; --dry-run prints it; otherwise run it on Ray (a cluster, or --local)."""
-        model_name = model_name or (LOCAL_MODEL if local else "GLM-5.2")
-        root = root or ("runs/glm52-local" if local else "/shared/glm52")
+        model_name = model_name or (spec.local_model if local else default_model)
+        root = root or (spec.local_run_root if local else spec.root)
         if local and enable_pd:
             typer.echo(
                 "error: --local runs `agentrl engine serve`, which has no prefill/decode split: drop --enable-pd",
@@ -297,39 +292,35 @@ def make_app(recipe: Recipe) -> typer.Typer:
             )
             raise typer.Exit(2)
         opts = _options(
-            recipe, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
+            spec, model_name=model_name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, hardware=hardware,
             sglang_config=sglang_config, fp8_rollout=fp8_rollout, enable_mtp=enable_mtp,
             enable_pd=False if local else enable_pd, use_deepep=use_deepep,
             enable_optimizer_offload=enable_optimizer_offload, root=root, local_root=local_root,
             engine_auth=engine_auth, engine_key_file=engine_key_file,
         )  # fmt: skip
-        plan = _plan(opts)
+        plan = _plan(opts, spec)
         if dry_run:
             typer.echo(render(plan), nl=False)
             if local:
                 typer.echo(_render_local(plan, set_ or []), nl=False)
             return
-        out = Path(root) / "runs" / recipe / "launch"
+        out = Path(root) / "runs" / spec.name / "launch"
         scripts = write_launch(plan, out)
         if write_scripts:
-            from agentrl.cluster.recipe import engine_key_file
-
-            if engine_key_file(plan.options):  # the scripts' servers and router read it
-                from agentrl.cluster.launch import ensure_key
-
-                ensure_key(engine_key_file(plan.options))
+            if run_key_file(plan.options):  # the scripts' servers and router read it
+                ensure_key(run_key_file(plan.options))
             typer.echo(f"wrote {out}/plan.json and {len(scripts)} node scripts: run node-NN.sh on node NN")
             return
         _launch(plan, local=local, overrides=set_ or [], ray_address=ray_address)
 
     @app.command()
     def prepare(
-        model_name: ModelName = "GLM-5.2",
+        model_name: ModelName = default_model,
         model_source: Annotated[str | None, typer.Option(help="Hub repo id or local directory.")] = None,
-        root: Root = "/shared/glm52",
+        root: Root = spec.root,
         convert: Annotated[bool, typer.Option("--convert/--no-convert", help="HF -> Megatron.")] = True,
         fp8_rollout: Fp8 = None,
-        num_nodes: NumNodes = 16,
+        num_nodes: NumNodes = default_nodes,
         gpus_per_node: GpusPerNode = None,
         hardware: Hw = default_hw,
         tp: Annotated[int | None, typer.Option(help="Conversion TP (default: the plan's layout).")] = None,
@@ -348,11 +339,14 @@ def make_app(recipe: Recipe) -> typer.Typer:
         tasks_source: Annotated[
             str | None,
             typer.Option(
-                help="tbench2: a directory of Harbor tasks (a terminal-bench-2 checkout) instead of the hub."
+                help="A local copy of the environment's data instead of the hub (where the environment "
+                "takes one, e.g. a directory of tasks)."
             ),
         ] = None,
-        eval_tasks: Annotated[int, typer.Option(help="tbench2: tasks held out for the evals.")] = 20,
-        split_seed: Annotated[int, typer.Option(help="tbench2: the seed that picks the held-out tasks.")] = 0,
+        eval_tasks: Annotated[
+            int, typer.Option(help="Rows held out for the evals (where the environment splits its data).")
+        ] = 20,
+        split_seed: Annotated[int, typer.Option(help="The seed that picks the held-out rows.")] = 0,
         dry_run: DryRun = False,
         local: PrepLocal = False,
         single_host: SingleHost = False,
@@ -360,28 +354,27 @@ def make_app(recipe: Recipe) -> typer.Typer:
     ) -> None:
         """Download the checkpoint (and data), validate it, convert it across the training nodes
         (one torchrun per node through Ray), optionally FP8-quantise."""
-        from agentrl.cluster import prepare as prep
-        from agentrl.cluster.planner import Layout, find_pipeline_split
-
-        if model_name not in MODELS:
-            raise typer.BadParameter(f"--model-name {model_name}: choose one of {', '.join(MODELS)}")
+        if model_name not in spec.models:
+            raise typer.BadParameter(f"--model-name {model_name}: choose one of {models}")
         if local and single_host:
             raise typer.BadParameter("--local and --single-host: choose one")
-        src = model_source or HF_REPOS[model_name]
-        fp8 = (recipe == "tbench2") if fp8_rollout is None else fp8_rollout
+        entry = spec.models[model_name]
+        src = model_source or entry.hf_repo
+        fp8 = spec.fp8_rollout if fp8_rollout is None else fp8_rollout
+        data_hooks = env_data(spec.env) if data else None
+        data_dir = Path(root) / "data"
+        data_opts = {"source": tasks_source, "eval_count": eval_tasks, "seed": split_seed}
         hf_dir = Path(root) / "hf" / model_name
         out = Path(root) / "megatron" / model_name
         explicit = any(v is not None for v in (tp, pp, ep, first_stage_layers, last_stage_layers))
         plan = None
         if not (single_host and explicit):
-            plan = _plan(_prep_options(recipe, model_name, num_nodes, gpus_per_node, hardware, fp8_rollout, local,
-                                       root))  # fmt: skip
+            plan = _plan(_prep_options(spec, model_name, num_nodes, gpus_per_node, hardware, fp8_rollout, local,
+                                       root), spec)  # fmt: skip
         if explicit:
             if (pp or 1) > 1 and first_stage_layers is None and last_stage_layers is None:
                 try:  # the split that starts every stage on a layer computing its DSA indices
-                    first_stage_layers, last_stage_layers = find_pipeline_split(
-                        ModelSpec.named(model_name), pp or 1
-                    )
+                    first_stage_layers, last_stage_layers = find_pipeline_split(entry.spec(), pp or 1)
                 except LayoutError as exc:
                     typer.echo(f"error: {exc}", err=True)
                     raise typer.Exit(2) from None
@@ -412,9 +405,9 @@ def make_app(recipe: Recipe) -> typer.Typer:
             if dry_run:
                 steps = [f"download {src} -> {hf_dir}", "validate config.json"]
                 if convert:
-                    spec = ModelSpec.named(model_name)
-                    bpp = prep.param_bytes(spec.config) if "torch_dtype" in spec.config else 2
-                    pl = placement(spec, bpp)
+                    model = entry.spec()
+                    bpp = prep.param_bytes(model.config) if "torch_dtype" in model.config else 2
+                    pl = placement(model, bpp)
                     steps.append(
                         f"convert HF -> Megatron torch_dist ({layout.short()}, {pl.ranks} ranks on "
                         f"{len(pl.nodes)} node{'s' if len(pl.nodes) > 1 else ''}, {where}) -> {out}"
@@ -425,22 +418,16 @@ def make_app(recipe: Recipe) -> typer.Typer:
                     ]
                 if fp8:
                     steps.append(f"block-FP8 copy -> {Path(root) / 'fp8' / model_name}")
-                if data and recipe == "dapo_math":
-                    steps.append(
-                        f"download dapo-math-17k and aime-2024 -> {Path(root) / 'data' / 'dapo_math'}"
-                    )
-                if data and recipe == "tbench2":
-                    from envs.tbench2.hub import TASKS_REPO
-
-                    steps.append(
-                        f"{'tasks from ' + tasks_source if tasks_source else 'download the dataset ' + TASKS_REPO}"
-                        f" -> {Path(root) / 'data' / 'tbench2'}, {eval_tasks} held out (seed {split_seed}) -> "
-                        f"{Path(root) / 'data' / 'tbench2-eval'}"
-                    )
+                describe = getattr(data_hooks, "describe", None)
+                if describe is not None:
+                    steps.append(describe(data_dir, **data_opts))
                 typer.echo("\n".join(s if s.startswith("  ") else f"prepare: {s}" for s in steps))
                 return
             local_dir = prep.download_model(src, hf_dir)
-            cfg = prep.validate_checkpoint(local_dir, num_layers=ModelSpec.named(model_name).num_layers)
+            cfg = prep.validate_checkpoint(
+                local_dir, num_layers=entry.spec().num_layers, model_type=entry.config["model_type"],
+                architectures=entry.config["architectures"],
+            )  # fmt: skip
             typer.echo(f"validated {local_dir}")
             if convert:
                 bpp = prep.param_bytes(cfg)
@@ -449,8 +436,6 @@ def make_app(recipe: Recipe) -> typer.Typer:
                 if single_host:
                     r = prep.convert_to_megatron(local_dir, out, layout)
                 else:
-                    from agentrl.cluster import prepare_ray
-
                     r = prepare_ray.run_conversion(
                         pl, layout, local_dir, out, num_nodes=num_nodes, log_dir=Path(root) / "prepare" / "logs",
                         local=local, ray_address=ray_address,
@@ -465,22 +450,19 @@ def make_app(recipe: Recipe) -> typer.Typer:
             if fp8:
                 n = prep.quantize_fp8(local_dir, Path(root) / "fp8" / model_name)
                 typer.echo(f"quantised {n} weights to block FP8")
-            if data and recipe == "dapo_math":
-                from envs.dapo_math.hub import download_datasets
-
-                download_datasets(Path(root) / "data" / "dapo_math", report=typer.echo)
-            if data and recipe == "tbench2":
-                prepare_tasks(root, tasks_source, eval_tasks, split_seed)
+            prepare_data = getattr(data_hooks, "prepare", None)
+            if prepare_data is not None:
+                prepare_data(data_dir, **data_opts, report=typer.echo)
         except AgentRLError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
 
     @app.command("prepare-cp")
     def prepare_cp(
-        model_name: ModelName = "GLM-5.2",
-        root: Root = "/shared/glm52",
-        local_root: LocalRoot = "/local/glm52",
-        num_nodes: NumNodes = 16,
+        model_name: ModelName = default_model,
+        root: Root = spec.root,
+        local_root: LocalRoot = spec.local_root,
+        num_nodes: NumNodes = default_nodes,
         gpus_per_node: GpusPerNode = None,
         hardware: Hw = default_hw,
         fp8_rollout: Fp8 = None,
@@ -495,8 +477,6 @@ def make_app(recipe: Recipe) -> typer.Typer:
         """Copy the prepared checkpoints from shared storage to node-local disk on every node of the
         plan, through Ray: training nodes the Megatron checkpoint, rollout nodes the one their
         engines load (FP8 or HF)."""
-        from agentrl.cluster import prepare as prep
-
         if local and single_host:
             raise typer.BadParameter("--local and --single-host: choose one")
         if single_host:
@@ -522,7 +502,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
                 typer.echo(f"copied {src} -> {dest}")
             return
         plan = _plan(
-            _prep_options(recipe, model_name, num_nodes, gpus_per_node, hardware, fp8_rollout, local, root)
+            _prep_options(spec, model_name, num_nodes, gpus_per_node, hardware, fp8_rollout, local, root),
+            spec,
         )
         needs = prep.node_needs(plan)
         if dry_run:
@@ -537,8 +518,6 @@ def make_app(recipe: Recipe) -> typer.Typer:
                 typer.echo("prepare-cp: (a Ray cluster whose nodes lack the agentrl_node_NN resources does not pin "
                            "plan nodes to hosts: there every node gets every role's files)")  # fmt: skip
             return
-        from agentrl.cluster import prepare_ray
-
         try:
             copies, notes = prepare_ray.copy_to_nodes(
                 needs, root=Path(root).resolve(), local_root=Path(local_root).resolve(), model_name=model_name,
@@ -556,8 +535,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
 
     @app.command("full-train")
     def full_train(
-        model_name: ModelName = "GLM-5.2",
-        num_nodes: NumNodes = 16,
+        model_name: ModelName = default_model,
+        num_nodes: NumNodes = default_nodes,
         gpus_per_node: GpusPerNode = None,
         hardware: Hw = default_hw,
         sglang_config: SglangConfig = None,
@@ -566,8 +545,8 @@ def make_app(recipe: Recipe) -> typer.Typer:
         enable_pd: Pd = None,
         use_deepep: DeepEP = None,
         enable_optimizer_offload: Offload = None,
-        root: Root = "/shared/glm52",
-        local_root: LocalRoot = "/local/glm52",
+        root: Root = spec.root,
+        local_root: LocalRoot = spec.local_root,
         dry_run: DryRun = False,
         engine_auth: EngineAuth = True,
         engine_key_file: EngineKeyFile = None,

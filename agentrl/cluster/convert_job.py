@@ -33,7 +33,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def checkpoint_dtype(hf_dir: Path) -> str:
-    """The params dtype that holds the checkpoint exactly: bfloat16 for a bf16 checkpoint (GLM-5.2),
+    """The params dtype that holds the checkpoint exactly: bfloat16 for a bf16 checkpoint,
     float32 for anything else."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")

@@ -17,7 +17,7 @@ the program's arguments (`runpy` for `python -m MODULE`, the console-script entr
 runs the program's stdout and stderr (file descriptors 1 and 2, inherited by its children)
 through a pipe that replaces the key with `<engine-key>` before the bytes reach the log.
 
-    python -m agentrl.cluster.launch --key-file /shared/glm52/engine.key -- \\
+    python -m agentrl.cluster.launch --key-file /shared/run/engine.key -- \\
         python -m sglang.launch_server --model-path ... --host 0.0.0.0 --port 30000
 """
 
@@ -28,39 +28,15 @@ import contextlib
 import logging
 import os
 import secrets
-import stat
 import sys
 import threading
 from pathlib import Path
 
-from agentrl.errors import AgentRLError
+from agentrl.engine.keys import EngineKeyError, read_key
 
 log = logging.getLogger(__name__)
 
 REDACTED = b"<engine-key>"
-
-
-class EngineKeyError(AgentRLError):
-    """The engine key file is missing, empty or unreadable, or a program cannot take the key."""
-
-
-def read_key(path: str | os.PathLike[str]) -> str:
-    """The key in `path` (one line), or an EngineKeyError that says what to do."""
-    p = Path(path).expanduser()
-    try:
-        key = p.read_text().strip()
-    except OSError as exc:
-        raise EngineKeyError(
-            f"cannot read the engine key file {p} ({exc.strerror}): the driver creates it on the shared "
-            f"storage before it starts the engines; every node must see the same path"
-        ) from None
-    if not key or any(c.isspace() for c in key):
-        raise EngineKeyError(f"the engine key file {p} must hold one key on one line (no spaces)")
-    if ":" in key:  # smg reads --control-plane-api-keys as id:name:role:key
-        raise EngineKeyError(f"the engine key in {p} must not contain ':' (smg splits its keys on it)")
-    if p.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("engine key file %s is readable by others: chmod 600 it", p)
-    return key
 
 
 def ensure_key(path: str | os.PathLike[str]) -> Path:

@@ -1,5 +1,7 @@
 """The shape of a `glm_moe_dsa` model as the planner needs it: layer kinds, DSA computing layers and
 parameter counts by how they are sharded, read from a Hugging Face `config.json` (a dict).
+`ModelEntry` is one model a recipe offers (its name, hub repository and config); the recipes
+under `recipes/` hold their own entries, this module names no model.
 
 Pure Python: no transformers, no torch. The DSA rule itself is the Megatron backend's
 (`agentrl.train.megatron.plan.indexer_types`), applied to the config, never a list written here.
@@ -12,50 +14,7 @@ from functools import cached_property
 from types import SimpleNamespace
 from typing import Any
 
-from agentrl.train.megatron.plan import ModelConfigError, computing_layers, indexer_types
-
-# GLM-5.2 (`zai-org/GLM-5.2`): the fields of its config.json that the planner reads. Source:
-# shared/reference/glm52.md (78 layers, 3 dense, MLA 64 heads, 256 experts top-8, vocabulary
-# 154,880, RoPE base 8e6, DSA index_topk_freq 4 with the 3 dense layers computing) and transformers'
-# GlmMoeDsaConfig defaults for the GLM-5 family (head dims, indexer heads). `prepare` replaces it
-# with the downloaded config.json and validates that one.
-GLM52_CONFIG: dict[str, Any] = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "model_type": "glm_moe_dsa",
-    "vocab_size": 154880,
-    "hidden_size": 6144,
-    "intermediate_size": 12288,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 78,
-    "first_k_dense_replace": 3,
-    "num_attention_heads": 64,
-    "q_lora_rank": 2048,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 192,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "index_topk": 2048,
-    "index_topk_freq": 4,
-    "index_skip_topk_offset": 3,
-    "index_head_dim": 128,
-    "index_n_heads": 32,
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 202752,
-    "rope_theta": 8000000.0,
-}
-
-# The pruned smoke-test variant (`GLM-5.2_5layer`): 3 dense + 2 MoE layers, no MTP layer.
-GLM52_5LAYER_CONFIG: dict[str, Any] = {**GLM52_CONFIG, "num_hidden_layers": 5, "num_nextn_predict_layers": 0}
-
-MODELS: dict[str, dict[str, Any]] = {
-    "GLM-5.2": GLM52_CONFIG,
-    "GLM-5.2_5layer": GLM52_5LAYER_CONFIG,
-}
-HF_REPOS = {"GLM-5.2": "zai-org/GLM-5.2", "GLM-5.2_5layer": "zai-org/GLM-5.2_5layer"}
+from agentrl.train.megatron.plan import computing_layers, indexer_types
 
 
 @dataclass(frozen=True)
@@ -74,17 +33,28 @@ class LayerParams:
 
 
 @dataclass(frozen=True)
+class ModelEntry:
+    """A model a recipe offers: `config` the fields of its config.json the planner reads (`prepare`
+    replaces them with the downloaded config.json and validates that one against `model_type`,
+    `architectures` and the layer count). `smoke`: a pruned variant for one-node smoke runs (the
+    recipe's small branches: shorter micro-batches, smaller engines, no optimizer offload)."""
+
+    name: str
+    hf_repo: str
+    config: dict[str, Any] = field(repr=False)
+    smoke: bool = False
+    tokens_per_gpu: int = 8192  # the layout's token budget per GPU
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(self.name, dict(self.config))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A `glm_moe_dsa` model's shape, from its HF config dict."""
 
     name: str
     config: dict[str, Any] = field(repr=False)
-
-    @classmethod
-    def named(cls, name: str) -> ModelSpec:
-        if name not in MODELS:
-            raise ModelConfigError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
-        return cls(name, dict(MODELS[name]))
 
     def __getattr__(self, key: str) -> Any:  # config fields as attributes (plan.py reads them so)
         config = self.__dict__.get("config", {})

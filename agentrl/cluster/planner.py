@@ -1,4 +1,4 @@
-"""The parallel layout of a GLM-5.2 training job: pure functions, no Ray, no torch.
+"""The parallel layout of a `glm_moe_dsa` training job: pure functions, no Ray, no torch.
 
 - `hardware(name)`: GPU memory and node shape of H200, B200 and GB300 nodes.
 - `find_pipeline_split(model, pp)`: the uneven first/last stage sizes that start every stage on a
@@ -163,8 +163,8 @@ class MemoryEstimate:
 
 def find_pipeline_split(model: ModelSpec, pp: int) -> tuple[int | None, int | None]:
     """(first, last) stage sizes for `pp` stages whose middle stages are even and every stage starts
-    on a computing layer, the largest stage as small as possible (GLM-5.2: PP4 18/20, as the
-    reference; PP8 2/4 with middle stages of 12, where the reference's 14/16 has 16 on the last).
+    on a computing layer, the largest stage as small as possible (a 78-layer model with 3 dense layers: PP4 18/20;
+    PP8 2/4 with middle stages of 12, where 14/16 would have 16 on the last).
     Raises `SkipLayerStageError` when no such split exists."""
     n = model.num_layers
     if pp == 1:
@@ -237,7 +237,7 @@ def stages_of(model: ModelSpec, layout: Layout) -> list[list[int]]:
 def memory_estimate(
     model: ModelSpec, layout: Layout, *, dp: int, hw: Hardware, offload: bool, logprob_chunk: int = 16384
 ) -> MemoryEstimate:
-    """Per-GPU bytes on the heaviest stage. Assumptions (docs/glm52.md): bf16 weights; fp32 main
+    """Per-GPU bytes on the heaviest stage. Assumptions (the cluster docs): bf16 weights; fp32 main
     gradients; Megatron's distributed optimizer (fp32 master + Adam m, v = 12 bytes per parameter)
     sharded over the data-parallel ranks (dense: DP x CP; experts: the expert-DP ranks); full
     recompute of every layer keeping its input (sequence-parallel over TP), one layer's working set

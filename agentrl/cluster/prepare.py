@@ -1,7 +1,8 @@
-"""`prepare` and `prepare-cp` of the GLM-5.2 recipes: download, validate, convert, copy.
+"""`prepare` and `prepare-cp` of the cluster recipes: download, validate, convert, copy.
 
 - `download_model`: a Hugging Face repository (huggingface_hub) or a local directory, as is.
-- `validate_checkpoint`: the config says `glm_moe_dsa` / `GlmMoeDsaForCausalLM`, the expected
+- `validate_checkpoint`: the config has the recipe's model type and architectures (by default
+  `glm_moe_dsa` / `GlmMoeDsaForCausalLM`, the architecture the planner models), the expected
   layer count, no `auto_map` (the native transformers class must load it) and weights exist;
   a `CheckpointError` that says what is wrong otherwise.
 - `convert_to_megatron`: HF -> a megatron-core `torch_dist` checkpoint through the Megatron
@@ -24,8 +25,10 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from typing import Any
 from agentrl.cluster.model import ModelSpec
 from agentrl.cluster.planner import GiB, Layout, stages_of
 from agentrl.errors import AgentRLError
+from agentrl.train.megatron import venv
 
 CONVERT_JOB = Path(__file__).with_name("convert_job.py")
 CONVERT_MODULE = "agentrl.cluster.convert_job"
@@ -42,7 +46,7 @@ CONVERT_MODULE = "agentrl.cluster.convert_job"
 # (`agentrl.train.megatron.venv.ensure()` there), since its path is per machine.
 MEGATRON_PYTHON = "<megatron-venv>/bin/python"
 CONVERT_PORT = 29600  # the conversion's torchrun master port on node 0 of a cluster
-# A converting rank's peak RSS, measured on the 2-core CPU machine (docs/glm52.md): 1.76 GB for a
+# A converting rank's peak RSS, measured on the 2-core CPU machine (the cluster docs): 1.76 GB for a
 # 422 MB shard, of which ~0.8 GB is the process itself (torch, megatron, the model built): ~2.3x
 # its shard (model shard, the round trip's load back, mapped safetensors pages) plus the process.
 CONVERT_RSS_FACTOR = 2.3
@@ -77,17 +81,25 @@ def download_model(source: str, dest: Path, *, report: Callable[[str], Any] = pr
         ) from exc
 
 
-def validate_checkpoint(path: Path, *, num_layers: int) -> dict[str, Any]:
-    """The checkpoint's config, if it is a native `glm_moe_dsa` of `num_layers` layers."""
+def validate_checkpoint(
+    path: Path,
+    *,
+    num_layers: int,
+    model_type: str = "glm_moe_dsa",
+    architectures: list[str] | tuple[str, ...] = ("GlmMoeDsaForCausalLM",),
+) -> dict[str, Any]:
+    """The checkpoint's config, if it is a native `model_type` / `architectures` model of
+    `num_layers` layers (the recipe's model entry says which)."""
+    architectures = list(architectures)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json; is this a Hugging Face checkpoint directory?")
     cfg = json.loads(cfg_file.read_text())
     problems = []
-    if cfg.get("model_type") != "glm_moe_dsa":
-        problems.append(f"model_type is {cfg.get('model_type')!r}, expected 'glm_moe_dsa'")
-    if cfg.get("architectures") != ["GlmMoeDsaForCausalLM"]:
-        problems.append(f"architectures is {cfg.get('architectures')!r}, expected ['GlmMoeDsaForCausalLM']")
+    if cfg.get("model_type") != model_type:
+        problems.append(f"model_type is {cfg.get('model_type')!r}, expected {model_type!r}")
+    if cfg.get("architectures") != architectures:
+        problems.append(f"architectures is {cfg.get('architectures')!r}, expected {architectures!r}")
     if cfg.get("num_hidden_layers") != num_layers:
         problems.append(f"num_hidden_layers is {cfg.get('num_hidden_layers')!r}, this model has {num_layers}")
     if "auto_map" in cfg:
@@ -112,11 +124,9 @@ def convert_to_megatron(
     stages) / EP / expert-TP, one process per rank (`conversion_ranks`); CP does not shard weights
     and torch_dist reshards on load, but every rank holds only its own stage's, TP slice's and
     experts' tensors, read one at a time from the checkpoint's safetensors. `dtype`: the
-    megatron params dtype (default: the checkpoint's, bf16 for GLM-5.2). The round trip (save,
+    megatron params dtype (default: the checkpoint's, bf16 for a bf16 checkpoint). The round trip (save,
     load back, export to HF names, compare) must be exact, else `CheckpointError`. Returns the
     job's report: tensors converted, round-trip difference, per rank what it read and its peak RSS."""
-    from agentrl.train.megatron import venv
-
     ranks = conversion_ranks(layout)
     py = python or str(venv.ensure())
     report = report_path(out)
@@ -333,8 +343,6 @@ def node_needs(plan: Any) -> dict[int, list[str]]:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -393,8 +401,6 @@ def copy_set_to_local(pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
     """`prepare-cp` of one node: every (source, destination) pair, all or nothing: each source is
     copied beside its destination first; only when every copy is whole are they renamed into place
     (a failure leaves the node's earlier copies as they were). Per pair: files, bytes, seconds."""
-    import time
-
     missing = [str(src) for src, _ in pairs if not src.is_dir()]
     if missing:
         raise CheckpointError(f"{', '.join(missing)} does not exist: run `prepare` first")
@@ -432,4 +438,4 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use the recipes: python recipes/glm52_tbench2.py prepare --help")
+    sys.exit("use a recipe's launcher: python recipes/<recipe>.py prepare --help")

@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import socket
 import sys
 import time
@@ -45,7 +46,7 @@ from typing import Any
 
 from agentrl.cluster.actors import ProcessActor, ProcessFailed, ProcessSpec, Readiness
 from agentrl.cluster.launch import ensure_key, keyed
-from agentrl.cluster.recipe import ClusterPlan, Process, RecipeError, engine_key_file
+from agentrl.cluster.recipe import ClusterPlan, Process, RecipeError, engine_key_file, env_data
 from agentrl.errors import AgentRLError
 
 log = logging.getLogger("agentrl.cluster")
@@ -86,8 +87,8 @@ _CLUSTER_ONLY = ("trainer.megatron.", "trainer.backend=", "engine.model=", "out=
 
 def local_run_overrides(plan: ClusterPlan, settings: LocalSettings) -> list[str]:
     """The trainer's settings in local mode: the plan's (engine fleet through the router,
-    algorithm, environment) minus the cluster-only ones, the local defaults, then the user's."""
-    o = plan.options
+    algorithm, environment) minus the cluster-only ones, the local defaults (the environment's own
+    from its data hooks' `smoke_settings`), then the user's."""
     base = [s for s in plan.run_overrides if not s.startswith(_CLUSTER_ONLY)]
     local = [
         f"out={settings.run_dir}",
@@ -111,28 +112,9 @@ def local_run_overrides(plan: ClusterPlan, settings: LocalSettings) -> list[str]
         "trainer.logprob_chunk_size=null",
         "torch_threads=1",
     ]
-    if o.recipe == "tbench2":
-        from envs.tbench2.environment import BUNDLED_TASKS
-
-        local += [
-            "env.backend=podman",
-            f"env.tasks={BUNDLED_TASKS}",
-            f"env.eval_tasks={BUNDLED_TASKS}",
-            "env.max_solution_chars=64",
-            "env.action_format=fenced-bash",
-            "env.max_agent_timeout_s=60",
-            "env.agent.max_turns=2",
-            "env.agent.max_new_tokens=32",
-            "env.agent.max_total_tokens=1024",
-            "env.agent.command_timeout_s=20",
-        ]
-    else:
-        local += [
-            f"env.train_file={settings.run_dir / 'data' / 'train.jsonl'}",
-            f"env.eval_file={settings.run_dir / 'data' / 'eval.jsonl'}",
-            "env.max_new_tokens=24",
-            "env.verify_timeout_s=10",
-        ]
+    smoke_settings = getattr(env_data(plan.spec.env), "smoke_settings", None)
+    if smoke_settings is not None:
+        local += smoke_settings(settings.run_dir)
     key = run_key_file(plan, settings)
     if key:
         local.append(f"engine.api_key_file={key}")
@@ -305,8 +287,6 @@ def _smg() -> str:
     here = Path(sys.executable).parent / "smg"
     if here.exists():
         return str(here)
-    import shutil
-
     found = shutil.which("smg")
     if found is None:
         raise ClusterError("the SGLang router `smg` is not installed: pip install smg")
@@ -640,21 +620,11 @@ class ClusterRun:
 
 
 def prepare_local_data(plan: ClusterPlan, run_dir: Path, seed: int = 0) -> None:
-    """The math recipe's rows in local mode: synthetic arithmetic in the DAPO row format (as the
-    math demo's `prepare`), written once under <run_dir>/data."""
-    if plan.options.recipe != "dapo_math":
-        return
-    from agentrl.tasks.rows import write_jsonl
-    from envs.dapo_math.synthetic import arithmetic_rows, statement
-
-    data = run_dir / "data"
-    if (data / "train.jsonl").is_file():
-        return
-    data.mkdir(parents=True, exist_ok=True)
-    train = arithmetic_rows(64, seed=seed)
-    write_jsonl(data / "train.jsonl", train)
-    seen = {statement(r) for r in train}
-    write_jsonl(data / "eval.jsonl", arithmetic_rows(16, seed=seed + 20_000, exclude=seen))
+    """The environment's data in local mode (its data hooks' `prepare_smoke`, if it has one: e.g.
+    a few synthetic rows written once under <run_dir>/data)."""
+    prepare_smoke = getattr(env_data(plan.spec.env), "prepare_smoke", None)
+    if prepare_smoke is not None:
+        prepare_smoke(run_dir, seed=seed)
 
 
 def run_local(

@@ -1,23 +1,27 @@
-"""The resolved plan of a GLM-5.2 cluster recipe: which node does what, every process's command
-line and environment, the parallel layout and the memory estimate. Pure functions: `resolve`
-builds a `ClusterPlan` from `RecipeOptions`, `render` prints it (`--dry-run`), the Ray launcher
-starts exactly these command lines.
+"""The resolved plan of a cluster recipe: which node does what, every process's command line and
+environment, the parallel layout and the memory estimate. Pure functions: `resolve` builds a
+`ClusterPlan` from `RecipeOptions` (the flags) and a `RecipeSpec` (the recipe: its models, defaults,
+algorithm, run settings, SGLang flags and reference layouts; the recipes under `recipes/` build
+theirs), `render` prints it (`--dry-run`), the Ray launcher starts exactly these command lines.
 
 SGLang server flags are SGLang's own (`python -m sglang.launch_server --help`; names checked
 against `sglang/srt/server_args.py`), the router is `smg launch` (consistent hashing), the trainer
 is `agentrl train run` with `--set` overrides that `agentrl.runtime.config.resolve` validates here.
 Host names `node-NN` stand for the address of the NN-th node of the placement (Ray fills them in).
+The environment's data (where `prepare` puts it, the settings that point the run at it, its
+local-mode stand-in) comes from the environment plugin's optional `data` hooks (`env_data`).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from agentrl.cluster.launch import keyed
-from agentrl.cluster.model import HF_REPOS, ModelSpec
+from agentrl.cluster.model import ModelEntry, ModelSpec
 from agentrl.cluster.planner import (
     GiB,
     Layout,
@@ -27,52 +31,17 @@ from agentrl.cluster.planner import (
     hardware,
 )
 from agentrl.errors import AgentRLError
+from agentrl.overrides import ConfigError
+from agentrl.rollout.environment import get_plugin
+from agentrl.runtime.config import RunConfig
+from agentrl.runtime.config import resolve as resolve_run_config
+from agentrl.train.megatron.plan import pipeline_layout
 
-Recipe = Literal["tbench2", "dapo_math"]
 SGLANG_PORT = 30000
 ROUTER_PORT = 8000
 BOOTSTRAP_PORT = 8998
 DIST_PORT = 20000
 TRAINER_PORT = 29500
-
-# GRPO with clip 0.2 / 0.28, TIS 0.5 / 2.0, Adam lr 1e-6 constant, weight decay 0.1, betas 0.9 / 0.98.
-ALGORITHM: dict[str, Any] = {
-    "trainer.lr": 1e-6,
-    "trainer.weight_decay": 0.1,
-    "trainer.betas": [0.9, 0.98],
-    "trainer.loss.eps_clip": 0.2,
-    "trainer.loss.eps_clip_high": 0.28,
-    "trainer.loss.use_tis": True,
-    "trainer.loss.tis_clip_low": 0.5,
-    "trainer.loss.tis_clip": 2.0,
-    "trainer.logprob_chunk_size": 16384,
-}
-# The terminal-bench-2 run's rollout and eval settings, as the reference run script sets them
-# (radixark/miles examples/experimental/openenv/glm52_tbench2/run_glm5_2_744b_a40b_daytona.py):
-# 100 rollout steps of 8 tasks x 8 samples (global batch 64: one optimizer step per rollout step),
-# 128 episodes in flight (each with its own sandbox), no staleness bound, temperature 0.8, 30 turns
-# of up to 8,192 new tokens in a 65,536-token session and 3,600 s of wall clock (a policy outcome:
-# the episode is verified as it stands), TIS with no lower clip, the in_place pause for weight
-# updates, and an eval every 10 steps of 2 samples per held-out task.
-TBENCH2_RUN: dict[str, Any] = {
-    "steps": 100,
-    "rollout.batch_size": 64,
-    "rollout.n_samples_per_prompt": 8,
-    "rollout.max_in_flight": 128,
-    "rollout.max_staleness": None,
-    "rollout.episode_timeout_s": 3600 + 900,  # the agent's 3,600 s, then setup and the verifier
-    "sampling.temperature": 0.8,
-    "env.agent.max_turns": 30,
-    "env.agent.max_new_tokens": 8192,
-    "env.agent.max_total_tokens": 65536,
-    "env.agent.wall_clock_s": 3600,
-    "trainer.loss.tis_clip_low": 0.0,
-    "sync.pause_mode": "in_place",
-    "eval.every": 10,
-    "eval.samples_per_row": 2,
-    "eval.concurrency": 40,
-}
-SGLANG_ENV = {"SGLANG_NSA_FORCE_MLA": "1", "INDEXER_ROPE_NEOX_STYLE": "0", "NVSHMEM_DISABLE_NCCL": "1"}
 TRAINER_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -80,26 +49,92 @@ class RecipeError(AgentRLError):
     """Recipe flags that contradict each other or the hardware."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecipeOptions:
-    """Every flag of the recipes. None means "the recipe's default" (resolved in `resolve`)."""
+    """Every flag of a recipe. None means "the recipe's default" (resolved in `resolve`); the
+    recipe's own defaults for the rest come from `RecipeSpec.options`."""
 
-    recipe: Recipe
-    model_name: str = "GLM-5.2"
-    num_nodes: int = 16
+    recipe: str  # the recipe's label: the plan's title, the run directory <root>/runs/<recipe>
+    model_name: str
+    num_nodes: int
     gpus_per_node: int | None = None
-    hardware: str = "GB300"
+    hardware: str
     sglang_config: Literal["low-latency", "balanced"] | None = None
     fp8_rollout: bool | None = None
     enable_mtp: bool = False
     enable_pd: bool | None = None
     use_deepep: bool | None = None  # Megatron DeepEP; default on, off on GB300
     enable_optimizer_offload: bool | None = None
-    root: str = "/shared/glm52"  # shared storage: checkpoints, data, the run directory
-    local_root: str = "/local/glm52"  # node-local disk: prepare-cp's copy, offloaded optimizer state
+    root: str  # shared storage: checkpoints, data, the run directory
+    local_root: str  # node-local disk: prepare-cp's copy, offloaded optimizer state
     daytona_key_file: str = "~/.daytona/api_key"
     engine_auth: bool = True  # engines and router require the run's key (agentrl.cluster.launch)
     engine_key_file: str | None = None  # default <root>/engine.key, created 0600 by the driver
+
+
+ReferenceLayouts = Callable[[RecipeOptions, ModelEntry, int, int], list[tuple[str, Layout]]]
+
+
+def _no_references(
+    o: RecipeOptions, model: ModelEntry, gpn: int, train_nodes: int
+) -> list[tuple[str, Layout]]:
+    return []
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A recipe: everything model-, environment- or run-specific that `resolve` and the recipe CLI
+    (`agentrl.cluster.cli.make_app`) read. The generic code holds no recipe of its own."""
+
+    name: str  # the label: the plan's title, the run directory <root>/runs/<name>
+    env: str  # the environment plugin (`env.name`; its `data` hooks prepare the data)
+    models: Mapping[str, ModelEntry]
+    default_model: str
+    local_model: str  # `--local`'s model (a few simulated nodes)
+    root: str  # default shared storage
+    local_root: str  # default node-local disk
+    local_run_root: str  # default shared storage of `--local`
+    title: str = ""  # the CLI's help
+    hardware: str = "H200"
+    num_nodes: int = 1
+    colocated: bool = False  # training and rollout on the same nodes (else half and half)
+    sglang_config: Literal["low-latency", "balanced"] = "low-latency"
+    fp8_rollout: bool = False
+    optimizer_offload: bool = False  # default of --enable-optimizer-offload (never for smoke models)
+    daytona: bool = False  # the trainer gets DAYTONA_API_KEY_FILE (a path, never the key)
+    algorithm: Mapping[str, Any] = field(default_factory=dict)  # printed under "## algorithm"
+    env_settings: Mapping[str, Any] = field(default_factory=dict)  # env.* after env.name
+    run_settings: Mapping[str, Any] = field(default_factory=dict)  # last: on top of everything
+    sglang_env: Mapping[str, str] = field(default_factory=dict)
+    sglang_args: tuple[str, ...] = ()  # model-specific server flags (attention backends, KV cache dtype)
+    mtp_args: Callable[[str], list[str]] | None = None  # --enable-mtp's flags for an SGLang config
+    reference_layouts: ReferenceLayouts = _no_references
+
+    def model(self, name: str) -> ModelEntry:
+        if name not in self.models:
+            raise RecipeError(f"--model-name {name}: choose one of {', '.join(self.models)}")
+        return self.models[name]
+
+    def options(self, **kw: Any) -> RecipeOptions:
+        """`RecipeOptions` with this recipe's defaults for what `kw` leaves out."""
+        defaults: dict[str, Any] = {
+            "recipe": self.name, "model_name": self.default_model, "num_nodes": self.num_nodes,
+            "hardware": self.hardware, "root": self.root, "local_root": self.local_root,
+        }  # fmt: skip
+        return RecipeOptions(**{**defaults, **kw})
+
+
+def env_data(env: str) -> Any | None:
+    """The environment plugin's data hooks (its optional `data` attribute), or None. Hooks, each
+    optional: `settings(data_dir)` the run settings that point the environment at what `prepare`
+    wrote under `data_dir` (<root>/data); `describe(data_dir, source=, eval_count=, seed=)` the
+    `prepare --dry-run` line; `prepare(data_dir, source=, eval_count=, seed=, report=)`;
+    `smoke_settings(run_dir)` local mode's settings; `prepare_smoke(run_dir, seed=)` local mode's data."""
+    return getattr(get_plugin(env), "data", None)
+
+
+def _data_hook(env: str, hook: str) -> Callable[..., Any] | None:
+    return getattr(env_data(env), hook, None)
 
 
 @dataclass(frozen=True)
@@ -123,7 +158,7 @@ def engine_key_file(o: RecipeOptions) -> str:
 
 
 @dataclass(frozen=True)
-class Engine:
+class EnginePlan:
     """One SGLang server (possibly spanning nodes): `role` regular / prefill / decode."""
 
     index: int
@@ -146,42 +181,31 @@ class ClusterPlan:
     enable_pd: bool
     offload: bool
     choice: LayoutChoice
-    engines: list[Engine]
+    engines: list[EnginePlan]
     processes: list[Process]
     run_overrides: list[str]
     notes: list[str]
+    spec: RecipeSpec
 
     @property
     def layout(self) -> Layout:
         return self.choice.layout
 
 
-def _reference_layouts(o: RecipeOptions, gpn: int, train_nodes: int) -> list[tuple[str, Layout]]:
-    """The Miles recipe's branches (shared/reference/glm52.md)."""
-    if o.model_name == "GLM-5.2_5layer":
-        return [("1 node, pruned 5-layer", Layout(4, 1, 1, gpn, 1, None, None, 2048))]
-    if o.recipe == "tbench2":
-        return [("tbench2 16 x GB300", Layout(2, 4, 4, 8, 1, 18, 20, 8192))]
-    refs = []
-    if train_nodes >= 16 and gpn == 4:
-        refs.append((">= 16 nodes of 4 GPUs", Layout(8, 4, 1, 16, 1, 18, 20, 8192)))
-    if train_nodes >= 16 and gpn == 8:
-        refs.append((">= 16 nodes of 8 GPUs", Layout(4, 8, 8, 32, 1, 14, 16, 8192)))
-    return refs
-
-
-def resolve(o: RecipeOptions) -> ClusterPlan:
+def resolve(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
     """The whole plan, or a `RecipeError` / `LayoutError` that says which flag or size to change."""
-    model = ModelSpec.named(o.model_name)
+    entry = spec.model(o.model_name)
+    model = entry.spec()
     hw = hardware(o.hardware)
     gpn = o.gpus_per_node or hw.gpus_per_node
     if o.num_nodes < 1 or gpn < 1:
         raise RecipeError(f"--num-nodes {o.num_nodes} / --gpus-per-node {gpn}: both must be >= 1")
-    pruned = o.model_name == "GLM-5.2_5layer"
+    smoke = entry.smoke
     notes: list[str] = []
     if o.enable_mtp and not model.mtp_layers:
+        with_mtp = [n for n, m in spec.models.items() if m.spec().mtp_layers and not m.smoke]
         raise RecipeError(
-            f"--enable-mtp: {o.model_name} has no MTP layer; MTP runs with the full GLM-5.2 only"
+            f"--enable-mtp: {o.model_name} has no MTP layer; MTP runs with the full {', '.join(with_mtp)} only"
         )
     if o.use_deepep is None:
         o = replace(o, use_deepep=o.hardware != "GB300")
@@ -190,7 +214,7 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
             "--hardware GB300 needs --no-megatron-use-deepep: Megatron's DeepEP dispatcher is not "
             "supported there (the reference launcher asserts it)"
         )
-    config = o.sglang_config or ("balanced" if o.recipe == "tbench2" else "low-latency")
+    config = o.sglang_config or spec.sglang_config
     if config == "balanced" and gpn % 4:
         raise RecipeError(
             f"--sglang-config balanced runs one 4-GPU engine per node: --gpus-per-node {gpn} % 4 != 0"
@@ -205,25 +229,29 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
         enable_pd = False
     else:
         enable_pd = True if o.enable_pd is None else o.enable_pd
-    fp8 = (o.recipe == "tbench2") if o.fp8_rollout is None else o.fp8_rollout
+    fp8 = spec.fp8_rollout if o.fp8_rollout is None else o.fp8_rollout
     offload = (
-        (o.recipe == "tbench2" and not pruned)
+        (spec.optimizer_offload and not smoke)
         if o.enable_optimizer_offload is None
         else o.enable_optimizer_offload
     )
 
-    # tbench2: training and rollout on separate nodes (the reference: 8 + 8 of 16); math: colocated.
-    colocated = o.recipe == "dapo_math" or o.num_nodes == 1
+    # Training and rollout on separate nodes (half and half), or colocated (one node always is).
+    colocated = spec.colocated or o.num_nodes == 1
     if colocated:
         train_nodes = list(range(o.num_nodes))
         rollout_nodes = list(range(o.num_nodes))
     else:
         half = o.num_nodes // 2
         train_nodes, rollout_nodes = list(range(half)), list(range(half, o.num_nodes))
-    refs = _reference_layouts(o, gpn, len(train_nodes))
-    tokens = 2048 if pruned else 8192
+    refs = spec.reference_layouts(o, entry, gpn, len(train_nodes))
     choice = choose_layout(
-        model, gpus=len(train_nodes) * gpn, hw=hw, offload=offload, references=refs, tokens=tokens
+        model,
+        gpus=len(train_nodes) * gpn,
+        hw=hw,
+        offload=offload,
+        references=refs,
+        tokens=entry.tokens_per_gpu,
     )
     if offload:
         host = choice.memory.optimizer_offloaded * gpn / GiB
@@ -242,18 +270,19 @@ def resolve(o: RecipeOptions) -> ClusterPlan:
         )
     else:
         notes.append("--no-engine-auth: engines and router take any request from anyone who reaches them")
-    engines = _engines(o, config, enable_pd, rollout_nodes, gpn, notes)
+    engines = _engines(config, enable_pd, rollout_nodes, gpn, notes, smoke)
     model_dir = local_model_dir(o, rollout_kind(fp8))
     processes = [
-        p for e in engines for p in _sglang(o, e, config, enable_pd, fp8, colocated, model_dir, gpn, hw.name)
-    ]
+        p for e in engines
+        for p in _sglang(o, spec, e, config, enable_pd, fp8, colocated, model_dir, gpn, hw.name, smoke)
+    ]  # fmt: skip
     router_node = train_nodes[0]
     processes.append(_router(engines, enable_pd, router_node, engine_key_file(o)))
-    overrides = _run_overrides(o, choice, engines, router_node, fp8, offload)
-    processes += _trainers(o, train_nodes, gpn, overrides)
+    overrides = _run_overrides(o, spec, choice, engines, router_node, fp8, offload)
+    processes += _trainers(o, spec, train_nodes, gpn, overrides)
     return ClusterPlan(
         o, model, gpn, train_nodes, rollout_nodes, colocated, config, fp8, enable_pd, offload, choice,
-        engines, processes, overrides, notes,
+        engines, processes, overrides, notes, spec,
     )  # fmt: skip
 
 
@@ -273,11 +302,11 @@ def local_model_dir(o: RecipeOptions, kind: str) -> str:
 
 
 def _engines(
-    o: RecipeOptions, config: str, pd: bool, nodes: list[int], gpn: int, notes: list[str]
-) -> list[Engine]:
+    config: str, pd: bool, nodes: list[int], gpn: int, notes: list[str], smoke: bool
+) -> list[EnginePlan]:
     gpus = len(nodes) * gpn
     if config == "balanced":
-        size = 4 if o.model_name == "GLM-5.2_5layer" else gpn
+        size = 4 if smoke else gpn
     elif pd:
         size = 16 if len(nodes) < 16 else 64
         if 2 * size > gpus:
@@ -300,16 +329,15 @@ def _engines(
         )
         role = ("prefill" if k % 2 == 0 else "decode") if pd else "regular"
         port = SGLANG_PORT + (first_gpu % gpn)
-        out.append(Engine(k, role, span, size, f"http://node-{span[0]:02d}:{port}"))
+        out.append(EnginePlan(k, role, span, size, f"http://node-{span[0]:02d}:{port}"))
     return out
 
 
 def _sglang(
-    o: RecipeOptions, e: Engine, config: str, pd: bool, fp8: bool, colocated: bool, model_dir: str,
-    gpn: int, hw: str,
+    o: RecipeOptions, spec: RecipeSpec, e: EnginePlan, config: str, pd: bool, fp8: bool, colocated: bool,
+    model_dir: str, gpn: int, hw: str, smoke: bool,
 ) -> list[Process]:  # fmt: skip
     """One process per node of the engine (`--node-rank` k of `--nnodes`)."""
-    pruned = o.model_name == "GLM-5.2_5layer"
     port = int(e.url.rsplit(":", 1)[1])
     argv = ["python", "-m", "sglang.launch_server", "--model-path", model_dir]
     argv += ["--served-model-name", o.model_name, "--host", "0.0.0.0", "--port", str(port)]
@@ -336,16 +364,13 @@ def _sglang(
         argv += ["--moe-a2a-backend", "deepep", "--deepep-mode", "auto"]
     elif hw in ("B200", "GB300"):
         argv += ["--moe-runner-backend", "flashinfer_trtllm_routed" if fp8 else "triton"]
-    mem = 0.70 if (o.num_nodes == 1 and pruned) else 0.85
-    argv += ["--mem-fraction-static", f"{mem:.2f}", "--kv-cache-dtype", "fp8_e4m3"]
-    argv += ["--attention-backend", "nsa", "--nsa-prefill-backend", "flashmla_sparse"]
-    argv += ["--nsa-decode-backend", "flashmla_kv", "--page-size", "64"]
+    mem = 0.70 if (o.num_nodes == 1 and smoke) else 0.85
+    argv += ["--mem-fraction-static", f"{mem:.2f}", *spec.sglang_args]
     argv += ["--max-running-requests", "256" if config == "balanced" else "512", "--watchdog-timeout", "3600"]
     if o.enable_mtp:
-        steps, drafts = (5, 6) if config == "low-latency" else (1, 2)
-        argv += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps)]
-        argv += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(drafts)]
-        argv += ["--speculative-draft-attention-backend", "nsa"]
+        if spec.mtp_args is None:
+            raise RecipeError(f"--enable-mtp: the {spec.name} recipe has no speculative decoding settings")
+        argv += spec.mtp_args(config)
     if pd:
         argv += ["--disaggregation-mode", e.role, "--disaggregation-transfer-backend", "mooncake"]
         if e.role == "prefill":
@@ -355,14 +380,14 @@ def _sglang(
     name = f"sglang-{e.role}-{e.index}"
     key = engine_key_file(o)
     if len(e.nodes) == 1:
-        return [Process(name, e.nodes[0], argv, dict(SGLANG_ENV), e.gpus, key)]
+        return [Process(name, e.nodes[0], argv, dict(spec.sglang_env), e.gpus, key)]
     return [
-        Process(f"{name}-node{k}", node, [*argv, "--node-rank", str(k)], dict(SGLANG_ENV), gpn, key)
+        Process(f"{name}-node{k}", node, [*argv, "--node-rank", str(k)], dict(spec.sglang_env), gpn, key)
         for k, node in enumerate(e.nodes)
     ]
 
 
-def _router(engines: list[Engine], pd: bool, node: int, key_file: str) -> Process:
+def _router(engines: list[EnginePlan], pd: bool, node: int, key_file: str) -> Process:
     argv = ["smg", "launch", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
     if pd:
         argv += ["--pd-disaggregation"]
@@ -376,8 +401,9 @@ def _router(engines: list[Engine], pd: bool, node: int, key_file: str) -> Proces
 
 
 def _run_overrides(
-    o: RecipeOptions, choice: LayoutChoice, engines: list[Engine], router_node: int, fp8: bool, offload: bool
-) -> list[str]:
+    o: RecipeOptions, spec: RecipeSpec, choice: LayoutChoice, engines: list[EnginePlan], router_node: int,
+    fp8: bool, offload: bool,
+) -> list[str]:  # fmt: skip
     lay = choice.layout
     sets: dict[str, Any] = {
         "out": f"{o.root}/runs/{o.recipe}",
@@ -408,21 +434,23 @@ def _run_overrides(
         "trainer.megatron.optimizer_cpu_offload": offload,
         "trainer.max_tokens_per_micro_batch": lay.max_tokens_per_gpu,
         "sync.transport": "distributed",
-        **ALGORITHM,
+        **spec.algorithm,
     }
-    if o.recipe == "tbench2":
-        sets.update({"env.name": "tbench2", "env.backend": "daytona", "env.tasks": f"{o.root}/data/tbench2"})
-        sets["env.eval_tasks"] = f"{o.root}/data/tbench2-eval"  # held-out tasks, disjoint from env.tasks
-        sets.update(TBENCH2_RUN)
-    else:
-        sets.update({"env.name": "dapo_math"})
+    sets["env.name"] = spec.env
+    sets.update(spec.env_settings)
+    data_settings = _data_hook(spec.env, "settings")
+    if data_settings is not None:  # where `prepare` put the environment's data
+        sets.update(data_settings(f"{o.root}/data"))
+    sets.update(spec.run_settings)
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sets.items()]
 
 
-def _trainers(o: RecipeOptions, nodes: list[int], gpn: int, overrides: list[str]) -> list[Process]:
+def _trainers(
+    o: RecipeOptions, spec: RecipeSpec, nodes: list[int], gpn: int, overrides: list[str]
+) -> list[Process]:
     out = []
     env = dict(TRAINER_ENV)
-    if o.recipe == "tbench2":
+    if spec.daytona:
         env["DAYTONA_API_KEY_FILE"] = o.daytona_key_file  # a path, never the key
     for rank, node in enumerate(nodes):
         argv = ["torchrun", f"--nnodes={len(nodes)}", f"--nproc-per-node={gpn}", f"--node-rank={rank}"]
@@ -436,11 +464,8 @@ def _trainers(o: RecipeOptions, nodes: list[int], gpn: int, overrides: list[str]
 
 def validate_overrides(plan: ClusterPlan) -> None:
     """The trainer's `--set` list is a valid agentrl run configuration (else `LayoutError`)."""
-    from agentrl.overrides import ConfigError
-    from agentrl.runtime.config import RunConfig, resolve
-
     try:
-        resolve(RunConfig, overrides=plan.run_overrides)
+        resolve_run_config(RunConfig, overrides=plan.run_overrides)
     except ConfigError as exc:
         raise LayoutError(f"the resolved trainer settings are not a valid run config: {exc}") from exc
 
@@ -449,7 +474,7 @@ def render(plan: ClusterPlan) -> str:
     """The plan as text (`--dry-run`): deterministic, one snapshot per flag combination."""
     o, lay, mem = plan.options, plan.layout, plan.choice.memory
     lines = [f"# {o.recipe}: {o.model_name} on {o.num_nodes} x {plan.gpus_per_node} {o.hardware}"]
-    lines.append(f"model: {HF_REPOS[o.model_name]}, {plan.model.total_params() / 1e9:.1f}B parameters "
+    lines.append(f"model: {plan.spec.model(o.model_name).hf_repo}, {plan.model.total_params() / 1e9:.1f}B parameters "
                  f"({plan.model.total_params(with_mtp=False) / 1e9:.1f}B without MTP), "
                  f"{plan.model.num_layers} layers")  # fmt: skip
     lines.append(f"DSA computing layers (1-indexed): {', '.join(map(str, plan.model.computing_layers))}")
@@ -474,8 +499,6 @@ def render(plan: ClusterPlan) -> str:
     for what, why in plan.choice.rejected:
         lines.append(f"rejected {what}: {why}")
     if lay.pp > 1:
-        from agentrl.train.megatron.plan import pipeline_layout
-
         split = pipeline_layout(plan.model.num_layers, lay.pp, first_stage_layers=lay.first_stage_layers,
                                 last_stage_layers=lay.last_stage_layers)  # fmt: skip
         lines.append(f"stage sizes {[len(s) for s in split.stages]}, stage starts {split.stage_starts}")
@@ -496,7 +519,7 @@ def render(plan: ClusterPlan) -> str:
     lines += [f"{k:42s} {v:8.1f}" for k, v in mem.rows()]
     lines.append("")
     lines.append("## algorithm")
-    lines += [f"{k} = {v}" for k, v in ALGORITHM.items()]
+    lines += [f"{k} = {v}" for k, v in plan.spec.algorithm.items()]
     lines.append("")
     lines.append("## processes")
     for p in plan.processes:

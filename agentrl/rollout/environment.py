@@ -24,6 +24,9 @@ from agentrl.rollout.manager import EpisodeRunner
 
 Split = Literal["train", "eval"]
 
+# The environment a run gets when its settings name none (the terminal tasks, the product's purpose).
+DEFAULT_ENV = "tbench2"
+
 
 class EnvironmentPluginError(AgentRLError):
     """An environment plugin cannot be found, configured or built."""

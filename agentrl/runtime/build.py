@@ -98,12 +98,13 @@ def build_trainer(cfg: RunConfig, *, engine_policy: bool = True) -> tuple[Any, A
         # Needs Python >= 3.12 and megatron-core (docs/megatron.md). The initial weights: the
         # torch_dist checkpoint of trainer.megatron.init_checkpoint (what `prepare` converted; the
         # HF weights are then not read: engine.model gives config and tokenizer), else the HF
-        # checkpoint, every rank reading only its own shard, one tensor at a time (GLM-5.2 does
-        # not fit one host). Only an in-process engine needs the whole HF model.
+        # checkpoint, every rank reading only its own shard, one tensor at a time (a large MoE
+        # model does not fit one host). Only an in-process engine needs the whole HF model.
         from transformers import AutoConfig
 
+        from agentrl.train.megatron.checkpointing import init_checkpoint_dir
         from agentrl.train.megatron.hf_io import HFCheckpoint
-        from agentrl.train.megatron.trainer import MegatronTrainer, init_checkpoint_dir
+        from agentrl.train.megatron.trainer import MegatronTrainer
 
         hf_config = AutoConfig.from_pretrained(model_dir)
         trainer: Any

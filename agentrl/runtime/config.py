@@ -18,11 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentrl.errors import AgentRLError
 from agentrl.overrides import ConfigError, apply_overrides, load_file
+from agentrl.rollout import environment as environments
 from agentrl.rollout.manager import RolloutConfig
 from agentrl.train.config import TrainConfig
 from agentrl.train.megatron.settings import MegatronSettings
-
-DEFAULT_ENV = "tbench2"
 
 
 class _Section(BaseModel):
@@ -153,7 +152,7 @@ class RunConfig(_Section):
     records_keep: int = Field(
         20000, ge=0, description="Keep the newest N episode records under <out>/records (0: keep all)."
     )
-    env: dict[str, Any] = Field(default_factory=lambda: {"name": DEFAULT_ENV})
+    env: dict[str, Any] = Field(default_factory=lambda: {"name": environments.DEFAULT_ENV})
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(batch_size=DEFAULT_BATCH_SIZE))
@@ -171,12 +170,10 @@ class RunConfig(_Section):
     @classmethod
     def _env(cls, value: Any) -> dict[str, Any]:
         """Validated by the named plugin's own Config, so its defaults show in --dry-run."""
-        from agentrl.rollout.environment import resolve_config
-
         data = value.model_dump() if isinstance(value, BaseModel) else dict(value)
-        data.setdefault("name", DEFAULT_ENV)
+        data.setdefault("name", environments.DEFAULT_ENV)
         try:
-            return resolve_config(data).model_dump()
+            return environments.resolve_config(data).model_dump()
         except (ValidationError, AgentRLError) as exc:
             raise ValueError(f"env ({data.get('name')}): {exc}") from None
 

@@ -1,6 +1,6 @@
 """A trainer over several ranks (torchrun): rank 0 drives the run, the others follow.
 
-`agentrl train run` under torchrun (the GLM-5.2 recipe starts one per training node) runs this:
+`agentrl train run` under torchrun (the cluster recipes start one per training node) runs this:
 every rank builds the trainer (megatron's process groups span them all), and only rank 0 builds
 the rest (environment, engines, weight transport) and runs the training loop. Its trainer is a
 `DriverTrainer`: before each call that is a collective on the trainer's ranks (`train_step`,

@@ -7,6 +7,10 @@
 time limit; `hub.py` the download; `synthetic.py` the embedded demo's arithmetic family.
 """
 
+from envs.dapo_math import data
 from envs.dapo_math.environment import MathConfig, MathEnvironment, MathRunner, plugin
 
-__all__ = ["MathConfig", "MathEnvironment", "MathRunner", "plugin"]
+# The cluster recipes' data hooks (prepare, run settings, local mode): `agentrl.cluster.recipe.env_data`.
+plugin.data = data  # type: ignore[attr-defined]
+
+__all__ = ["MathConfig", "MathEnvironment", "MathRunner", "data", "plugin"]

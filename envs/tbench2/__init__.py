@@ -4,6 +4,10 @@ task's own `tests/test.sh` (`agentrl.episode.run`). Bundled example tasks are un
     env.name=tbench2  env.tasks=<dir of task dirs>  env.backend=podman|docker|daytona|fake
 """
 
+from envs.tbench2 import data
 from envs.tbench2.environment import TerminalConfig, TerminalEnvironment, plugin
 
-__all__ = ["TerminalConfig", "TerminalEnvironment", "plugin"]
+# The cluster recipes' data hooks (prepare, run settings, local mode): `agentrl.cluster.recipe.env_data`.
+plugin.data = data  # type: ignore[attr-defined]
+
+__all__ = ["TerminalConfig", "TerminalEnvironment", "data", "plugin"]

@@ -28,13 +28,9 @@ tensors on every rank (only one of them needs to push them).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,188 +44,24 @@ from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.episode.sample import Sample
 from agentrl.overrides import ConfigError
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
-from agentrl.train.checkpoint import CheckpointError, TrainState, latest_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.megatron import convert, parallel
+from agentrl.train.megatron.checkpointing import (
+    _PREPARE_HINT,
+    CheckpointMixin,
+    InitCheckpointError,
+    init_checkpoint_dir,
+)
 from agentrl.train.megatron.fp8 import quantize_named
 from agentrl.train.megatron.model import build_model, layout_of, require_megatron, schedule_device_shim
+from agentrl.train.megatron.packing import PackedRows, _GatherContextParallel
 from agentrl.train.megatron.settings import MegatronSettings
 from agentrl.train.torch_backend import bucket_named_tensors
 
 log = logging.getLogger("agentrl.train.megatron")
 
 
-# The distributed optimizer's checkpoint format: its default ("fully_sharded_model_space") writes
-# flattened ShardedTensors, which megatron-core 0.19.2's `torch_dist` writer refuses
-# (dist_checkpointing/mapping.py: "ShardedTensor.flattened_range is not supported").
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class PackedRows:
-    """A micro-batch's rows packed into one THD row: real tokens only, positions restarting per
-    sequence, `cu_seqlens` at the boundaries, plus a padding sequence up to `length` and to a
-    multiple of `multiple` (the TP size: sequence parallelism splits the row).
-
-    With context parallelism (`cp` > 1) the layout is the one megatron-core's packed-THD code
-    expects (`dsa_layout.build_packed_allgather_cp_local_positions`, `rope_utils`'
-    `_get_thd_freqs_on_this_cp_rank`): every sequence is padded at its end to a multiple of
-    2 x cp (its padding belongs to it: causal attention never lets a real token see it),
-    `cu_seqlens` are the padded global boundaries, and CP rank r keeps, of every sequence, chunk r
-    and chunk 2 x cp - 1 - r of its 2 x cp equal chunks (the "zigzag" that balances causal work).
-    `local` indexes this rank's tokens in the global packed row; `gather_order` puts the
-    all-gathered per-rank values back in global order."""
-
-    def __init__(
-        self, mb: MicroBatch, *, multiple: int = 1, length: int = 0, cp: int = 1, cp_rank: int = 0
-    ) -> None:
-        lengths = mb.attention_mask.sum(-1).tolist()
-        device = mb.input_ids.device
-        self.real = [int(n) for n in lengths]
-        self.cp = cp
-        ids = [mb.input_ids[r, :n] for r, n in enumerate(self.real)]
-        if cp > 1:
-            padded = [n + (-n) % (2 * cp) for n in self.real]
-            ids = [
-                torch.cat([x, torch.zeros(p - n, dtype=x.dtype, device=device)])
-                for x, n, p in zip(ids, self.real, padded, strict=True)
-            ]
-            lengths = padded
-            multiple = 2 * cp * multiple  # each rank's share stays a multiple of the TP size
-        pad = max(length - sum(lengths), 0)
-        pad += (-(sum(lengths) + pad)) % multiple
-        if pad:
-            lengths = [*lengths, pad]
-            ids.append(torch.zeros(pad, dtype=mb.input_ids.dtype, device=device))
-        self.lengths = [int(n) for n in lengths]
-        self.total = sum(self.lengths)
-        real = [torch.arange(n) < r for n, r in zip(self.lengths, [*self.real, 0], strict=False)]
-        self.real_mask = torch.cat(real).to(device)  # [T]: False on every padding token
-        self.num_rows = mb.num_rows
-        self.input_ids = torch.cat(ids)[None]
-        self.position_ids = torch.cat([torch.arange(n, device=device) for n in self.lengths])[None]
-        cu = torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
-        self.cu_seqlens = cu.to(device)
-        self.width = mb.input_ids.shape[1]
-        if cp > 1:
-            every = [self._zigzag(r) for r in range(cp)]
-            self.local = every[cp_rank].to(device)
-            self.gather_order = torch.argsort(torch.cat(every)).to(device)
-
-    def _zigzag(self, rank: int) -> torch.Tensor:
-        """Global packed indices of CP rank `rank`'s tokens: per sequence, its chunk `rank` then
-        its chunk 2 x cp - 1 - rank."""
-        out, start = [], 0
-        for n in self.lengths:
-            half = n // (2 * self.cp)
-            out.append(torch.arange(start + rank * half, start + (rank + 1) * half))
-            out.append(torch.arange(start + n - (rank + 1) * half, start + n - rank * half))
-            start += n
-        return torch.cat(out)
-
-    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids and position_ids [1, T] of this CP rank (all of them without CP)."""
-        if self.cp == 1:
-            return self.input_ids, self.position_ids
-        return self.input_ids[:, self.local], self.position_ids[:, self.local]
-
-    def packed_seq_params(self, *, mark_padding: bool = False) -> Any:
-        """megatron's THD metadata. `mark_padding`: tell the DSA indexer loss which query rows are
-        padding (`real_token_mask_q`, read by `dsa_masking.extract_query_valid_rows_from_packed_seq_params`)
-        so that they add nothing to it, as if the sequences were unpadded."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        longest = max(self.lengths)
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-        if mark_padding:
-            params.real_token_mask_q = self.real_mask if self.cp == 1 else self.real_mask[self.local]
-        return params
-
-    def targets(self) -> torch.Tensor:
-        """Token t's target is token t + 1 of the same sequence (a sequence's last token has none:
-        its target is a placeholder, dropped by `unpack`); this CP rank's targets under CP."""
-        targets = torch.roll(self.input_ids[0], -1)
-        return targets if self.cp == 1 else targets[self.local]
-
-    def pack(self, values: torch.Tensor) -> torch.Tensor:
-        """`unpack`'s inverse: [rows, width] values of the batch's tokens -> [T] per position of
-        this CP rank, position t holding the value of the token it predicts (0 where it predicts
-        none: a sequence's last token, padding)."""
-        out = values.new_zeros(self.total)
-        start = 0
-        for r in range(self.num_rows):
-            n = self.real[r]
-            if n > 1:
-                out[start : start + n - 1] = values[r, 1:n]
-            start += self.lengths[r]
-        return out if self.cp == 1 else out[self.local]
-
-    def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-position values [T] (for the next token) -> [rows, width] aligned with the batch:
-        entry (r, t) is the value for token t of row r, predicted at position t - 1; column 0 is 0."""
-        out = values.new_zeros(self.num_rows, self.width)
-        start = 0
-        for r in range(self.num_rows):
-            n = self.real[r]
-            if n > 1:
-                out[r, 1:n] = values[start : start + n - 1]
-            start += self.lengths[r]
-        return out
-
-
-class _GatherContextParallel(torch.autograd.Function):
-    """All-gather per-token values [T_local] over the CP group -> [cp x T_local] (rank order).
-    Every CP rank then computes the same loss from the same gathered values, so the gradient of
-    rank r's own slice is already complete on rank r: the backward keeps that slice (no sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.rank, ctx.n = dist.get_rank(group), x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n].contiguous(), None
-
-
-class InitCheckpointError(CheckpointError):
-    """`trainer.megatron.init_checkpoint` is missing, incomplete or not this model's."""
-
-
-_PREPARE_HINT = (
-    "run the recipe's `prepare` (HF -> Megatron) and then `prepare-cp` (to every node's local disk), "
-    "or leave trainer.megatron.init_checkpoint unset to start from engine.model's HF weights"
-)
-
-
-def init_checkpoint_dir(path: str | Path) -> Path:
-    """The `torch_dist` directory of an initial checkpoint: `path/model` (what `prepare` writes:
-    `model/` beside `convert.json`; a run checkpoint's `step-N/` has the same shape) or `path`
-    itself. Complete means megatron's `metadata.json` (written last, once every shard is saved),
-    torch's `.metadata` and shard files; anything else is an `InitCheckpointError`."""
-    given = Path(path).expanduser()
-    if not given.is_dir():
-        raise InitCheckpointError(f"trainer.megatron.init_checkpoint {given} does not exist: {_PREPARE_HINT}")
-    model = given / "model" if (given / "model").is_dir() else given
-    missing = [name for name in ("metadata.json", ".metadata") if not (model / name).is_file()]
-    if not any(model.glob("*.distcp")):
-        missing.append("*.distcp shards")
-    if missing:
-        raise InitCheckpointError(
-            f"trainer.megatron.init_checkpoint {model} is not a complete torch_dist checkpoint (no "
-            f"{', '.join(missing)}): a conversion or copy that did not finish; {_PREPARE_HINT}"
-        )
-    return model
-
-
-class MegatronTrainer:
+class MegatronTrainer(CheckpointMixin):
     """Owns this rank's model shard (its pipeline stage's chunks), its optimizer and the step counter.
 
     `hf_config`: a transformers `GlmMoeDsaConfig`; the initial weights are `hf_state` (HF tensors,
@@ -954,170 +786,6 @@ class MegatronTrainer:
         return metrics
 
     # -- checkpoints -----------------------------------------------------------------------------
-
-    def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
-        """`root/step-NNNNNNNN/`: the model as megatron's distributed checkpoint (`torch_dist`,
-        resharding-capable), the optimizer state (megatron's optimizer: a distributed checkpoint
-        too; the local path: one file per rank), `state.json`; then `root/latest`."""
-        from megatron.core import dist_checkpointing
-
-        root = Path(root)
-        final = root / f"step-{self.step:08d}"
-        # One temporary name for every rank: rank 0 picks it, the others receive it.
-        names = [f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"]
-        dist.broadcast_object_list(names, src=0)
-        tmp = root / names[0]
-        if dist.get_rank() == 0:
-            (tmp / "model").mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(), str(tmp / "model"))
-        if self.megatron_ddp:
-            # megatron's optimizer (the distributed one's shards too) as a distributed checkpoint
-            _torch_adam_checkpoint_fixes(self.optimizer)
-            opt = self.optimizer.sharded_state_dict(self._sharded_state_dict(), metadata=_OPTIMIZER_FORMAT)
-            if dist.get_rank() == 0:
-                (tmp / "optimizer").mkdir()
-            dist.barrier()
-            dist_checkpointing.save(opt, str(tmp / "optimizer"))
-        else:
-            torch.save(self.optimizer.state_dict(), tmp / f"optimizer-rank{dist.get_rank():05d}.pt")
-        dist.barrier()
-        if dist.get_rank() == 0:
-            state = {
-                "step": self.step,
-                "buffer_state": dict(buffer_state or {}),
-                "config": self.config.to_dict(),
-                "megatron": self.settings.to_dict(),
-                "world_size": dist.get_world_size(),
-            }
-            (tmp / "state.json").write_text(json.dumps(state, indent=1))
-            # Renamed into place only when complete (as agentrl.train.checkpoint does): a crash
-            # mid-write never leaves a checkpoint that a resume would pick up.
-            if final.exists():
-                old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            latest_tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
-            latest_tmp.write_text(final.name)
-            os.replace(latest_tmp, root / "latest")
-        dist.barrier()
-        return final
-
-    def _sharded_state_dict(self) -> dict[str, Any]:
-        """The model's sharded state dict (keys carry global layer numbers, so stages and virtual
-        stages merge into one checkpoint); one entry per chunk with virtual stages."""
-        if len(self.chunks) == 1:
-            return self.model.sharded_state_dict()
-        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
-
-    def load(self, path: str | Path) -> TrainState:
-        """Restore model, optimizer and step from a checkpoint directory (or a root with `latest`)."""
-        from megatron.core import dist_checkpointing
-
-        path = Path(path)
-        if (path / "latest").exists():
-            resolved = latest_checkpoint(path)
-            if resolved is None:
-                raise CheckpointError(f"{path}/latest points to a missing checkpoint")
-            path = resolved
-        if not (path / "state.json").exists() or not (path / "model").is_dir():
-            raise CheckpointError(f"{path} is not a complete megatron checkpoint (state.json, model/)")
-        raw = json.loads((path / "state.json").read_text())
-        saved = {k: v for k, v in (raw.get("megatron") or {}).items() if k != "init_checkpoint"}
-        if saved != self.settings.layout_dict() or raw.get("world_size") != dist.get_world_size():
-            raise CheckpointError(
-                f"{path} was saved with {saved} on {raw.get('world_size')} ranks; this trainer runs "
-                f"{self.settings.layout_dict()} on {dist.get_world_size()}: the optimizer state is per rank"
-            )
-        state = dist_checkpointing.load(self._sharded_state_dict(), str(path / "model"))
-        if len(self.chunks) == 1:
-            self.model.load_state_dict(state, strict=False)
-        else:
-            for i, chunk in enumerate(self.chunks):
-                chunk.load_state_dict(state[f"model{i}"], strict=False)
-        if self.megatron_ddp:
-            _torch_adam_checkpoint_fixes(self.optimizer)
-            opt_sd = self.optimizer.sharded_state_dict(
-                self._sharded_state_dict(), is_loading=True, metadata=_OPTIMIZER_FORMAT
-            )
-            self.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
-            _torch_adam_unshare_steps(self.optimizer)
-        else:
-            opt = path / f"optimizer-rank{dist.get_rank():05d}.pt"
-            self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
-        self.step = int(raw["step"])
-        return TrainState(
-            step=self.step, buffer_state=raw.get("buffer_state", {}), config=raw.get("config", {})
-        )
-
-
-def _torch_adam_checkpoint_fixes(optimizer: Any) -> None:
-    """What megatron-core 0.19.2's distributed optimizer needs to save and resume when it falls
-    back to torch's Adam (no TransformerEngine, no apex: `HAVE_APEX_OR_TE` False), per wrapped
-    optimizer:
-
-    - torch's Adam makes its per-parameter state (`step`, `exp_avg`, `exp_avg_sq`) lazily at its
-      first step, and `DistributedOptimizer.state_dict()` (distrib_optimizer.py:837-839) reads
-      `step` from every state and asserts they agree: a fresh optimizer (a new process resuming)
-      has none. They are made here as torch's Adam would (step a CPU float32 0, zero moments),
-      which changes nothing about the next step.
-    - loading the parameter state (`load_parameter_state_from_fully_reshardable`, line 2390)
-      leaves the 0-dim `step` out of each parameter's tensors (it comes from the param groups and
-      is already set by then: line 1025-1032), but `_set_main_param_and_optimizer_states`
-      (line 1213-1223) copies every tensor of the optimizer's state, `step` included, from them:
-      `KeyError: 'step'`. Its setter gets the missing `step` from the state it already holds
-      (copied onto itself); any other missing key is an error."""
-    from megatron.core.optimizer import distrib_optimizer as mdo
-
-    if mdo.HAVE_APEX_OR_TE:
-        return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, mdo.DistributedOptimizer) or getattr(opt, "_agentrl_step_fix", False):
-            continue
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if "step" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param: Any, tensors: dict, *, _opt: Any = opt, _set: Any = original) -> None:
-            index, order = _opt.model_param_group_index_map[model_param]
-            state = _opt.optimizer.state[_opt.optimizer.param_groups[index]["params"][order]]
-            missing = {k for k, v in state.items() if torch.is_tensor(v)} - set(tensors)
-            if missing - {"step"}:
-                raise CheckpointError(
-                    f"the optimizer checkpoint lacks {sorted(missing)} of a parameter's state"
-                )
-            _set(model_param, {**tensors, **{k: state[k] for k in missing}})
-
-        opt._set_main_param_and_optimizer_states = set_states
-        opt._agentrl_step_fix = True
-
-
-def _torch_adam_unshare_steps(optimizer: Any) -> None:
-    """After megatron-core 0.19.2 loads a distributed optimizer's state for torch's Adam, every
-    parameter's `step` is one shared tensor (distrib_optimizer.py:1027-1032 assigns the same
-    object to each state; torch's `load_state_dict` keeps `step` tensors as they are). torch's
-    multi-tensor Adam then adds 1 to it once per parameter at every step (`_foreach_add_`), and
-    the bias correction runs on a step count thousands too high. Each state gets its own copy."""
-    from megatron.core.optimizer import distrib_optimizer as mdo
-
-    if mdo.HAVE_APEX_OR_TE:
-        return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        for state in inner.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].detach().clone()
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = False) -> None:

@@ -1,34 +1,9 @@
-"""Daytona sandboxes on the `daytona` SDK's `AsyncDaytona`: the production backend.
-
-- Images: the task's `environment/Dockerfile` with its build context (`Image.from_dockerfile`, so
-  Daytona builds and caches it as a snapshot), or `docker_image`; either way one layer is added that
-  prepares `/logs/{verifier,agent,artifacts}` as root, so a create needs no extra round trip.
-- Isolation and size: `network_block_all` unless the task allows internet (a task's
-  `allowed_hosts` become Daytona's `domain_allow_list`, which Daytona enforces); cpu, memory and
-  disk from task.toml rounded up to whole units, with floors.
-- Lifetime: labels (run id, task id, launcher, owner) let `reap_daytona` find what a dead process
-  left behind; auto-stop, auto-delete and a TTL are backstops; a keepalive refreshes activity while
-  the model thinks (model latency is not sandbox activity, so auto-stop would otherwise fire
-  mid-episode). Sandboxes are deleted on close, on cancellation (shielded) and at interpreter exit.
-- Create under load: a concurrency limit, jittered exponential backoff on throttling and transient
-  errors, `SandboxQuotaError` (never retried) for quota and limit errors with the provider's
-  message. Each attempt has a unique name, so a create that is cancelled or times out midway is
-  found by name and deleted.
-- exec: one POSIX `sh` wrapper per command runs it with bash under `timeout` (its own process group,
-  so a timeout or a cancellation kills everything it started), as the requested user, in `cwd`,
-  with `env`; stdout and stderr are captured to files inside the sandbox, bounded there (head +
-  tail) and sent back framed by a random nonce, so one `process.exec` round trip returns both
-  streams and the exit code. Commands that may outlive `exec_limit_s` (the HTTP request of
-  `process.exec`) run the same wrapper through a session command with `run_async` and polling.
-  The agent's commands (no cwd, env or user) share a shell session (`shellstate.py`) kept in a
-  directory of the sandbox that only they read; other commands start clean.
-- Terminal: `open_terminal` runs tmux in the sandbox through the same exec (`terminal.py`).
-"""
+"""`DaytonaSandbox`: one Daytona sandbox; exec through the SDK's process API and sessions, bounded
+replies, upload and download, terminals, the tamper scan, keep-alive."""
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import hashlib
 import io
 import logging
@@ -36,266 +11,72 @@ import math
 import os
 import re
 import shlex
-import socket
 import tarfile
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from daytona import (
-    AsyncDaytona,
-    CreateSandboxFromImageParams,
     DaytonaError,
-    DaytonaNotFoundError,
     FileDownloadRequest,
     FileUpload,
-    Image,
-    ListSandboxesQuery,
-    Resources,
     SessionExecuteRequest,
 )
-from daytona.common.errors import DaytonaConnectionError, DaytonaTimeoutError
 from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
 from daytona_toolbox_api_client_async import ExecuteResponse as ToolboxExecuteResponse
 from daytona_toolbox_api_client_async import SessionCommandLogsResponse as ToolboxSessionLogs
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from agentrl.errors import AgentRLError
-from agentrl.sandbox import shellstate
 from agentrl.sandbox.base import (
-    DEFAULT_OUTPUT_LIMIT,
     SYSTEM_PREFIXES,
     ExecResult,
-    ImageBuildError,
     Sandbox,
-    SandboxCreateError,
     SandboxError,
     SandboxPolicyError,
-    SandboxProvider,
     SandboxTransportError,
     TerminalSession,
     bound_output,
     tampered,
 )
-from agentrl.sandbox.credentials import DaytonaCredentials
-from agentrl.sandbox.terminal import INSTALL_TMUX, TmuxTerminal
-from agentrl.tasks.config import resolve_env_templates
+from agentrl.sandbox.daytona.common import (
+    _ENV_NAME,
+    _USER_NAME,
+    CORE_PROBE,
+    NO_TIMEOUT_S,
+    SESSION_SCRIPT,
+    SHADOW_PATHS,
+    STOP_PROCESSES,
+    _new_state_dir,
+)
+from agentrl.sandbox.terminal import TmuxTerminal
 
 if TYPE_CHECKING:
-    from agentrl.tasks.task import Task
-
+    pass
 log = logging.getLogger(__name__)
 
-LABEL_RUN = "agentrl.run-id"
-LABEL_TASK = "agentrl.task-id"
-LABEL_LAUNCHER = "agentrl.launcher"
-LABEL_OWNER = "agentrl.owner"
-DEFAULT_LAUNCHER = "agentrl"
-# Kills every process but PID 1, the toolbox daemon's (same executable as PID 1), this script's
-# own ancestors (the daemon's exec chain) and servers listening on a TCP port (tasks ask for services
-# their tests talk to; podman keeps them too), which it names on its output. Unix-socket listeners
-# (a terminal's tmux server among them) are not kept. Stopping first, three sweeps, so a fork loop cannot
-# outrun it; the daemon must survive, or the sandbox stops answering.
-STOP_PROCESSES = r"""
-keep=" 1 $$ "; p=$$
-while [ "$p" -gt 1 ] 2>/dev/null; do
-  p=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$p/status 2>/dev/null); [ -n "$p" ] || break; keep="$keep$p "
-done
-daemon=$(readlink /proc/1/exe 2>/dev/null)
-listen=" "
-for f in /proc/net/tcp /proc/net/tcp6; do
-  [ -r $f ] || continue
-  while read -r sl local rem st txrx trtm retr uid tmo inode rest; do
-    [ "$st" = "0A" ] && listen="$listen$inode "
-  done < $f
-done
-for e in /proc/[0-9]*; do
-  q=${e#/proc/}
-  case "$keep" in *" $q "*) continue;; esac
-  for fd in $e/fd/*; do
-    l=$(readlink $fd 2>/dev/null) || continue
-    case "$l" in "socket:["*"]") i=${l#socket:[}; i=${i%]}; case "$listen" in *" $i "*)
-      keep="$keep$q "; echo "__agentrl_kept $q"; break;; esac;; esac
-  done
-done
-# A kept server's ancestors (a terminal's shell and tmux) are frozen, not killed: their end would
-# hang up the server's terminal and end it too.
-freeze=" "
-for q in $keep; do
-  a=$q
-  while :; do
-    a=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$a/status 2>/dev/null); [ -n "$a" ] && [ "$a" -gt 1 ] || break
-    case "$keep$freeze" in *" $a "*) break;; esac
-    [ -n "$daemon" ] && [ "$(readlink /proc/$a/exe 2>/dev/null)" = "$daemon" ] && break
-    freeze="$freeze$a "; echo "__agentrl_frozen $a"
-  done
-done
-for sig in STOP STOP STOP KILL KILL; do
-  for e in /proc/[0-9]*; do
-    q=${e#/proc/}
-    case "$keep" in *" $q "*) continue;; esac
-    case "$freeze" in *" $q "*) [ $sig = STOP ] || continue;; esac
-    [ -n "$daemon" ] && [ "$(readlink $e/exe 2>/dev/null)" = "$daemon" ] && continue
-    kill -$sig $q 2>/dev/null
-  done
-done
-true
-"""
-# The verifier's own steps (the kill above, the `find` of `tampered_paths`, the exec wrapper) run the
-# sandbox's shells and tools, which the agent may have replaced. So their content is recorded when
-# the sandbox starts, before the agent's first command, and compared before verifying; both reads go
-# through the toolbox daemon's file API (Go `os.Open` + `io.Copy` in `fs/download_files.go`,
-# `os.ReadDir` in `fs/list_files.go` of daytonaio/daytona), never through a sandbox binary.
-CORE_TOOLS = (
-    "sh", "bash", "dash", "zsh", "env", "timeout", "find", "sed", "readlink", "cat", "rm", "mkdir",
-    "chmod", "tar", "wc", "head", "tail", "kill", "runuser", "su",
-)  # fmt: skip
-PATH_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
-# Each tool's resolved file and the shared libraries it loads (`ldd`), printed one path a line.
-CORE_PROBE = (
-    f'for t in {" ".join(CORE_TOOLS)}; do p=$(command -v "$t" 2>/dev/null) || continue; '
-    'case "$p" in /*) ;; *) continue;; esac; readlink -f "$p"; '
-    "ldd \"$p\" 2>/dev/null | sed -n 's|.*=> \\(/[^ ]*\\) (.*|\\1|p; s|^[[:space:]]*\\(/[^ ]*\\) (.*|\\1|p'; "
-    "done; true"
-)
-# Paths whose appearance alone hijacks the verifier: every PATH spelling of a core tool (a new
-# `/usr/local/bin/sh` shadows `/usr/bin/sh`) and the dynamic loader's preload list.
-SHADOW_PATHS = tuple(f"{d}/{t}" for d in PATH_DIRS for t in CORE_TOOLS) + ("/etc/ld.so.preload",)
-PREPARE_LOGS = "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*"
-NO_TIMEOUT_S = 7 * 24 * 3600  # `timeout` still runs, for its process group, when the caller sets none
-# An agent's command in its shell session (`shellstate.py`): `bash -c SESSION_SCRIPT bash STATE DIR
-# CMD` restores the state committed in STATE, runs CMD and saves its state into DIR/st, which the
-# wrapper adopts as STATE unless the command was killed.
-SESSION_SCRIPT = (
-    "__ar_S=$1 __ar_D=$2 __ar_c=$3; set --\n"
-    + shellstate.FUNCTIONS
-    + '__ar_names "$__ar_D/n"; shopt -u extglob; shopt -s expand_aliases; __ar_u="unset -v ${__ar_vs[*]}"; '
-    + "unset __ar_vs\n"
-    + shellstate.save_on_exit("$__ar_D/st")
-    + "\n"
-    + shellstate.restore("$__ar_S")
-    + "\n"
-    + shellstate.RUN
-    + "\n"
-)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_USER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
-_QUOTA = re.compile(
-    r"quota|limit exceeded|exceeds? (?:the )?(?:maximum|limit)|maximum allowed|depleted|suspended|"
-    r"insufficient (?:credits|funds)|payment required",
-    re.IGNORECASE,
-)
-_TRY_LATER = re.compile(r"try again later|temporarily", re.IGNORECASE)
 
-DaytonaClientFactory = Callable[[], Any]
+class DaytonaHost(Protocol):
+    """What a sandbox needs of the provider that created it (`DaytonaProvider`)."""
 
+    output_limit: int
+    exec_limit_s: float
+    exec_grace_s: float
+    session_poll_s: float
+    session_poll_max_s: float
+    transfer_timeout_s: float
 
-def _new_state_dir() -> str:
-    return f"/tmp/.agentrl-session-{uuid.uuid4().hex}"
+    def _spawn(self, coro: Any, timeout: float) -> None: ...
 
-
-class SandboxQuotaError(SandboxCreateError):
-    """Daytona refused a sandbox for quota or limit reasons (org cpu/memory/disk totals, per-sandbox
-    maximums, credits). Never retried: waiting does not help; free capacity or raise the limits."""
-
-    cause = "sandbox_quota"
-
-
-class _TransientCreateError(SandboxCreateError):
-    """A create attempt that failed in a way worth retrying (throttling, 5xx, connection, timeout)."""
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-def _sanitize(value: str, limit: int = 63) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-")[:limit] or "x"
-
-
-def _retry_after(exc: DaytonaError) -> float | None:
-    raw = {k.lower(): v for k, v in exc.headers.items()}.get("retry-after")
-    try:
-        return float(raw) if raw is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
-def classify_create_error(exc: BaseException, task_id: str) -> SandboxCreateError:
-    """Map an SDK failure of `create` to agentrl's typed error; `_TransientCreateError` is retried."""
-    msg = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    status = getattr(exc, "status_code", None)
-    where = f"creating a Daytona sandbox for {task_id}"
-    if isinstance(exc, DaytonaError):
-        if status == 402 or (_QUOTA.search(msg) and not _TRY_LATER.search(msg)):
-            return SandboxQuotaError(
-                f"{where} was refused for quota or limits (HTTP {status}): {msg} -- free capacity "
-                "(`agentrl sandbox reap --backend daytona`), lower the task's resources, or raise the "
-                "organization's limits at https://app.daytona.io/dashboard/limits"
-            )
-        if _TRY_LATER.search(msg):
-            return _TransientCreateError(f"{where}: HTTP {status}: {msg}", retry_after_s=_retry_after(exc))
-        if status in (401, 403):
-            return SandboxCreateError(
-                f"{where} was refused (HTTP {status}): {msg} -- check DAYTONA_API_KEY / "
-                "DAYTONA_API_KEY_FILE and DAYTONA_API_URL"
-            )
-        if status == 429 or (status is not None and status >= 500) or status == 408:
-            return _TransientCreateError(f"{where}: HTTP {status}: {msg}", retry_after_s=_retry_after(exc))
-        if isinstance(exc, DaytonaConnectionError | DaytonaTimeoutError):
-            return _TransientCreateError(f"{where}: {type(exc).__name__}: {msg}")
-        if "build" in msg.lower() and "fail" in msg.lower():
-            return ImageBuildError(f"{where}: the image build failed: {msg}")
-        return SandboxCreateError(f"{where} failed (HTTP {status}): {msg}")
-    if isinstance(exc, TimeoutError | ConnectionError | OSError):
-        return _TransientCreateError(f"{where}: {type(exc).__name__}: {msg}")
-    return SandboxCreateError(f"{where} failed: {type(exc).__name__}: {msg}")
-
-
-def _last_user(dockerfile: str) -> str | None:
-    user = None
-    for line in dockerfile.splitlines():
-        parts = line.strip().split(None, 1)
-        if len(parts) == 2 and parts[0].upper() == "USER":
-            user = parts[1].strip()
-    return user
-
-
-def image_for(task: Task) -> Image:
-    """The Daytona image of a task: its Dockerfile (with build context) or its `docker_image`, plus
-    root layers that prepare /logs and install tmux where it is missing (for `open_terminal`;
-    Daytona's builder has the network); the task's last `USER` is restored after them."""
-    env = task.config.environment
-    if task.dockerfile is not None:
-        image = Image.from_dockerfile(task.dockerfile.resolve(), strict_context=True)
-    elif env.docker_image:
-        image = Image.base(env.docker_image)
-    else:
-        raise SandboxCreateError(
-            f"{task.task_id}: no environment/Dockerfile and no docker_image in task.toml: give the task one"
-        )
-    user = _last_user(image.dockerfile())
-    # Appended text is glued onto a last line that has no newline: start with an empty line then.
-    lines = [] if image.dockerfile().endswith("\n") else [""]
-    lines += ["USER root", f"RUN {PREPARE_LOGS}", f"RUN {INSTALL_TMUX}"]
-    if user and user not in ("root", "0", "0:0"):
-        lines.append(f"USER {user}")
-    image.dockerfile_commands(lines)
-    return image
+    async def _delete(self, sandbox: DaytonaSandbox) -> None: ...
 
 
 class DaytonaSandbox(Sandbox):
     """One started Daytona sandbox; created by `DaytonaProvider.create`."""
 
-    def __init__(
-        self, provider: DaytonaProvider, sdk_sandbox: Any, task_id: str, workdir: str | None
-    ) -> None:
+    def __init__(self, provider: DaytonaHost, sdk_sandbox: Any, task_id: str, workdir: str | None) -> None:
         self.provider = provider
         self.sdk = sdk_sandbox
         self.sandbox_id: str = sdk_sandbox.id
@@ -878,358 +659,3 @@ class DaytonaSandbox(Sandbox):
         await asyncio.shield(self.provider._delete(self))
         if self._keepalive is not None:
             await asyncio.wait([self._keepalive], timeout=5)
-
-
-class DaytonaProvider(SandboxProvider):
-    """Creates `DaytonaSandbox`es. Every option is a keyword with a default, so
-    `make_provider("daytona")` works from the environment's credentials alone.
-
-    `client_factory` returns an `AsyncDaytona`-compatible client (tests pass a fake); by default an
-    `AsyncDaytona` is built from `credentials` (default: `DaytonaCredentials.from_env()`).
-
-    `trusted_checks` records each sandbox's starting state through the file API
-    (`DaytonaSandbox.record_baseline`) so the verifier can check its kill and its tamper scan from
-    outside; off (only for toolboxes that cannot answer, such as record-only test doubles), both
-    trust the sandbox's own shell and `find`, which an agent can replace.
-    """
-
-    def __init__(
-        self,
-        *,
-        credentials: DaytonaCredentials | None = None,
-        client_factory: DaytonaClientFactory | None = None,
-        launcher: str = DEFAULT_LAUNCHER,
-        allow_network: bool | None = None,
-        max_concurrent_creates: int = 8,
-        create_attempts: int = 6,
-        backoff_initial_s: float = 1.0,
-        backoff_max_s: float = 30.0,
-        create_timeout_s: float | None = None,
-        min_cpus: int = 1,
-        min_memory_gb: int = 1,
-        min_disk_gb: int = 3,
-        auto_stop_minutes: int = 15,
-        auto_delete_minutes: int = 0,
-        ttl_minutes: int = 24 * 60,
-        keepalive_s: float = 120.0,
-        exec_limit_s: float = 600.0,
-        exec_grace_s: float = 15.0,
-        session_poll_s: float = 0.2,
-        session_poll_max_s: float = 2.0,
-        transfer_timeout_s: int = 600,
-        output_limit: int = DEFAULT_OUTPUT_LIMIT,
-        os_user: str | None = "root",
-        target: str | None = None,
-        trusted_checks: bool = True,
-    ) -> None:
-        if client_factory is None:
-            creds = credentials or DaytonaCredentials.from_env()
-            client_factory = _sdk_client_factory(creds)
-        if max_concurrent_creates < 1 or create_attempts < 1:
-            raise AgentRLError("max_concurrent_creates and create_attempts must be at least 1")
-        if keepalive_s and auto_stop_minutes and keepalive_s >= auto_stop_minutes * 60:
-            raise AgentRLError(
-                f"keepalive_s={keepalive_s} must be shorter than auto_stop_minutes={auto_stop_minutes} "
-                "or a thinking model's sandbox stops under it"
-            )
-        self.client_factory = client_factory
-        self.launcher = launcher
-        self.allow_network = allow_network
-        self.create_attempts = create_attempts
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self.create_timeout_s = create_timeout_s
-        self.min_cpus, self.min_memory_gb, self.min_disk_gb = min_cpus, min_memory_gb, min_disk_gb
-        self.auto_stop_minutes = auto_stop_minutes
-        self.auto_delete_minutes = auto_delete_minutes
-        self.ttl_minutes = ttl_minutes
-        self.keepalive_s = keepalive_s
-        self.exec_limit_s = exec_limit_s
-        self.exec_grace_s = exec_grace_s
-        self.session_poll_s = session_poll_s
-        self.session_poll_max_s = session_poll_max_s
-        self.transfer_timeout_s = transfer_timeout_s
-        self.output_limit = output_limit
-        # Per task: the verifier's core files as its image ships them (`DaytonaSandbox.record_baseline`).
-        self._core_records: dict[str, dict[str, str | None]] = {}
-        self.trusted_checks = trusted_checks
-        self.os_user = os_user
-        self.target = target
-        self._create_slots = asyncio.Semaphore(max_concurrent_creates)
-        self._client: Any = None
-        self._client_lock = asyncio.Lock()
-        self._live: dict[str, DaytonaSandbox] = {}
-        self._background: set[asyncio.Task[Any]] = set()
-        self.create_attempts_made = 0
-
-    def __repr__(self) -> str:
-        return f"DaytonaProvider(launcher={self.launcher!r}, live={len(self._live)})"
-
-    # -- parameters ------------------------------------------------------------------------------
-    def resources_for(self, task: Task) -> Resources:
-        env = task.config.environment
-        cpu = max(self.min_cpus, math.ceil(env.cpus or 0))
-        memory = max(self.min_memory_gb, math.ceil((env.memory_mb or 0) / 1024))
-        disk = max(self.min_disk_gb, math.ceil((env.storage_mb or 0) / 1024))
-        return Resources(cpu=cpu, memory=memory, disk=disk, gpu=env.gpus or None)
-
-    def network_for(self, task: Task) -> dict[str, Any]:
-        env = task.config.environment
-        allowed = env.internet_allowed if self.allow_network is None else self.allow_network
-        if allowed:
-            return {"network_block_all": False}
-        if env.allowed_hosts and self.allow_network is None:
-            return {"network_block_all": False, "domain_allow_list": ",".join(env.allowed_hosts)}
-        return {"network_block_all": True}
-
-    def labels_for(self, task: Task, run_id: str) -> dict[str, str]:
-        return {
-            LABEL_RUN: run_id[:63],
-            LABEL_TASK: task.task_id[:63],
-            LABEL_LAUNCHER: self.launcher,
-            LABEL_OWNER: f"{socket.gethostname()}:{os.getpid()}"[:63],
-        }
-
-    def params_for(self, task: Task, run_id: str) -> CreateSandboxFromImageParams:
-        """The SDK's create parameters for a task (a fresh unique name on every call)."""
-        env = task.config.environment
-        name = f"agentrl-{_sanitize(run_id, 16)}-{_sanitize(task.task_id, 24)}-{uuid.uuid4().hex[:10]}"
-        return CreateSandboxFromImageParams(
-            name=name,
-            image=image_for(task),
-            resources=self.resources_for(task),
-            labels=self.labels_for(task, run_id),
-            env_vars=resolve_env_templates(env.env, str(task.path / "task.toml")),
-            os_user=self.os_user,
-            auto_stop_interval=self.auto_stop_minutes,
-            auto_delete_interval=self.auto_delete_minutes,
-            ttl_minutes=self.ttl_minutes,
-            target=self.target,
-            **self.network_for(task),
-        )
-
-    def create_timeout_for(self, task: Task) -> float:
-        if self.create_timeout_s is not None:
-            return self.create_timeout_s
-        return task.config.environment.build_timeout_sec + 120.0
-
-    # -- create ----------------------------------------------------------------------------------
-    async def client(self) -> Any:
-        async with self._client_lock:
-            if self._client is None:
-                self._client = self.client_factory()
-            return self._client
-
-    def _wait(self, retry_state: Any) -> float:
-        jitter = wait_random_exponential(multiplier=self.backoff_initial_s, max=self.backoff_max_s)(
-            retry_state
-        )
-        exc = retry_state.outcome.exception() if retry_state.outcome else None
-        after = getattr(exc, "retry_after_s", None)
-        return max(jitter, min(after, self.backoff_max_s)) if after else jitter
-
-    async def create(self, task: Task, *, run_id: str) -> Sandbox:
-        timeout = self.create_timeout_for(task)
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.create_attempts),
-            wait=self._wait,
-            retry=retry_if_exception_type(_TransientCreateError),
-            reraise=True,
-            before_sleep=lambda state: log.info(
-                "retrying a Daytona create (attempt %d): %s",
-                state.attempt_number,
-                state.outcome.exception() if state.outcome else None,
-            ),
-        )
-        attempt = 0
-        try:
-            async for attempt_state in retrying:
-                with attempt_state:
-                    attempt += 1
-                    async with self._create_slots:
-                        sdk_sandbox = await self._create_once(task, run_id, timeout)
-        except _TransientCreateError as exc:
-            raise SandboxCreateError(f"{exc} (gave up after {attempt} attempts)") from exc
-        sandbox = DaytonaSandbox(self, sdk_sandbox, task.task_id, task.config.environment.workdir)
-        log.debug("daytona sandbox %s started for %s (attempt %d)", sandbox.sandbox_id, task.task_id, attempt)
-        self._live[sandbox.sandbox_id] = sandbox
-        _LIVE[sandbox.sandbox_id] = self.client_factory
-        try:
-            if self.trusted_checks:
-                self._core_records[task.task_id] = await sandbox.record_baseline(
-                    self._core_records.get(task.task_id)
-                )
-        except BaseException as exc:
-            await sandbox.close()
-            if isinstance(exc, SandboxError):
-                raise SandboxCreateError(
-                    f"daytona sandbox for {task.task_id}: recording its starting state failed: {exc}"
-                ) from exc
-            raise
-        sandbox.start_keepalive(self.keepalive_s)
-        return sandbox
-
-    async def _create_once(self, task: Task, run_id: str, timeout: float) -> Any:
-        params = self.params_for(task, run_id)
-        client = await self.client()
-        self.create_attempts_made += 1
-        try:
-            return await asyncio.wait_for(client.create(params, timeout=timeout), timeout + 30)
-        except BaseException as exc:
-            # The request may have created the sandbox before failing or being cancelled (the
-            # server does not know the client gave up): find it by its unique name and delete it.
-            await asyncio.shield(self._delete_orphan(params.name or "", exc))
-            if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
-                raise
-            if isinstance(exc, AgentRLError):
-                raise
-            raise classify_create_error(exc, task.task_id) from exc
-
-    async def _delete_orphan(self, name: str, exc: BaseException) -> None:
-        status = getattr(exc, "status_code", None)
-        if isinstance(exc, DaytonaError) and status is not None and 400 <= status < 500:
-            return  # the API refused the request: nothing was created
-        sandbox_id = getattr(exc, "sandbox_id", None) or name
-        ambiguous = isinstance(
-            exc, asyncio.CancelledError | TimeoutError | DaytonaConnectionError | DaytonaTimeoutError
-        )
-        client = await self.client()
-        for i in range(3 if ambiguous else 1):
-            try:
-                found = await asyncio.wait_for(client.get(sandbox_id, request_timeout=20), 30)
-            except DaytonaNotFoundError:
-                if i < 2 and ambiguous:
-                    await asyncio.sleep(0.5 * (i + 1))
-                continue
-            except (DaytonaError, TimeoutError) as lookup:
-                log.warning("could not look up half-created Daytona sandbox %s: %s", sandbox_id, lookup)
-                return
-            await self._delete_sdk(found)
-            return
-
-    async def _delete_sdk(self, sdk_sandbox: Any) -> bool:
-        try:
-            await asyncio.wait_for(sdk_sandbox.delete(timeout=60), 90)
-        except DaytonaNotFoundError:
-            return True
-        except (DaytonaError, TimeoutError) as exc:
-            log.warning(
-                "deleting Daytona sandbox %s failed (%s); auto-delete and `agentrl sandbox reap "
-                "--backend daytona` remove it later",
-                sdk_sandbox.id,
-                exc,
-            )
-            return False
-        return True
-
-    async def _delete(self, sandbox: DaytonaSandbox) -> None:
-        try:
-            if await self._delete_sdk(sandbox.sdk):
-                _LIVE.pop(sandbox.sandbox_id, None)
-                log.debug("daytona sandbox %s deleted", sandbox.sandbox_id)
-        finally:
-            self._live.pop(sandbox.sandbox_id, None)
-
-    def _spawn(self, coro: Any, timeout: float) -> None:
-        async def bounded() -> None:
-            try:
-                await asyncio.wait_for(coro, timeout)
-            except (DaytonaError, TimeoutError) as exc:
-                log.debug("daytona background call failed: %s", exc)
-
-        t = asyncio.get_running_loop().create_task(bounded())
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
-
-    def live_sandboxes(self) -> int:
-        return len(self._live)
-
-    async def aclose(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-        for sandbox in list(self._live.values()):
-            await sandbox.close()
-        if self._client is not None:
-            client, self._client = self._client, None
-            await asyncio.wait_for(client.close(), 30)
-
-
-def _sdk_client_factory(credentials: DaytonaCredentials) -> DaytonaClientFactory:
-    def factory() -> AsyncDaytona:
-        return AsyncDaytona(credentials.sdk_config())
-
-    return factory
-
-
-# Sandboxes this process created and has not deleted, with a way to reach their API; deleted at
-# interpreter exit (Daytona bills while they run; auto-delete and the TTL are the slower backstop).
-_LIVE: dict[str, DaytonaClientFactory] = {}
-
-
-async def _delete_ids(items: list[tuple[str, DaytonaClientFactory]]) -> None:
-    by_factory: dict[int, tuple[DaytonaClientFactory, list[str]]] = {}
-    for sandbox_id, factory in items:
-        by_factory.setdefault(id(factory), (factory, []))[1].append(sandbox_id)
-    for factory, ids in by_factory.values():
-        client = factory()
-        try:
-            for sandbox_id in ids:
-                try:
-                    sdk_sandbox = await asyncio.wait_for(client.get(sandbox_id, request_timeout=20), 30)
-                    await asyncio.wait_for(sdk_sandbox.delete(timeout=30), 45)
-                except DaytonaNotFoundError:
-                    pass
-                except (DaytonaError, TimeoutError) as exc:
-                    log.warning("could not delete Daytona sandbox %s at exit: %s", sandbox_id, exc)
-                    continue
-                _LIVE.pop(sandbox_id, None)
-        finally:
-            await asyncio.wait_for(client.close(), 30)
-
-
-def _delete_live_at_exit() -> None:
-    if not _LIVE:
-        return
-    # A fresh loop on a thread: the program's own loop is closed (or still running) by now.
-    worker = threading.Thread(target=lambda: asyncio.run(_delete_ids(list(_LIVE.items()))), daemon=True)
-    worker.start()
-    worker.join(timeout=120)
-
-
-atexit.register(_delete_live_at_exit)
-
-
-async def reap_daytona(
-    *,
-    run_id: str | None = None,
-    older_than_s: float | None = None,
-    launcher: str = DEFAULT_LAUNCHER,
-    client: Any = None,
-) -> int:
-    """Delete agentrl's Daytona sandboxes by label: of one run, older than a cutoff, or all of this
-    launcher's. Returns how many were deleted. `client` defaults to one built from the environment."""
-    labels = {LABEL_LAUNCHER: launcher}
-    if run_id is not None:
-        labels[LABEL_RUN] = run_id
-    query = ListSandboxesQuery(labels=labels)
-    if older_than_s is not None:
-        query.created_at_before = datetime.now(UTC) - timedelta(seconds=older_than_s)
-    own = client is None
-    if own:
-        client = _sdk_client_factory(DaytonaCredentials.from_env())()
-    removed = 0
-    try:
-        doomed = [sb async for sb in client.list(query, request_timeout=60)]
-        for sdk_sandbox in doomed:
-            try:
-                await asyncio.wait_for(sdk_sandbox.delete(timeout=60), 90)
-            except DaytonaNotFoundError:
-                continue
-            except (DaytonaError, TimeoutError) as exc:
-                log.warning("reap: could not delete Daytona sandbox %s: %s", sdk_sandbox.id, exc)
-                continue
-            removed += 1
-    finally:
-        if own:
-            await asyncio.wait_for(client.close(), 30)
-    return removed
