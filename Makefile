@@ -48,6 +48,7 @@ demo-math: venv
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m agentrl.train.megatron.venv
 	$(BIN)/pytest -q --durations=30 $(PYTEST_PARALLEL)
 
@@ -55,6 +56,7 @@ test-fast: venv
 	$(BIN)/pytest -q -m "not container and not slow"
 
 lint: venv
+	$(BIN)/lint-imports
 	$(BIN)/ruff check agentrl envs recipes benchmarks tests
 	$(BIN)/ruff format --check agentrl envs recipes benchmarks tests
 	$(BIN)/mypy agentrl/tasks agentrl/sandbox/base.py agentrl/engine/base.py agentrl/episode/sample.py \

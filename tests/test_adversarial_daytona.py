@@ -146,8 +146,8 @@ async def test_a_process_that_survives_the_kill_is_seen_from_outside(
 ) -> None:
     """The survivor check lists /proc through the file API: had the kill been subverted in a way
     the core digests miss, a process of the agent's still running is `tampered`."""
-    from agentrl.sandbox.daytona import sandbox as daytona
     from agentrl.sandbox.base import SandboxPolicyError
+    from agentrl.sandbox.daytona import sandbox as daytona
 
     provider = DaytonaProvider(client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0)
     try:
