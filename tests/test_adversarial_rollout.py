@@ -13,7 +13,7 @@ import pytest
 
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.scripted import ScriptedEngine
-from agentrl.episode.run import EpisodeRunner
+from agentrl.episode.run import SandboxEpisodeRunner
 from agentrl.episode.sample import Status
 from agentrl.rollout import RolloutConfig, RolloutManager
 from agentrl.sandbox.podman import LABEL_RUN, PodmanProvider, run_cli
@@ -63,7 +63,7 @@ async def test_twelve_steps_mixing_hostile_and_honest_episodes() -> None:
     tok = byte_tokenizer()
     engine = ScriptedEngine(plan, tok)
     provider = PodmanProvider(cli=CLI, shell_grace_s=3)
-    runner = EpisodeRunner(
+    runner = SandboxEpisodeRunner(
         provider=provider, engine=engine, renderer=ChatRenderer(tok), config=episode_config(), run_id=run_id
     )
     rows = [

@@ -164,11 +164,11 @@ async def test_server_with_api_key_answers_as_sglang_does(
         client = SGLangEngine(u, api_key_file=str(key_file), retries=3)
         bare = SGLangEngine(u, retries=3)
         # `agentrl eval --engine sglang --api-key-env VAR` against a keyed fleet.
-        from agentrl.eval.harbor import EvalSettings, build_eval_engine
+        from agentrl.eval.harbor import HarborEvalSettings, build_eval_engine
         from agentrl.models.tiny import tiny_model_dir
 
         monkeypatch.setenv("RUN_ENGINE_KEY", KEY)
-        settings = EvalSettings(
+        settings = HarborEvalSettings(
             tasks=[], engine="sglang", urls=[u], tokenizer=str(tiny_model_dir()), api_key_env="RUN_ENGINE_KEY"
         )
         built = await build_eval_engine(settings)

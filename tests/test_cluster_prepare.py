@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from agentrl.cluster.planner import Layout
 from agentrl.cluster.prepare import (
-    CheckpointError,
+    ModelCheckpointError,
     ConvertPlacementError,
     copy_set_to_local,
     copy_to_local,
@@ -26,7 +26,7 @@ from agentrl.cluster.prepare import (
     rank_shard_params,
     validate_checkpoint,
 )
-from agentrl.cluster.recipe import ClusterPlan, resolve
+from agentrl.cluster.recipe import ClusterPlan, plan_recipe
 from tests.test_recipe_glm52 import SPECS
 
 transformers = pytest.importorskip("transformers")
@@ -70,7 +70,7 @@ def test_validation_names_what_is_wrong(ckpt: Path, tmp_path: Path, change: dict
     bad = copy_to_local(ckpt, tmp_path / "bad")
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ModelCheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
         validate_checkpoint(bad, num_layers=5)
 
 
@@ -89,13 +89,13 @@ def test_fp8_copy_quantises_decoder_projections_with_block_scales(ckpt: Path, tm
 def test_prepare_cp_copies_whole_or_not_at_all(ckpt: Path, tmp_path: Path) -> None:
     dest = copy_to_local(ckpt, tmp_path / "local" / "m")
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in ckpt.iterdir())
-    with pytest.raises(CheckpointError, match="run `prepare` first"):
+    with pytest.raises(ModelCheckpointError, match="run `prepare` first"):
         copy_to_local(tmp_path / "missing", tmp_path / "local" / "x")
     assert not list((tmp_path / "local").glob(".*"))  # no half-written copies left
 
 
 def _tbench2(**kw: object) -> ClusterPlan:
-    return resolve(SPECS["tbench2"].options(**kw), SPECS["tbench2"])
+    return plan_recipe(SPECS["tbench2"].options(**kw), SPECS["tbench2"])
 
 
 def test_a_conversion_rank_of_one_holds_the_whole_model_and_ranks_split_it() -> None:
@@ -180,7 +180,7 @@ def test_prepare_cp_gives_each_node_what_its_role_loads() -> None:
         **{n: ["megatron"] for n in range(8)},
         **{n: ["fp8"] for n in range(8, 16)},
     }
-    math = resolve(SPECS["dapo_math"].options(num_nodes=16, hardware="H200"), SPECS["dapo_math"])
+    math = plan_recipe(SPECS["dapo_math"].options(num_nodes=16, hardware="H200"), SPECS["dapo_math"])
     assert node_needs(math) == {n: ["megatron", "hf"] for n in range(16)}  # colocated, BF16 rollout
     args = [
         "prepare-cp",
@@ -214,7 +214,7 @@ def test_a_nodes_copy_set_lands_whole_or_not_at_all(ckpt: Path, tmp_path: Path) 
     assert not (local / "hf" / "m").exists() and not list(local.rglob(".*"))  # nothing half-made
     copied = copy_set_to_local(pairs[:1])
     assert copied[0]["files"] == len(list(ckpt.iterdir())) and copied[0]["bytes"] > 0
-    with pytest.raises(CheckpointError, match="run `prepare` first"):
+    with pytest.raises(ModelCheckpointError, match="run `prepare` first"):
         copy_set_to_local([(tmp_path / "missing", local / "x")])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.cluster.actors import ProcessSpec
-from agentrl.cluster.prepare import CheckpointError
+from agentrl.cluster.prepare import ModelCheckpointError
 
 ray = pytest.importorskip("ray")
 
@@ -47,7 +47,7 @@ def test_a_failing_node_stops_the_other_nodes_and_is_named_with_its_log(
         actors = {s.node: c.spawn(s, logs) for s in specs}
         pid = ray.get(actors[0].status.remote(), timeout=60)["pid"]
         with pytest.raises(
-            CheckpointError, match=r"job failed on node-01 \(exit 3\); the other nodes are stopped"
+            ModelCheckpointError, match=r"job failed on node-01 \(exit 3\); the other nodes are stopped"
         ) as e:
             wait_for_nodes(actors, what="job", log_dir=logs, timeout_s=120, poll_s=0.5)
         assert "rank 1 cannot read its shard" in str(e.value) and "--- node-00" in str(e.value)
@@ -66,7 +66,7 @@ def test_prepare_cp_names_the_node_that_failed_and_the_others_still_copy(
     (root / "megatron" / "m" / "model" / "metadata.json").write_text("{}")
     needs = {0: ["megatron"], 1: ["fp8"]}  # nothing was quantised: node 1 cannot copy
     with pytest.raises(
-        CheckpointError,
+        ModelCheckpointError,
         match=r"failed on node-01: .*fp8/m does not exist: run `prepare` first.*copied on: node-00",
     ):
         copy_to_nodes(needs, root=root, local_root=local, model_name="m", num_nodes=2, local=True)

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from agentrl.cluster.recipe import ClusterPlan
-from agentrl.cluster.recipe import resolve as resolve_plan
+from agentrl.cluster.recipe import plan_recipe as resolve_plan
 from tests.test_recipe_glm52 import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]

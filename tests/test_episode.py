@@ -11,7 +11,7 @@ from agentrl.agent.loop import AgentConfig, EndReason
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
-from agentrl.episode.run import EpisodeConfig, EpisodeRunner, read_record, replay_episode, run_episode
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner, read_record, replay_episode, run_episode
 from agentrl.episode.sample import Status
 from agentrl.errors import InfraError
 from agentrl.tasks.task import load_task
@@ -181,7 +181,7 @@ async def test_record_then_replay_matches(tmp_path: Path) -> None:
 async def test_episode_runner_serves_the_rollout_seam() -> None:
     tok = byte_tokenizer()
     prov = provider()
-    runner = EpisodeRunner(
+    runner = SandboxEpisodeRunner(
         provider=prov,
         engine=ScriptedEngine([fenced("echo hello > x"), "TASK_COMPLETE"], tok),
         renderer=ChatRenderer(tok),

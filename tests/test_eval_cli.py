@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agentrl.eval.harbor import EvalConfigError, EvalSettings, run_eval
+from agentrl.eval.harbor import EvalConfigError, HarborEvalSettings, run_harbor_eval
 from agentrl.eval.harbor_job import build_trajectory, harbor_pass_at_k, task_checksum, trial_name, turn_tokens
 from agentrl.testing.sandbox import FakeSandboxProvider
 
@@ -89,7 +89,7 @@ def _grader(sb: Any) -> float:
     return 1.0 if sb.files.get("/app/hello.txt") == b"Hello, world!\n" else 0.0
 
 
-def _settings(tmp_path: Path, url: str, **kw: Any) -> EvalSettings:
+def _settings(tmp_path: Path, url: str, **kw: Any) -> HarborEvalSettings:
     base: dict[str, Any] = {
         "tasks": [str(TASKS)],
         "engine": "openai",
@@ -101,14 +101,14 @@ def _settings(tmp_path: Path, url: str, **kw: Any) -> EvalSettings:
         "job_name": "job",
         "n_concurrent": 2,
     }
-    return EvalSettings(**{**base, **kw})
+    return HarborEvalSettings(**{**base, **kw})
 
 
 async def test_eval_writes_a_harbor_job_with_rewards_trajectories_and_pass_at_k(tmp_path: Path) -> None:
     replies: dict[str, list[str | int]] = {"hello.txt": [SOLVE], "directories": [IDLE]}
     async with ScriptedChat(replies) as server:
         settings = _settings(tmp_path, server.url, n_attempts=2, max_turns=2)
-        summary = await run_eval(settings, provider=FakeSandboxProvider(grader=_grader))
+        summary = await run_harbor_eval(settings, provider=FakeSandboxProvider(grader=_grader))
     assert summary is not None
     assert summary["per_task"] == {"hello-file": 1.0, "make-dirs": 0.0}
     assert summary["pass@1"] == pytest.approx(0.5) and summary["unscored"] == 0
@@ -152,7 +152,7 @@ async def test_an_engine_that_keeps_failing_leaves_the_episode_unscored_with_har
     replies: dict[str, list[str | int]] = {"hello.txt": [SOLVE], "directories": [503]}
     async with ScriptedChat(replies) as server:
         settings = _settings(tmp_path, server.url, max_attempts=2)
-        summary = await run_eval(settings, provider=FakeSandboxProvider(grader=_grader))
+        summary = await run_harbor_eval(settings, provider=FakeSandboxProvider(grader=_grader))
     assert summary is not None
     assert summary["unscored"] == 1 and summary["per_task"] == {"hello-file": 1.0, "make-dirs": None}
     job = tmp_path / "jobs" / "job"
@@ -170,11 +170,11 @@ async def test_an_engine_that_keeps_failing_leaves_the_episode_unscored_with_har
 async def test_the_defaults_are_terminus_2s_and_real_model_sized(tmp_path: Path) -> None:
     async with ScriptedChat({"x": [IDLE]}, context=131072) as server:
         settings = _settings(tmp_path, server.url, terminal="auto")
-        from agentrl.eval.harbor import build_eval_engine, harbor_warnings, resolve
+        from agentrl.eval.harbor import build_eval_engine, harbor_warnings, resolve_limits
 
         built = await build_eval_engine(settings)
         await built.engine.aclose()
-    resolved = resolve(settings, built)
+    resolved = resolve_limits(settings, built)
     assert resolved.mode == "tmux" and resolved.max_new_tokens == 8192
     assert resolved.max_total_tokens == int(131072 * 0.85)  # chat engines: estimated token counts
     assert resolved.max_consecutive_malformed > settings.max_turns == 1_000_000
@@ -182,14 +182,16 @@ async def test_the_defaults_are_terminus_2s_and_real_model_sized(tmp_path: Path)
 
 
 async def test_settings_that_would_score_a_real_model_wrongly_are_warned_about(tmp_path: Path) -> None:
-    from agentrl.eval.harbor import BuiltEngine, harbor_warnings, resolve
+    from agentrl.eval.harbor import BuiltEngine, harbor_warnings, resolve_limits
     from agentrl.tasks.task import load_task
 
     settings = _settings(
         tmp_path, "http://127.0.0.1:1/v1", max_turns=3, max_new_tokens=64, max_agent_timeout=120
     )
     built = BuiltEngine(None, None, "m", 131072)
-    warnings = harbor_warnings(settings, resolve(settings, built), built, [load_task(TASKS / "hello-file")])
+    warnings = harbor_warnings(
+        settings, resolve_limits(settings, built), built, [load_task(TASKS / "hello-file")]
+    )
     text = "\n".join(warnings)
     for needle in ("--max-turns 3", "--max-new-tokens 64", "--max-agent-timeout 120", "command path"):
         assert needle in text
@@ -197,7 +199,7 @@ async def test_settings_that_would_score_a_real_model_wrongly_are_warned_about(t
 
 async def test_a_pass_at_k_above_the_attempts_is_refused_before_anything_runs(tmp_path: Path) -> None:
     with pytest.raises(EvalConfigError, match="--pass-at"):
-        await run_eval(_settings(tmp_path, "http://127.0.0.1:1/v1", pass_at=[4], n_attempts=2))
+        await run_harbor_eval(_settings(tmp_path, "http://127.0.0.1:1/v1", pass_at=[4], n_attempts=2))
 
 
 def test_harbor_pass_at_k_counts_unrewarded_trials_as_failures() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.eval.harbor import run_eval
+from agentrl.eval.harbor import run_harbor_eval
 from agentrl.testing.sandbox import FakeSandboxProvider
 from tests.test_eval_cli import IDLE, SOLVE, ScriptedChat, _grader, _settings
 
@@ -83,7 +83,7 @@ async def test_harbor_reads_the_job_its_trajectories_and_its_checksums(tmp_path:
     replies: dict[str, list[str | int]] = {"hello.txt": [SOLVE], "directories": [IDLE, 503]}
     async with ScriptedChat(replies) as server:
         settings = _settings(tmp_path, server.url, n_attempts=2, max_turns=3, max_attempts=1)
-        summary = await run_eval(settings, provider=FakeSandboxProvider(grader=_grader))
+        summary = await run_harbor_eval(settings, provider=FakeSandboxProvider(grader=_grader))
     assert summary is not None and summary["unscored"] == 2
     report = harbor_check(tmp_path / "jobs", "job")
     assert report["viewer_jobs"] == ["job"] and report["viewer_config"] == 200

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from agentrl.engine.local import LocalEngine
 from agentrl.engine.server import EngineServer
-from agentrl.eval.harbor import EvalSettings, run_eval
+from agentrl.eval.harbor import HarborEvalSettings, run_harbor_eval
 from agentrl.models.tiny import load_tiny, tiny_model_dir
 from agentrl.testing.sandbox import FakeSandboxProvider
 
@@ -23,7 +23,7 @@ TASKS = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks"
 async def test_sglang_engine_trajectories_carry_the_generated_tokens(tmp_path: Path) -> None:
     model, tok = load_tiny()
     async with EngineServer(LocalEngine(model, tok), model_path=str(tiny_model_dir()), port=0) as server:
-        settings = EvalSettings(
+        settings = HarborEvalSettings(
             tasks=[str(TASKS)],
             engine="sglang",
             urls=[server.url],
@@ -36,7 +36,7 @@ async def test_sglang_engine_trajectories_carry_the_generated_tokens(tmp_path: P
             max_turns=2,
             max_new_tokens=24,
         )
-        summary = await run_eval(settings, provider=FakeSandboxProvider(grader=lambda sb: 0.0))
+        summary = await run_harbor_eval(settings, provider=FakeSandboxProvider(grader=lambda sb: 0.0))
     assert summary is not None and summary["episodes"] == 1
     (trial,) = [d for d in (tmp_path / "tok").iterdir() if d.is_dir()]
     traj = json.loads((trial / "agent" / "trajectory.json").read_text())

@@ -12,7 +12,7 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Generation, SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
-from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
 from agentrl.eval.passk import EvalError, evaluate, pass_at_k
 from agentrl.sandbox.base import SandboxCreateError
 from agentrl.tasks.dataset import task_row
@@ -86,8 +86,10 @@ CONFIG = EpisodeConfig(
 )
 
 
-def runner_for(prov: FlakyProvider, engine: Any, renderer: Any) -> EpisodeRunner:
-    return EpisodeRunner(provider=prov, engine=engine, renderer=renderer, config=CONFIG, run_id="eval-test")
+def runner_for(prov: FlakyProvider, engine: Any, renderer: Any) -> SandboxEpisodeRunner:
+    return SandboxEpisodeRunner(
+        provider=prov, engine=engine, renderer=renderer, config=CONFIG, run_id="eval-test"
+    )
 
 
 async def run_eval(prov: FlakyProvider, engine: SeededEngine, **kw: Any) -> Any:

@@ -192,7 +192,7 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
     from agentrl.agent.tokens import ChatRenderer
     from agentrl.engine.base import SamplingParams
     from agentrl.engine.sglang import SGLangEngine
-    from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+    from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
     from agentrl.models.tiny import tiny_model_dir
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
     from agentrl.testing.sandbox import FakeSandboxProvider
@@ -222,7 +222,7 @@ async def test_rollout_manager_drives_two_servers_behind_the_sglang_router(tmp_p
         provider = FakeSandboxProvider(seed=0)
         # A random-init model never solves the task; alternate rewards so groups carry signal.
         provider.grader = lambda sb: float(int(sb.sandbox_id.rsplit("-", 1)[-1]) % 2)
-        runner = EpisodeRunner(
+        runner = SandboxEpisodeRunner(
             provider=provider,
             engine=fleet,
             renderer=ChatRenderer(tokenizer),

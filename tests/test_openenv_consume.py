@@ -27,7 +27,7 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
-from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
 from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InfraError
 from agentrl.openenv.client import OpenEnvInfraError
@@ -82,7 +82,7 @@ def same_episode(a: Episode, b: Episode) -> None:
 async def test_remote_terminal_episodes_equal_the_direct_path_token_for_token() -> None:
     tok = byte_tokenizer()
     row = task_row(load_task(BUNDLED_TASKS / "hello-file"))
-    direct = EpisodeRunner(
+    direct = SandboxEpisodeRunner(
         provider=fake_provider(),
         engine=ScriptedEngine(play, tok),
         renderer=ChatRenderer.for_format(tok, "fenced-bash"),

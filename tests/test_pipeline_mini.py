@@ -34,7 +34,7 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
     from agentrl.agent.tokens import ChatRenderer
     from agentrl.engine.base import SamplingParams
     from agentrl.engine.local import LocalEngine
-    from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+    from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
     from agentrl.models.tiny import load_tiny
     from agentrl.rollout.manager import RolloutConfig, RolloutManager
     from agentrl.sandbox.podman import PodmanProvider
@@ -54,7 +54,7 @@ async def test_two_step_pipeline_trains_on_exactly_the_episode_samples(
     transport = InProcessTransport([engine])
     provider = PodmanProvider()
     records = tmp_path / "records"
-    runner = EpisodeRunner(
+    runner = SandboxEpisodeRunner(
         provider=provider,
         engine=engine,
         renderer=ChatRenderer(tokenizer),

@@ -64,13 +64,13 @@ def test_the_oracle_sweep_draws_its_bars_on_stderr_only(monkeypatch):
 
 
 async def test_eval_episodes_bar_stays_out_of_the_job_files_and_the_summary(tmp_path, monkeypatch, capsys):
-    from agentrl.eval.harbor import run_eval
+    from agentrl.eval.harbor import run_harbor_eval
     from tests.test_eval_cli import SOLVE, ScriptedChat, _grader, _settings
 
     monkeypatch.setenv("AGENTRL_PROGRESS", "1")
     async with ScriptedChat({"hello.txt": [SOLVE], "directories": [SOLVE]}) as server:
         settings = _settings(tmp_path, server.url, n_attempts=2, max_turns=1)
-        summary = await run_eval(settings, provider=FakeSandboxProvider(grader=_grader))
+        summary = await run_harbor_eval(settings, provider=FakeSandboxProvider(grader=_grader))
     out, err = capsys.readouterr()
     assert "episodes" in _plain(err) and "4/4" in _plain(err)
     assert _has_bar(err) and not _has_bar(out)

@@ -90,7 +90,7 @@ def test_each_process_loads_the_checkpoint_prepare_cp_put_on_its_node(case: str,
     to that node (`node_needs`: training nodes the Megatron checkpoint, rollout nodes FP8 or HF,
     colocated nodes both); `engine.model` stays on shared storage (config and tokenizer)."""
     from agentrl.cluster.prepare import node_needs
-    from agentrl.cluster.recipe import RecipeOptions, resolve
+    from agentrl.cluster.recipe import RecipeOptions, plan_recipe
 
     recipe, args = CASES[case]
     root = tmp_path / "shared"
@@ -99,7 +99,7 @@ def test_each_process_loads_the_checkpoint_prepare_cp_put_on_its_node(case: str,
     )
     assert result.exit_code == 0, result.output
     written = json.loads((root / "runs" / recipe / "launch" / "plan.json").read_text())
-    plan = resolve(RecipeOptions(**written["options"]), SPECS[recipe])
+    plan = plan_recipe(RecipeOptions(**written["options"]), SPECS[recipe])
     model = plan.options.model_name
     loads: dict[int, set[str]] = {}
     for p in written["processes"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import DiskWeights, Engine, EngineError, Generation, SamplingParams
-from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
 from agentrl.episode.sample import Status
 from agentrl.errors import InfraError
 from agentrl.rollout import MetricsTracker, RolloutConfig, RolloutManager
@@ -97,7 +97,7 @@ async def test_fault_injection_through_the_real_episode_runner() -> None:
     # One outage for certain at the start: which concurrent episode draws the random ones depends on
     # scheduling, so on some runs none came.
     engine.burst_left = 3
-    runner = EpisodeRunner(
+    runner = SandboxEpisodeRunner(
         provider=provider,
         engine=engine,
         renderer=ChatRenderer(tok),
@@ -173,7 +173,7 @@ async def test_fake_engine_faults_and_abort_updates_through_the_real_episode_run
         faults=EngineFaults(error_burst=6, error_rate=0.03, abort_rate=0.05, latency_per_token_s=0.0002),
         seed=5,
     )
-    runner = EpisodeRunner(
+    runner = SandboxEpisodeRunner(
         provider=provider,
         engine=engine,
         renderer=ChatRenderer(tok),

@@ -11,7 +11,7 @@ from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
-from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
 from agentrl.rollout import RolloutConfig, RolloutManager
 from agentrl.testing.sandbox import FakeSandboxProvider
 from agentrl.train.batch import build_batch, training_samples
@@ -38,7 +38,7 @@ async def test_a_think_stripped_episode_gets_one_advantage_on_all_its_segments()
     provider = FakeSandboxProvider()
     provider.grader = lambda sb: 1.0 if any("echo hello >" in c for c in sb.commands) else 0.0
     engine = ScriptedEngine(reply, tok)
-    runner = EpisodeRunner(
+    runner = SandboxEpisodeRunner(
         provider=provider,
         engine=engine,
         renderer=ChatRenderer.for_format(tok, "fenced-bash"),

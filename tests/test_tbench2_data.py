@@ -157,11 +157,11 @@ def test_a_task_set_that_cannot_be_split_says_why(tmp_path: Path, hub: str) -> N
 
 
 def test_prepare_writes_the_directories_the_recipe_trains_and_evaluates_on(tmp_path: Path) -> None:
-    from agentrl.cluster.recipe import env_data, resolve
+    from agentrl.cluster.recipe import env_data, plan_recipe
     from tests.test_recipe_glm52 import SPECS
 
     env_data("tbench2").prepare(tmp_path / "data", source=str(BUNDLED_TASKS), eval_count=3, seed=0)
     spec = SPECS["tbench2"]
-    sets = dict(s.split("=", 1) for s in resolve(spec.options(root=str(tmp_path)), spec).run_overrides)
+    sets = dict(s.split("=", 1) for s in plan_recipe(spec.options(root=str(tmp_path)), spec).run_overrides)
     assert len(valid_tasks(sets["env.eval_tasks"])) == 3
     assert len(valid_tasks(sets["env.tasks"])) == len(valid_tasks(BUNDLED_TASKS)) - 3

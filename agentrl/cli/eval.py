@@ -1,4 +1,4 @@
-"""`agentrl eval`: parse the options, run `agentrl.eval.harbor.run_eval`, print the summary."""
+"""`agentrl eval`: parse the options, run `agentrl.eval.harbor.run_harbor_eval`, print the summary."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from agentrl.errors import AgentRLError
-from agentrl.eval.harbor import TERMINUS_MAX_TURNS, EvalSettings, run_eval
+from agentrl.eval.harbor import TERMINUS_MAX_TURNS, HarborEvalSettings, run_harbor_eval
 
 console = Console()
 app = typer.Typer(add_completion=False, help="Evaluate a model on tasks; write a Harbor job directory.")
@@ -98,7 +98,7 @@ def eval_cmd(
     """Evaluate a model on tasks with Harbor's semantics; write a Harbor job directory (ATIF trajectories).
 
     Logging: `agentrl --log-level info eval ...`."""
-    settings = EvalSettings(
+    settings = HarborEvalSettings(
         tasks=list(tasks),
         engine=engine,
         model=model,
@@ -129,7 +129,7 @@ def eval_cmd(
         create_timeout=create_timeout,
     )
     try:
-        summary = asyncio.run(run_eval(settings, dry_run=dry_run))
+        summary = asyncio.run(run_harbor_eval(settings, dry_run=dry_run))
     except (AgentRLError, FileExistsError, ValueError) as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None

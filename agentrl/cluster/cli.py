@@ -33,8 +33,8 @@ from agentrl.cluster.recipe import (
     RecipeOptions,
     RecipeSpec,
     env_data,
+    plan_recipe,
     render,
-    resolve,
     validate_overrides,
 )
 from agentrl.cluster.recipe import engine_key_file as run_key_file
@@ -129,7 +129,7 @@ def _options(spec: RecipeSpec, **kw: object) -> RecipeOptions:
 
 def _plan(opts: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
     try:
-        plan = resolve(opts, spec)
+        plan = plan_recipe(opts, spec)
         validate_overrides(plan)
     except (LayoutError, RecipeError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -4,7 +4,7 @@
 - `validate_checkpoint`: the config has the recipe's model type and architectures (by default
   `glm_moe_dsa` / `GlmMoeDsaForCausalLM`, the architecture the planner models), the expected
   layer count, no `auto_map` (the native transformers class must load it) and weights exist;
-  a `CheckpointError` that says what is wrong otherwise.
+  a `ModelCheckpointError` that says what is wrong otherwise.
 - `convert_to_megatron`: HF -> a megatron-core `torch_dist` checkpoint through the Megatron
   backend (`agentrl.train.megatron`: its model builder and `convert.load_hf_into`), run in that
   backend's Python >= 3.12 environment as a subprocess (`agentrl/cluster/convert_job.py`), one
@@ -59,7 +59,7 @@ HOST_HEADROOM = 0.8
 HOST_MEMORY_GIB = {"H200": 2048.0, "B200": 2048.0, "GB300": 960.0}
 
 
-class CheckpointError(AgentRLError):
+class ModelCheckpointError(AgentRLError):
     """A checkpoint that is not the model the recipe expects, or that failed to convert."""
 
 
@@ -70,12 +70,12 @@ def download_model(source: str, dest: Path, *, report: Callable[[str], Any] = pr
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise CheckpointError("downloading needs huggingface_hub (pip install 'agentrl[math]')") from None
+        raise ModelCheckpointError("downloading needs huggingface_hub (pip install 'agentrl[math]')") from None
     report(f"downloading {source} into {dest}")
     try:
         return Path(snapshot_download(source, local_dir=str(dest)))
     except Exception as exc:  # offline, 401/404, disk: huggingface_hub raises many types
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"cannot download {source}: {type(exc).__name__}: {exc}. Give a local directory with "
             "--model-source, or set HF_ENDPOINT / HF_TOKEN"
         ) from exc
@@ -93,7 +93,7 @@ def validate_checkpoint(
     architectures = list(architectures)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json; is this a Hugging Face checkpoint directory?")
+        raise ModelCheckpointError(f"{path}: no config.json; is this a Hugging Face checkpoint directory?")
     cfg = json.loads(cfg_file.read_text())
     problems = []
     if cfg.get("model_type") != model_type:
@@ -107,7 +107,7 @@ def validate_checkpoint(
     if not any(path.glob("*.safetensors")):
         problems.append("no *.safetensors weight files")
     if problems:
-        raise CheckpointError(f"{path} is not the expected checkpoint: " + "; ".join(problems))
+        raise ModelCheckpointError(f"{path} is not the expected checkpoint: " + "; ".join(problems))
     return cfg
 
 
@@ -125,7 +125,7 @@ def convert_to_megatron(
     and torch_dist reshards on load, but every rank holds only its own stage's, TP slice's and
     experts' tensors, read one at a time from the checkpoint's safetensors. `dtype`: the
     megatron params dtype (default: the checkpoint's, bf16 for a bf16 checkpoint). The round trip (save,
-    load back, export to HF names, compare) must be exact, else `CheckpointError`. Returns the
+    load back, export to HF names, compare) must be exact, else `ModelCheckpointError`. Returns the
     job's report: tensors converted, round-trip difference, per rank what it read and its peak RSS."""
     ranks = conversion_ranks(layout)
     py = python or str(venv.ensure())
@@ -137,7 +137,7 @@ def convert_to_megatron(
     )  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=venv.env())
     if proc.returncode != 0 or not report.exists():
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"HF -> Megatron conversion of {hf_dir} failed (exit {proc.returncode}):\n"
             f"{(proc.stdout + proc.stderr)[-4000:]}"
         )
@@ -185,9 +185,9 @@ def convert_argv(
 
 
 def check_report(result: dict[str, Any], hf_dir: Path, out: Path) -> dict[str, Any]:
-    """The job's combined report, if the round trip was exact on every rank; else `CheckpointError`."""
+    """The job's combined report, if the round trip was exact on every rank; else `ModelCheckpointError`."""
     if result["max_abs_diff"] != 0 or result["mismatched"] or result["not_compared"]:
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"HF -> Megatron conversion of {hf_dir} does not round-trip: max |diff| {result['max_abs_diff']}, "
             f"differing {result['mismatched']}, not compared {result['not_compared']}; the checkpoint at "
             f"{out} is not usable: report this with the checkpoint's config.json"
@@ -225,7 +225,7 @@ def param_bytes(config: dict[str, Any]) -> int:
     return 2 if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else 4
 
 
-class ConvertPlacementError(CheckpointError):
+class ConvertPlacementError(ModelCheckpointError):
     """The conversion's ranks fit no number of the plan's training nodes; the message has the
     arithmetic."""
 
@@ -386,7 +386,7 @@ def copy_to_local(src: Path, dest: Path) -> Path:
     """`prepare-cp`: copy a prepared directory to node-local disk; the copy appears whole or not
     at all (written beside `dest`, then renamed)."""
     if not src.is_dir():
-        raise CheckpointError(f"{src} does not exist: run `prepare` first")
+        raise ModelCheckpointError(f"{src} does not exist: run `prepare` first")
     tmp = dest.parent / f".{dest.name}-{uuid.uuid4().hex[:6]}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -403,7 +403,7 @@ def copy_set_to_local(pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
     (a failure leaves the node's earlier copies as they were). Per pair: files, bytes, seconds."""
     missing = [str(src) for src, _ in pairs if not src.is_dir()]
     if missing:
-        raise CheckpointError(f"{', '.join(missing)} does not exist: run `prepare` first")
+        raise ModelCheckpointError(f"{', '.join(missing)} does not exist: run `prepare` first")
     staged: list[tuple[Path, Path]] = []
     out = []
     try:

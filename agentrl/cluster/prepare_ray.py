@@ -42,7 +42,7 @@ from agentrl.cluster.planner import Layout
 from agentrl.cluster.prepare import (
     CONVERT_PORT,
     MEGATRON_PYTHON,
-    CheckpointError,
+    ModelCheckpointError,
     ConvertPlacement,
     check_report,
     convert_argv,
@@ -342,7 +342,7 @@ def run_conversion(
                               timeout_s=timeout_s)  # fmt: skip
         text = ray.get(actors[placement.nodes[0]].read_text.remote(str(report), True), timeout=120)
     if text is None:
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"the conversion's ranks exited 0 but rank 0 wrote no report at {report}; logs in {log_dir}"
         )
     result = check_report(json.loads(text), hf_dir, out)
@@ -363,7 +363,7 @@ def wait_for_nodes(
     actors: dict[int, Any], *, what: str, log_dir: Path, timeout_s: float, poll_s: float = 5.0
 ) -> dict[int, float]:
     """Seconds until each node's process (a `ConvertActor` per plan node) exited 0. The first node
-    that fails (a non-zero exit, a dead actor) or the timeout raises `CheckpointError` naming it,
+    that fails (a non-zero exit, a dead actor) or the timeout raises `ModelCheckpointError` naming it,
     with every node's log tail; the caller's `PrepareCluster` then stops the others, which would
     otherwise wait for the failed node's ranks until the job's own timeouts."""
     ray = require_ray()
@@ -372,7 +372,7 @@ def wait_for_nodes(
     done: dict[int, float] = {}
     while pending:
         if time.monotonic() - t0 > timeout_s:
-            raise CheckpointError(
+            raise ModelCheckpointError(
                 f"{what} did not finish within {timeout_s:.0f} s; logs in {log_dir}" + _tails(actors)
             )
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s * 2)
@@ -381,14 +381,14 @@ def wait_for_nodes(
             try:
                 code = ray.get(ref)
             except ray.exceptions.RayError as exc:
-                raise CheckpointError(
+                raise ModelCheckpointError(
                     f"{what}: the actor of node-{node:02d} died or never started ({str(exc)[-1500:]}); the "
                     f"other nodes are stopped; logs in {log_dir}" + _tails(actors)
                 ) from None
             if code is None:
                 pending[actors[node].wait_exit.remote(poll_s)] = node
             elif code != 0:
-                raise CheckpointError(
+                raise ModelCheckpointError(
                     f"{what} failed on node-{node:02d} (exit {code}); the other nodes are stopped; logs in "
                     f"{log_dir}" + _tails(actors)
                 )
@@ -430,7 +430,7 @@ def copy_to_nodes(
     `<root>/<kind>/<model>` -> `<local_root>/<kind>/<model>` on that node (local mode:
     `<local_root>/node-NN/...`). Returns per node what was copied, and notes (e.g. that the cluster
     does not pin plan nodes to hosts, so every node got every role's files). A node that fails
-    raises `CheckpointError` naming it, after the other nodes finished."""
+    raises `ModelCheckpointError` naming it, after the other nodes finished."""
     ray = require_ray()
     notes: list[str] = []
     results: list[NodeCopy] = []
@@ -457,5 +457,5 @@ def copy_to_nodes(
             results.append(NodeCopy(node, r["host"], r["copied"]))
     if failed:
         done = ", ".join(f"node-{r.node:02d}" for r in results) or "none"
-        raise CheckpointError(f"prepare-cp failed on {'; '.join(failed)} (copied on: {done})")
+        raise ModelCheckpointError(f"prepare-cp failed on {'; '.join(failed)} (copied on: {done})")
     return results, notes

@@ -1,5 +1,5 @@
 """The resolved plan of a cluster recipe: which node does what, every process's command line and
-environment, the parallel layout and the memory estimate. Pure functions: `resolve` builds a
+environment, the parallel layout and the memory estimate. Pure functions: `plan_recipe` builds a
 `ClusterPlan` from `RecipeOptions` (the flags) and a `RecipeSpec` (the recipe: its models, defaults,
 algorithm, run settings, SGLang flags and reference layouts; the recipes under `recipes/` build
 theirs), `render` prints it (`--dry-run`), the Ray launcher starts exactly these command lines.
@@ -51,7 +51,7 @@ class RecipeError(AgentRLError):
 
 @dataclass(frozen=True, kw_only=True)
 class RecipeOptions:
-    """Every flag of a recipe. None means "the recipe's default" (resolved in `resolve`); the
+    """Every flag of a recipe. None means "the recipe's default" (resolved in `plan_recipe`); the
     recipe's own defaults for the rest come from `RecipeSpec.options`."""
 
     recipe: str  # the recipe's label: the plan's title, the run directory <root>/runs/<recipe>
@@ -83,7 +83,7 @@ def _no_references(
 
 @dataclass(frozen=True)
 class RecipeSpec:
-    """A recipe: everything model-, environment- or run-specific that `resolve` and the recipe CLI
+    """A recipe: everything model-, environment- or run-specific that `plan_recipe` and the recipe CLI
     (`agentrl.cluster.cli.make_app`) read. The generic code holds no recipe of its own."""
 
     name: str  # the label: the plan's title, the run directory <root>/runs/<name>
@@ -192,7 +192,7 @@ class ClusterPlan:
         return self.choice.layout
 
 
-def resolve(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
+def plan_recipe(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
     """The whole plan, or a `RecipeError` / `LayoutError` that says which flag or size to change."""
     entry = spec.model(o.model_name)
     model = entry.spec()

@@ -8,6 +8,7 @@ scripted  fixed replies (`ScriptedEngine`), e.g. a task's reference solution
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,17 +32,35 @@ class EngineConfigError(AgentRLError):
 
 @dataclass
 class EngineSpec:
+    """Everything that picks and configures one engine; the only input of `build_engine`."""
+
     kind: str
-    model: Path | None = None
-    urls: list[str] = field(default_factory=list)
-    tokenizer: Path | None = None
-    api_model: str | None = None
-    api_key_env: str = "OPENAI_API_KEY"
+    model: Path | None = None  # local / scripted: a transformers model directory (default: tiny)
+    urls: list[str] = field(default_factory=list)  # sglang workers; openai: the base URL
+    router_url: str | None = None  # sglang: a router for generation (`urls` then serve control)
+    tokenizer: Path | None = None  # sglang: the tokenizer directory
+    api_model: str | None = None  # openai: the served model's name
+    # The variable that holds the API key; it is sent only when the variable is set.
+    api_key_env: str | None = "OPENAI_API_KEY"
+    api_key_file: str | None = None  # sglang: a file that holds the key (a cluster run's)
     scripted_replies: Sequence[str] = ()
+    device: str = "cpu"  # local
+    max_batch: int = 16  # local: requests batched per forward pass
+    logprob_mode: str = "processed"  # local
+    # sglang HTTP behaviour (see `SGLangEngine`)
+    request_timeout_s: float = 1800.0
+    control_timeout_s: float = 120.0
+    connect_timeout_s: float = 10.0
+    retries: int = 5
+    on_version_mismatch: str = "flag"
+    flush_wait_s: float = 60.0
 
 
-def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
-    """(engine, tokenizer or None). The tokenizer is None for chat APIs that take text."""
+def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
+    """(engine, tokenizer or None). The tokenizer is None for chat APIs that take text.
+
+    `policy` / `tokenizer`: objects the caller holds already (a training run's model, copied for
+    the in-process engine, and its tokenizer); otherwise they are loaded from the spec's paths."""
     if spec.kind == "openai":
         if not spec.urls or not spec.api_model:
             raise EngineConfigError("the openai engine needs a base URL and an API model name")
@@ -51,23 +70,51 @@ def build_engine(spec: EngineSpec) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
     if spec.kind == "sglang":
-        if not spec.urls or spec.tokenizer is None:
+        if not spec.urls and not spec.router_url:
             raise EngineConfigError(
-                "the sglang engine needs one or more worker URLs and a tokenizer directory"
+                "the sglang engine needs worker URLs (engine.urls / --url), a router URL "
+                "(engine.router_url), or both (the router for generation, the workers for control)"
             )
+        if tokenizer is None and spec.tokenizer is None:
+            raise EngineConfigError("the sglang engine needs a tokenizer directory")
         # The key in `api_key_env` when that variable is set (a keyed fleet), else none.
         key_env = spec.api_key_env if spec.api_key_env and os.environ.get(spec.api_key_env) else None
-        engine = SGLangEngine(list(spec.urls), api_key_env=key_env)
-        return engine, AutoTokenizer.from_pretrained(str(spec.tokenizer))
+        engine = SGLangEngine(
+            None if spec.router_url else list(spec.urls),
+            router_url=spec.router_url,
+            worker_urls=(spec.urls or None) if spec.router_url else None,
+            request_timeout_s=spec.request_timeout_s,
+            control_timeout_s=spec.control_timeout_s,
+            connect_timeout_s=spec.connect_timeout_s,
+            retries=spec.retries,
+            api_key_env=key_env,
+            api_key_file=spec.api_key_file,
+            on_version_mismatch=spec.on_version_mismatch,  # type: ignore[arg-type]
+            flush_wait_s=spec.flush_wait_s,
+        )
+        return engine, tokenizer or AutoTokenizer.from_pretrained(str(spec.tokenizer))
     if spec.kind not in KINDS:
         raise EngineConfigError(f"unknown engine {spec.kind!r}: choose one of {', '.join(KINDS)}")
+    if spec.kind == "local" and policy is not None:
+        engine = LocalEngine(
+            copy.deepcopy(policy).eval(),
+            tokenizer,
+            device=spec.device,
+            max_batch=spec.max_batch,
+            logprob_mode=spec.logprob_mode,
+        )
+        return engine, tokenizer
 
     model_dir = check_model_source(spec.model) if spec.model else tiny_model_dir()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
     if spec.kind == "scripted":
         if not spec.scripted_replies:
             raise EngineConfigError("the scripted engine needs its replies")
         return ScriptedEngine(list(spec.scripted_replies), tok), tok
     from transformers import AutoModelForCausalLM
 
-    return LocalEngine(AutoModelForCausalLM.from_pretrained(str(model_dir)), tok), tok
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    engine = LocalEngine(
+        model, tok, device=spec.device, max_batch=spec.max_batch, logprob_mode=spec.logprob_mode
+    )
+    return engine, tok

@@ -20,7 +20,7 @@ from typing import Any
 from agentrl.agent.acting import TerminalActor
 from agentrl.agent.actions import Command, get_format
 from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run_agent, run_command
-from agentrl.agent.tokens import ChatRenderer
+from agentrl.agent.tokens import ChatRenderer, Segment
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.episode.sample import Episode, Sample, Status
@@ -66,6 +66,43 @@ def _status(end: EndReason) -> Status:
     return Status.COMPLETED
 
 
+def segment_samples(
+    segments: list[Segment],
+    *,
+    reward: float,
+    status: Status,
+    end_reason: str,
+    prompt_id: str,
+    sample_index: int,
+    task_id: str,
+    timings: dict[str, float],
+) -> list[Sample]:
+    """The one place segments become training samples: one `Sample` per segment that generated
+    anything, all under the episode's reward and status."""
+    trained = [s for s in segments if any(s.loss_mask)]
+    samples = []
+    for k, seg in enumerate(trained):
+        seg.check()
+        samples.append(
+            Sample(
+                prompt_id=prompt_id,
+                tokens=seg.prompt_ids + seg.response_ids,
+                prompt_length=len(seg.prompt_ids),
+                loss_mask=list(seg.loss_mask),
+                rollout_logprobs=list(seg.logprobs),
+                reward=reward,
+                status=status,
+                end_reason=end_reason,
+                sample_index=sample_index,
+                weight_versions=list(seg.weight_versions),
+                timings=dict(timings),
+                task_id=task_id,
+                metadata={"segment": k, "n_segments": len(trained)},
+            )
+        )
+    return samples
+
+
 def episode_from_run(
     run: AgentRun,
     *,
@@ -77,27 +114,16 @@ def episode_from_run(
 ) -> Episode:
     """The agent's token segments (one per unbroken prefix) under one reward and one status."""
     status = _status(run.end_reason)
-    segments = []
-    trained = [s for s in run.segments if any(s.loss_mask)]
-    for k, seg in enumerate(trained):
-        seg.check()
-        segments.append(
-            Sample(
-                prompt_id=prompt_id,
-                tokens=seg.prompt_ids + seg.response_ids,
-                prompt_length=len(seg.prompt_ids),
-                loss_mask=list(seg.loss_mask),
-                rollout_logprobs=list(seg.logprobs),
-                reward=reward,
-                status=status,
-                end_reason=run.end_reason.value,
-                sample_index=sample_index,
-                weight_versions=list(seg.weight_versions),
-                timings=dict(timings),
-                task_id=task_id,
-                metadata={"segment": k, "n_segments": len(trained)},
-            )
-        )
+    segments = segment_samples(
+        run.segments,
+        reward=reward,
+        status=status,
+        end_reason=run.end_reason.value,
+        prompt_id=prompt_id,
+        sample_index=sample_index,
+        task_id=task_id,
+        timings=timings,
+    )
     if not segments:
         # Nothing generated at all (e.g. zero turns): an outcome, but nothing to train on.
         status = Status.FAILED_POLICY
@@ -434,7 +460,7 @@ def _first_difference(then: str, now: str) -> str:
     return f"recorded {len(old)} lines, replayed {len(new)}"
 
 
-class EpisodeRunner:
+class SandboxEpisodeRunner:
     """The terminal environment's runner: one task row -> one `Episode` (or an `InfraError`)."""
 
     def __init__(

@@ -77,7 +77,7 @@ class EvalConfigError(AgentRLError):
 
 
 @dataclass
-class EvalSettings:
+class HarborEvalSettings:
     """Every setting of one `agentrl eval` run (printed by `--dry-run`)."""
 
     tasks: list[str]
@@ -125,7 +125,7 @@ def _glob_ok(name: str, globs: list[str]) -> bool:
     return not globs or any(fnmatch.fnmatch(name, g) for g in globs)
 
 
-def load_task_set(settings: EvalSettings) -> TaskSet:
+def load_task_set(settings: HarborEvalSettings) -> TaskSet:
     """Task directories, directories of tasks, or JSONL rows naming `metadata.task_path`; lint
     errors skip a task (reported), as Harbor skips invalid task directories."""
 
@@ -223,7 +223,7 @@ class BuiltEngine:
     context: int | None  # the model's context length, when known
 
 
-async def build_eval_engine(settings: EvalSettings) -> BuiltEngine:
+async def build_eval_engine(settings: HarborEvalSettings) -> BuiltEngine:
 
     if settings.engine == "openai":
         if not settings.urls:
@@ -284,7 +284,7 @@ class Resolved:
     mode: str  # "tmux" | "commands"
 
 
-def resolve(settings: EvalSettings, built: BuiltEngine) -> Resolved:
+def resolve_limits(settings: HarborEvalSettings, built: BuiltEngine) -> Resolved:
 
     context = built.context or FALLBACK_CONTEXT
     max_total = settings.max_total_tokens
@@ -297,7 +297,7 @@ def resolve(settings: EvalSettings, built: BuiltEngine) -> Resolved:
 
 
 def harbor_warnings(
-    settings: EvalSettings, resolved: Resolved, built: BuiltEngine, tasks: list[Any]
+    settings: HarborEvalSettings, resolved: Resolved, built: BuiltEngine, tasks: list[Any]
 ) -> list[str]:
     """Settings that would make the score differ from what Harbor's Terminus-2 would give the model."""
     out = []
@@ -442,8 +442,8 @@ def _default_ks(n: int) -> list[int]:
     return sorted({1, n, *harbor_pass_at_k({"t": [1.0] * n})})
 
 
-async def run_eval(
-    settings: EvalSettings, *, dry_run: bool = False, provider: Any = None
+async def run_harbor_eval(
+    settings: HarborEvalSettings, *, dry_run: bool = False, provider: Any = None
 ) -> dict[str, Any] | None:
     """Run the evaluation; returns agentrl's summary (`EvalSummary.to_dict()` plus the job
     directory and the warnings), or None for a dry run. `provider` overrides `--backend`."""
@@ -469,7 +469,7 @@ async def run_eval(
         raise EvalConfigError("no valid task to run: `agentrl tasks lint` says why")
     built = await build_eval_engine(settings)
     try:
-        resolved = resolve(settings, built)
+        resolved = resolve_limits(settings, built)
         warnings = harbor_warnings(settings, resolved, built, task_set.tasks)
         agent = AgentConfig(
             max_turns=settings.max_turns,

@@ -1,7 +1,7 @@
 """`agentrl env serve`: an environment plugin served as an OpenEnv environment server.
 
 The app is the `openenv` package's own (`create_fastapi_app`: `/ws` sessions, `/schema`, `/health`,
-`/metadata`, the Task API), around one `TerminalSession` per WebSocket session, behind `Guard`
+`/metadata`, the Task API), around one `TerminalEnvironment` per WebSocket session, behind `Guard`
 (payload sizes, idle sessions, refused routes). The package caps sessions (`max_sessions`): one over
 the cap is answered `CAPACITY_REACHED` and closed.
 
@@ -61,7 +61,7 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
     from openenv.core.env_server.http_server import create_fastapi_app
 
     from agentrl.openenv.schema import TerminalAction, TerminalObservation, TerminalState
-    from agentrl.openenv.terminal import TerminalHub, TerminalSession
+    from agentrl.openenv.terminal import TerminalEnvironment, TerminalHub
 
     plugin = get_plugin(config.env["name"])
     env_config = plugin.Config.model_validate(config.env)
@@ -75,7 +75,7 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
         create_timeout_s=env_config.create_timeout_s,  # type: ignore[attr-defined]
     )
     app = create_fastapi_app(
-        functools.partial(TerminalSession, hub),
+        functools.partial(TerminalEnvironment, hub),
         TerminalAction,
         TerminalObservation,
         max_concurrent_envs=config.max_sessions,

@@ -1,4 +1,4 @@
-"""The terminal environment as an OpenEnv `Environment`: one `TerminalSession` per WebSocket session,
+"""The terminal environment as an OpenEnv `Environment`: one `TerminalEnvironment` per WebSocket session,
 one sandbox per episode, the task's own verifier for the reward.
 
     reset(task_id=...)          start a sandbox for the task (agent phase: no tests inside);
@@ -175,7 +175,7 @@ class TerminalHub:
         task.add_done_callback(self._background.discard)
 
 
-class TerminalSession(Environment[TerminalAction, TerminalObservation, TerminalState]):
+class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, TerminalState]):
     """One session (a WebSocket connection): episodes one after another, one sandbox at a time."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True

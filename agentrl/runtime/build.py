@@ -7,11 +7,12 @@ trainer backend, a Ray placement) build their own `RunParts` and call the same l
 
 from __future__ import annotations
 
-import copy
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from agentrl.engine.build import EngineSpec, build_engine
 from agentrl.errors import AgentRLError
 from agentrl.models.source import check_model_source
 from agentrl.rollout.environment import EnvContext, get_plugin
@@ -19,38 +20,27 @@ from agentrl.runtime.config import RunConfig
 from agentrl.runtime.loop import RunParts
 
 
-def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any) -> Any:
-    """The rollout engine: a copy of the policy in this process, or a fleet of SGLang servers."""
-    if cfg.engine.kind == "local":
-        from agentrl.engine.local import LocalEngine
-
-        return LocalEngine(
-            copy.deepcopy(policy).eval(),
-            tokenizer,
-            device=cfg.engine.device,
-            max_batch=cfg.engine.local_max_batch,
-            logprob_mode=cfg.engine.local_logprob_mode,
-        )
-    from agentrl.engine.sglang import SGLangEngine
-
-    if not cfg.engine.urls and not cfg.engine.router_url:
-        raise AgentRLError(
-            "engine.kind=sglang needs engine.urls (worker URLs), engine.router_url (the router in "
-            "front of them), or both (the router for generation, the workers for control calls)"
-        )
+def engine_spec(cfg: RunConfig) -> EngineSpec:
+    """The run's engine settings as the engine factory's spec (kind local: the policy is copied)."""
     e = cfg.engine
-    options: dict[str, Any] = {
-        "request_timeout_s": e.request_timeout_s,
-        "control_timeout_s": e.control_timeout_s,
-        "connect_timeout_s": e.connect_timeout_s,
-        "retries": e.retries,
-        "on_version_mismatch": e.on_version_mismatch,
-        "flush_wait_s": e.flush_wait_s,
-        "api_key_file": e.api_key_file,
-    }
-    if e.router_url:
-        return SGLangEngine(router_url=e.router_url, worker_urls=e.urls or None, **options)
-    return SGLangEngine(e.urls, **options)
+    return EngineSpec(
+        kind=e.kind,
+        model=Path(e.model) if e.model else None,
+        urls=list(e.urls),
+        router_url=e.router_url,
+        tokenizer=Path(e.tokenizer or e.model) if (e.tokenizer or e.model) else None,
+        api_key_env=None,
+        api_key_file=e.api_key_file,
+        device=e.device,
+        max_batch=e.local_max_batch,
+        logprob_mode=e.local_logprob_mode,
+        request_timeout_s=e.request_timeout_s,
+        control_timeout_s=e.control_timeout_s,
+        connect_timeout_s=e.connect_timeout_s,
+        retries=e.retries,
+        on_version_mismatch=e.on_version_mismatch,
+        flush_wait_s=e.flush_wait_s,
+    )
 
 
 def build_transport(cfg: RunConfig, engine: Any) -> Any:
@@ -128,7 +118,7 @@ def build_parts(cfg: RunConfig, built: tuple[Any, Any, Any] | None = None) -> Ru
     """Everything the training loop needs, built from the configuration (`built`: what
     `build_trainer` returned, when the trainer was built already)."""
     trainer, policy, tokenizer = built or build_trainer(cfg)
-    engine = build_engine(cfg, policy, tokenizer)
+    engine, _ = build_engine(engine_spec(cfg), policy=policy, tokenizer=tokenizer)
     plugin = get_plugin(cfg.env["name"])
     env = plugin.build(
         plugin.Config.model_validate(cfg.env),

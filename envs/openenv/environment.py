@@ -32,9 +32,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentrl.agent.loop import AgentConfig
-from agentrl.agent.tokens import ChatRenderer, Segment, TokenTrajectory
+from agentrl.agent.tokens import ChatRenderer, TokenTrajectory
 from agentrl.engine.base import Engine, SamplingParams, generate_to_end
-from agentrl.episode.sample import Episode, Sample, Status
+from agentrl.episode.run import segment_samples
+from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InputError
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.tasks.rows import read_jsonl
@@ -259,42 +260,6 @@ def _task_row(task_id: str) -> dict[str, Any]:
 
 def _text_row(task_id: str, reset: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": [], "label": None, "metadata": {"task_id": task_id, "reset": reset, "task": spec}}
-
-
-def segment_samples(
-    segments: list[Segment],
-    *,
-    reward: float,
-    status: Status,
-    end_reason: str,
-    prompt_id: str,
-    sample_index: int,
-    task_id: str,
-    timings: dict[str, float],
-) -> list[Sample]:
-    """One `Sample` per segment that generated anything (as the terminal episode runner builds them)."""
-    trained = [s for s in segments if any(s.loss_mask)]
-    samples = []
-    for k, seg in enumerate(trained):
-        seg.check()
-        samples.append(
-            Sample(
-                prompt_id=prompt_id,
-                tokens=seg.prompt_ids + seg.response_ids,
-                prompt_length=len(seg.prompt_ids),
-                loss_mask=list(seg.loss_mask),
-                rollout_logprobs=list(seg.logprobs),
-                reward=reward,
-                status=status,
-                end_reason=end_reason,
-                sample_index=sample_index,
-                weight_versions=list(seg.weight_versions),
-                timings=dict(timings),
-                task_id=task_id,
-                metadata={"segment": k, "n_segments": len(trained)},
-            )
-        )
-    return samples
 
 
 class RemoteTextRunner:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.agent.loop import AgentConfig
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
-from agentrl.episode.run import EpisodeConfig, EpisodeRunner
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.dataset import task_row
@@ -136,9 +136,9 @@ class TerminalEnvironment:
             max_agent_timeout_s=self.config.max_agent_timeout_s,
         )
 
-    def runner(self, engine: Engine, *, run_id: str, record_dir: Path | None = None) -> EpisodeRunner:
+    def runner(self, engine: Engine, *, run_id: str, record_dir: Path | None = None) -> SandboxEpisodeRunner:
         tok = self.context.tokenizer
-        return EpisodeRunner(
+        return SandboxEpisodeRunner(
             provider=self.provider,
             engine=engine,
             renderer=ChatRenderer.for_format(tok, self.config.action_format) if tok is not None else None,
