@@ -68,10 +68,11 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.episode.record import load_samples
     from agentrl.models.tiny import tiny_model_dir
     from agentrl.rollout.environment import EnvContext
     from agentrl.tasks.rows import write_jsonl
-    from agentrl.train.sft import SFTConfig, load_record_samples, run_sft
+    from agentrl.train.sft import SFTConfig, run_sft
     from envs.tbench2 import TerminalConfig, TerminalEnvironment
     from envs.tbench2.harvest import harvest_solutions
 
@@ -97,7 +98,7 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
         finally:
             await env.aclose()
 
-    samples = load_record_samples(asyncio.run(go()))
+    samples = load_samples([asyncio.run(go())], min_reward=1.0)
     console.print(f"SFT on {len(samples)} trajectories for {p.sft_steps} steps")
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     torch.manual_seed(cfg.seed)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from agentrl.cluster.planner import Layout
 from agentrl.cluster.prepare import (
-    ModelCheckpointError,
     ConvertPlacementError,
+    ModelCheckpointError,
     copy_set_to_local,
     copy_to_local,
     node_needs,

@@ -29,7 +29,7 @@ from agentrl.dashboard.records import TEXT_LIMIT, EpisodeQuery, RecordIndex, epi
 from agentrl.dashboard.server import DashboardError, make_app
 from agentrl.dashboard.sinks import MetricSinks, SinkError, flatten, open_sinks
 from agentrl.dashboard.tail import JsonlTail
-from agentrl.episode.run import Recorder
+from agentrl.episode.record import Recorder
 from agentrl.testing.dashboard import metrics_row, write_episode, write_run
 from tests.conftest import BUNDLED_TASKS
 

@@ -11,7 +11,8 @@ from agentrl.agent.loop import AgentConfig, EndReason
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, EngineError, Generation, SamplingParams
 from agentrl.engine.scripted import ScriptedEngine
-from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner, read_record, replay_episode, run_episode
+from agentrl.episode.record import read_record
+from agentrl.episode.run import EpisodeConfig, SandboxEpisodeRunner, replay_episode, run_episode
 from agentrl.episode.sample import Status
 from agentrl.errors import InfraError
 from agentrl.tasks.task import load_task
@@ -122,7 +123,7 @@ async def test_engine_failure_is_infra_and_recorded(tmp_path: Path) -> None:
         await run(_DownEngine(), prov, record_dir=tmp_path)
     assert info.value.cause == "engine"
     (record,) = tmp_path.glob("*.jsonl")
-    _, _, result = read_record(record)
+    result = read_record(record).result
     assert (
         result["status"] == "failed-infra"
         and result["reward"] is None
@@ -165,7 +166,8 @@ async def test_record_then_replay_matches(tmp_path: Path) -> None:
     prov.on(r"^ls /app$", "hello.txt\n")
     script = [fenced("ls /app"), fenced("echo hello > /app/hello.txt"), "TASK_COMPLETE"]
     result = await run(ScriptedEngine(script, tok), prov, record_dir=tmp_path)
-    header, turns, final = read_record(result.record_path)
+    rec = read_record(result.record_path)
+    header, turns, final = rec.header, rec.turns, rec.result
     assert header["task_id"] == "write-hello" and len(turns) == 3 and final["reward"] == 1.0
     assert turns[0]["outputs"][0]["stdout"] == "hello.txt\n"
     assert json.loads(json.dumps(final["samples"]))[0]["loss_mask"]

@@ -139,9 +139,10 @@ def sft_cmd(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.train.sft import SFTConfig, load_record_samples, run_sft
+    from agentrl.episode.record import load_samples
+    from agentrl.train.sft import SFTConfig, run_sft
 
-    samples = load_record_samples(Path(records))
+    samples = load_samples([Path(records)], min_reward=1.0)
     net = AutoModelForCausalLM.from_pretrained(model)
     run_sft(net, samples, SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed))
     net.save_pretrained(output)

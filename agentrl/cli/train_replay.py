@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from pydantic import TypeAdapter, ValidationError
 
+from agentrl.episode.record import RecordError, load_samples
 from agentrl.episode.sample import Sample
 from agentrl.overrides import ConfigError, apply_overrides
 from agentrl.train.batch import with_advantages
@@ -18,34 +19,6 @@ from agentrl.train.config import TrainConfig
 from agentrl.train.torch_backend import TorchTrainer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Trainer: train-only runs, checkpoints.")
-
-
-def load_samples(paths: list[Path]) -> list[Sample]:
-    """Samples from JSONL files or directories of them: lines that are `Sample.to_dict()` rows, or
-    episode-record `result` rows (their `samples`)."""
-    files: list[Path] = []
-    for p in paths:
-        if p.is_dir():
-            files += sorted(p.glob("*.jsonl"))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise typer.BadParameter(f"{p} does not exist")
-    out: list[Sample] = []
-    for f in files:
-        with f.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    if "tokens" in row:
-                        out.append(Sample.from_dict(row))
-                    elif row.get("type") == "result":
-                        out += [Sample.from_dict(d) for d in row.get("samples") or []]
-                except (ValueError, TypeError, KeyError) as exc:
-                    raise typer.BadParameter(f"{f}:{n}: not a sample or episode result row ({exc})") from exc
-    return out
 
 
 def resolve_config(overrides: list[str]) -> TrainConfig:
@@ -98,7 +71,10 @@ def replay_cmd(
         raise typer.BadParameter("--model and --output are required (unless --dry-run)")
     from transformers import AutoModelForCausalLM
 
-    rows = [s for s in load_samples(samples) if s.trainable]
+    try:
+        rows = [s for s in load_samples(samples) if s.trainable]
+    except RecordError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if not rows:
         raise typer.BadParameter(
             "no trainable samples (with a reward, not infra failures) in the given files"

@@ -115,11 +115,6 @@ class ProcessActor:
             "host": socket.gethostname(),
         }
 
-    def node_ip(self) -> str:
-        import ray
-
-        return str(ray.util.get_node_ip_address())
-
     def log_tail(self, chars: int = 2000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agentrl.cluster.model import ModelSpec
@@ -394,7 +394,3 @@ def choose_layout(
     fits.sort(key=lambda f: f[0])
     _, layout, dp, est = fits[0]
     return LayoutChoice(layout, dp, est, "search", rejected)
-
-
-def with_tokens(layout: Layout, tokens: int) -> Layout:
-    return replace(layout, max_tokens_per_gpu=tokens)

@@ -70,7 +70,9 @@ def download_model(source: str, dest: Path, *, report: Callable[[str], Any] = pr
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ModelCheckpointError("downloading needs huggingface_hub (pip install 'agentrl[math]')") from None
+        raise ModelCheckpointError(
+            "downloading needs huggingface_hub (pip install 'agentrl[math]')"
+        ) from None
     report(f"downloading {source} into {dest}")
     try:
         return Path(snapshot_download(source, local_dir=str(dest)))

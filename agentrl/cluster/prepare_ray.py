@@ -42,8 +42,8 @@ from agentrl.cluster.planner import Layout
 from agentrl.cluster.prepare import (
     CONVERT_PORT,
     MEGATRON_PYTHON,
-    ModelCheckpointError,
     ConvertPlacement,
+    ModelCheckpointError,
     check_report,
     convert_argv,
     copy_set_to_local,

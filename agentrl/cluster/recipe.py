@@ -533,7 +533,3 @@ def render(plan: ClusterPlan) -> str:
         lines.append("## notes")
         lines += [f"- {n}" for n in plan.notes]
     return "\n".join(lines) + "\n"
-
-
-def memory_gib(plan: ClusterPlan) -> float:
-    return plan.choice.memory.total / GiB

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.episode.record import read_record as read_episode_record
+
 # Longest text sent inline to the page; the rest is fetched on demand ("show full").
 TEXT_LIMIT = 2000
 TOKEN_LIMIT = 4096
@@ -331,34 +333,10 @@ class _Clip:
 
 
 def read_record(path: Path) -> tuple[dict[str, Any], int]:
-    """One record as {header, turns, result, other}; lines that do not parse are skipped and
-    counted (a running episode's last line may be half-written)."""
-    header: dict[str, Any] = {}
-    turns: list[dict[str, Any]] = []
-    result: dict[str, Any] | None = None
-    other: dict[str, Any] = {}  # any other line type (e.g. "terminal": the initial screen), by type
-    malformed = 0
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break  # still being written
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-                kind = row.pop("type")
-            except (ValueError, AttributeError, KeyError, TypeError):
-                malformed += 1
-                continue
-            if kind == "header":
-                header = row
-            elif kind == "turn":
-                turns.append(row)
-            elif kind == "result":
-                result = row
-            else:
-                other[str(kind)] = row
-    return {"header": header, "turns": turns, "result": result, "other": other}, malformed
+    """One record as {header, turns, result, other} and its count of skipped lines (a running
+    episode's last line may be half-written)."""
+    rec = read_episode_record(path, tolerant=True)
+    return {"header": rec.header, "turns": rec.turns, "result": rec.result, "other": rec.other}, rec.malformed
 
 
 def episode_view(path: Path) -> dict[str, Any]:

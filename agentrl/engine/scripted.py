@@ -53,9 +53,6 @@ class PauseGate:
     def aborted(self, ticket: int) -> bool:
         return ticket != self._generation
 
-    async def wait_running(self) -> None:
-        await self._resumed.wait()
-
     @property
     def busy(self) -> bool:
         return self._in_flight > 0

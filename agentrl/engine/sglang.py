@@ -84,7 +84,6 @@ from agentrl.engine.keys import EngineKeyError, read_key
 
 log = logging.getLogger("agentrl.engine.sglang")
 
-SGLANG_VERSION = "0.5.16"
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 _VNODES = 150
 _RETRY_STATUSES = frozenset({502, 503, 504})

@@ -9,7 +9,6 @@ after the record is written, so nothing is lost and nothing is scored 0 by accid
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
@@ -23,13 +22,12 @@ from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run
 from agentrl.agent.tokens import ChatRenderer, Segment
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.episode.healthcheck import run_healthcheck
+from agentrl.episode.record import RECORD_VERSION, Recorder, read_record
 from agentrl.episode.sample import Episode, Sample, Status
 from agentrl.episode.verify import VerifyResult, verify
-from agentrl.errors import AgentRLError, InfraError
+from agentrl.errors import InfraError
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
 from agentrl.tasks.task import Task, load_task
-
-RECORD_VERSION = 1
 
 
 class VerifierInfraError(InfraError):
@@ -143,22 +141,6 @@ def episode_from_run(
             "version_mismatches": run.version_mismatches,
         },
     )
-
-
-class Recorder:
-    """Writes one episode as JSONL: a header, one line per turn, then the result with token arrays."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = path.open("w", encoding="utf-8")
-
-    def write(self, kind: str, payload: dict[str, Any]) -> None:
-        self._fh.write(json.dumps({"type": kind, **payload}, ensure_ascii=False, default=str) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
 
 
 async def run_episode(
@@ -310,10 +292,6 @@ async def run_episode(
             recorder.close()
 
 
-class RecordError(AgentRLError):
-    """An episode record that cannot be read."""
-
-
 @dataclass
 class TurnReplay:
     index: int
@@ -357,39 +335,14 @@ def _stable(output: tuple[str, str, int | None]) -> tuple[str, str, int | None]:
     return norm(output[0]), norm(output[1]), output[2]
 
 
-def read_record(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    header: dict[str, Any] | None = None
-    turns: list[dict[str, Any]] = []
-    result: dict[str, Any] | None = None
-    if not Path(path).is_file():
-        raise RecordError(f"{path}: no such episode record (records are the .jsonl files of --record)")
-    with Path(path).open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                kind = row.pop("type")
-            except (json.JSONDecodeError, AttributeError, KeyError):
-                raise RecordError(f"{path}:{number}: not an episode record line") from None
-            if kind == "header":
-                header = row
-            elif kind == "turn":
-                turns.append(row)
-            elif kind == "result":
-                result = row
-    if header is None:
-        raise RecordError(f"{path}: not an episode record (no header line)")
-    return header, turns, result
-
-
 async def replay_episode(
     record: Path, *, provider: SandboxProvider, run_id: str, task_path: Path | None = None
 ) -> ReplayReport:
     """Re-run a record's actions in a fresh sandbox, re-verify, compare outputs and reward.
     A terminal-path record is replayed keystroke by keystroke with its durations, and the
     terminal text after each batch is compared with the recorded one."""
-    header, turns, result = read_record(record)
+    rec = read_record(record)
+    header, turns, result = rec.header, rec.turns, rec.result
     task = load_task(task_path or header["task_path"])
     timeout = float(header["agent"].get("command_timeout_s", 60.0))
     reports: list[TurnReplay] = []

@@ -42,7 +42,7 @@ import string
 import traceback
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -50,6 +50,7 @@ from typing import Any
 
 from agentrl.agent.actions import limit_terminal_output
 from agentrl.agent.prompts import initial_prompt
+from agentrl.episode.record import read_record
 from agentrl.eval.passk import pass_at_k
 
 ATIF_VERSION = "ATIF-v1.6"
@@ -137,22 +138,6 @@ def harbor_pass_at_k(rewards_by_task: dict[str, list[float | None]]) -> dict[int
 
 
 # --- trajectories ------------------------------------------------------------------------------
-
-
-def read_record_lines(path: Path) -> dict[str, Any]:
-    """An episode record (`agentrl.episode.run.Recorder`) as {header, terminal, turns, result}."""
-    out: dict[str, Any] = {"header": None, "terminal": None, "turns": [], "result": None}
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            kind = row.pop("type")
-            if kind == "turn":
-                out["turns"].append(row)
-            elif kind in out:
-                out[kind] = row
-    return out
 
 
 def _analysis_plan(text: str) -> str | None:
@@ -528,7 +513,11 @@ class Trial:
     ) -> TrialOutcome:
         finished_at = _now()
         path = self.record_path()
-        record = read_record_lines(path) if path is not None else None
+        record = None
+        if path is not None:
+            rec = read_record(path, tolerant=True)
+            record = {"header": rec.header or None, "terminal": rec.other.get("terminal")}
+            record |= {"turns": rec.turns, "result": rec.result}
         result_line = (record or {}).get("result") or {}
         timings = result_line.get("timings") or {}
         rewards = result_line.get("rewards") if result_line.get("reward") is not None else None
@@ -651,10 +640,3 @@ def first_messages(
         {"role": "system", "content": system_prompt or format_system_prompt},
         {"role": "user", "content": instruction},
     ]
-
-
-def iter_trials(job_dir: Path) -> Iterable[Path]:
-    """Trial directories of a job (those holding a config.json or a result.json)."""
-    for d in sorted(Path(job_dir).iterdir()):
-        if d.is_dir() and ((d / "config.json").exists() or (d / "result.json").exists()):
-            yield d

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from agentrl.agent.loop import CommandOutput, TurnRecord
-from agentrl.episode.run import RECORD_VERSION, Recorder
+from agentrl.episode.record import RECORD_VERSION, Recorder
 from agentrl.episode.sample import Sample, Status
 from agentrl.rollout.metrics import StepMetrics
 

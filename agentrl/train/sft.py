@@ -8,10 +8,8 @@ of assistant tokens only (loss mask 1); prompts and observations are context.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from agentrl.episode.sample import Sample
@@ -26,18 +24,6 @@ class SFTConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 10
-
-
-def load_record_samples(record_dir: Path, *, min_reward: float = 1.0) -> list[Sample]:
-    """Samples from every record in `record_dir` whose episode reached `min_reward`."""
-    samples: list[Sample] = []
-    for path in sorted(Path(record_dir).glob("*.jsonl")):
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                row = json.loads(line)
-                if row.get("type") == "result" and (row.get("reward") or 0.0) >= min_reward:
-                    samples += [Sample.from_dict(d) for d in row.get("samples", [])]
-    return samples
 
 
 def sft_loss(model: Any, batch: list[Sample], device: str = "cpu") -> Any:

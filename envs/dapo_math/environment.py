@@ -23,8 +23,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.agent.tokens import Segment
 from agentrl.engine.base import Engine, SamplingParams, generate_to_end
-from agentrl.episode.sample import Episode, Sample, Status
+from agentrl.episode.run import segment_samples
+from agentrl.episode.sample import Episode, Status
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
 from envs.dapo_math.answer import ANSWER_WINDOW_CHARS, extract_answer
 from envs.dapo_math.rows import ground_truth, read_rows
@@ -149,25 +151,17 @@ class MathRunner:
         status = Status.TRUNCATED if finish == "length" else Status.COMPLETED
         end_reason = "length" if finish == "length" else verdict.outcome
         timings = {"generate_s": t_gen - t0, "verify_s": time.monotonic() - t_gen}
-        segments = []
-        if ids:
-            segments.append(
-                Sample(
-                    prompt_id=group_id,
-                    tokens=prompt_ids + ids,
-                    prompt_length=len(prompt_ids),
-                    loss_mask=[1] * len(ids),
-                    rollout_logprobs=list(logps),
-                    reward=reward,
-                    status=status,
-                    end_reason=end_reason,
-                    sample_index=sample_index,
-                    weight_versions=list(versions),
-                    timings=dict(timings),
-                    task_id=group_id,
-                )
-            )
-        elif tok is not None:
+        segments = segment_samples(
+            [Segment(prompt_ids, list(ids), [1] * len(ids), list(logps), list(versions))],
+            reward=reward,
+            status=status,
+            end_reason=end_reason,
+            prompt_id=group_id,
+            sample_index=sample_index,
+            task_id=group_id,
+            timings=timings,
+        )
+        if not segments and tok is not None:
             status = Status.FAILED_POLICY  # nothing generated: an outcome, nothing to train on
         return Episode(
             segments=segments,

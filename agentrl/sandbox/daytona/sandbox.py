@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from daytona import (
@@ -53,8 +53,6 @@ from agentrl.sandbox.daytona.common import (
 )
 from agentrl.sandbox.terminal import TmuxTerminal
 
-if TYPE_CHECKING:
-    pass
 log = logging.getLogger(__name__)
 
 

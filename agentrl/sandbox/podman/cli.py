@@ -16,15 +16,12 @@ import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrl.sandbox.base import (
     DEFAULT_OUTPUT_LIMIT,
     SandboxError,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

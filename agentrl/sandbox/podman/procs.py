@@ -8,10 +8,6 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from agentrl.sandbox.base import (
     HARMLESS,
@@ -47,8 +47,6 @@ from agentrl.sandbox.podman.shell import (
 )
 from agentrl.sandbox.terminal import TmuxTerminal
 
-if TYPE_CHECKING:
-    pass
 log = logging.getLogger(__name__)
 
 

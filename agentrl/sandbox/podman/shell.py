@@ -7,15 +7,11 @@ import asyncio
 import logging
 import re
 import shlex
-from typing import TYPE_CHECKING
 
 from agentrl.sandbox import shellstate
 from agentrl.sandbox.base import (
     SandboxTransportError,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
