@@ -82,6 +82,7 @@ class Batch:
     outputs: list[CommandOutput]
     terminal_output: str  # unlimited: the action format limits it when it builds the prompt
     out_of_time: bool = False
+    done: bool = False  # the environment ended the episode (environments that step, not shells)
 
 
 class Actor(Protocol):

@@ -565,7 +565,27 @@ class FencedBashFormat:
         return _command_path_observation(action, terminal_output, pending_completion)
 
 
-ActionFormat = TerminusJSONFormat | ToolCallFormat | FencedBashFormat
+class TextFormat:
+    """The whole reply is the action and the environment's reply is the next prompt (text
+    environments over OpenEnv). Never malformed, never `task_complete`: the environment ends it."""
+
+    name = "text"
+    observation_role = "user"
+    system_prompt = ""
+
+    def parse(self, text: str) -> ParsedAction:
+        return ParsedAction(commands=[Command(text)])
+
+    def error_observation(self, action: ParsedAction) -> str:
+        return action.error or ""
+
+    def observation(
+        self, action: ParsedAction, terminal_output: str, *, pending_completion: bool = False
+    ) -> str:
+        return terminal_output
+
+
+ActionFormat = TerminusJSONFormat | ToolCallFormat | FencedBashFormat | TextFormat
 
 FORMATS: dict[str, type[TerminusJSONFormat] | type[ToolCallFormat] | type[FencedBashFormat]] = {
     TerminusJSONFormat.name: TerminusJSONFormat,

@@ -53,6 +53,7 @@ class EndReason(enum.StrEnum):
     SANDBOX_ERROR = "sandbox_error"
     SANDBOX_BROKEN = "sandbox_broken"  # the agent's command broke its sandbox: a policy failure
     SESSION_ENDED = "session_ended"  # terminal path: the agent ended its shell (`exit`, C-d); verified
+    ENV_DONE = "done"  # an environment that steps (OpenEnv) ended the episode
 
 
 TRUNCATING = {EndReason.MAX_TURNS, EndReason.TOKEN_BUDGET, EndReason.TIMEOUT}
@@ -257,7 +258,7 @@ async def run_agent(
         )
         return AgentRun([], [], EndReason.SANDBOX_ERROR, infra_error=error, mode=mode)
     try:
-        return await _run_turns(
+        return await run_turns(
             engine=engine,
             actor=actor,
             renderer=renderer,
@@ -277,7 +278,7 @@ async def run_agent(
             pass  # the sandbox is closed next; nothing of the run depends on this
 
 
-async def _run_turns(
+async def run_turns(
     *,
     engine: Engine,
     actor: Actor,
@@ -287,14 +288,18 @@ async def _run_turns(
     config: AgentConfig,
     sampling: SamplingParams,
     session_id: str,
-    system_prompt: str | None,
-    initial_state: str | None,
-    start: float,
+    system_prompt: str | None = None,
+    initial_state: str | None = None,
+    start: float | None = None,
 ) -> AgentRun:
+    """The multi-turn loop, over any `Actor`: a sandbox's shell or terminal (`run_agent`), or an
+    environment that steps (OpenEnv text environments: `TextFormat` and an actor that sends each
+    reply and returns the environment's answer, `Batch.done` when it ends the episode)."""
+    start = time.monotonic() if start is None else start
     if initial_state is None:
-        messages = [
-            {"role": "system", "content": system_prompt or action_format.system_prompt},
-            {"role": "user", "content": instruction},
+        system = system_prompt or action_format.system_prompt
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": instruction}
         ]
     else:
         # Terminus-2: no system message; the template holds the instruction and the terminal.
@@ -402,6 +407,8 @@ async def _run_turns(
             outputs = batch.outputs
             if batch.out_of_time:
                 end = EndReason.TIMEOUT
+            elif batch.done:
+                end = EndReason.ENV_DONE
             if actor.mode == "tmux":
                 terminal_output = batch.terminal_output
             observation = action_format.observation(

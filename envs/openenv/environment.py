@@ -25,19 +25,21 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agentrl.agent.loop import AgentConfig
-from agentrl.agent.tokens import ChatRenderer, TokenTrajectory
-from agentrl.engine.base import Engine, SamplingParams, generate_to_end
+from agentrl.agent.acting import Batch
+from agentrl.agent.actions import Command, TextFormat
+from agentrl.agent.loop import AgentConfig, EndReason, run_turns
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import Engine, SamplingParams
 from agentrl.episode.run import segment_samples
 from agentrl.episode.sample import Episode, Status
 from agentrl.errors import InputError
 from agentrl.rollout.environment import EnvContext, EnvironmentPluginError, Split
+from agentrl.sandbox.base import SandboxPolicyError
 from agentrl.tasks.rows import read_jsonl
 
 log = logging.getLogger("agentrl.envs.openenv")
@@ -296,84 +298,45 @@ class RemoteTextRunner:
         eval: bool = False,
         seed: int | None = None,
     ) -> Episode:
-        from agentrl.openenv.client import OpenEnvRequestError, RemoteSession, TextClient
+        from agentrl.openenv.client import RemoteSession, TextClient
 
-        c, agent = self.config, self.config.agent
+        c = self.config
         meta = row.get("metadata") or {}
         reset = row.get("reset", meta.get("reset", {}))
         task_id = str(meta.get("task_id") or row.get("id") or group_id)
         session_id = f"{self.run_id}:{group_id}:{sample_index}:{attempt}"
-        t0 = time.monotonic()
-        deadline = t0 + agent.wall_clock_s if agent.wall_clock_s else None
-        rewards: list[float] = []
-        versions: list[int] = []
-        end, cause, status = "max_turns", None, Status.TRUNCATED
         async with RemoteSession(
             TextClient(**self.env.client_options()), url=c.url, connect_timeout_s=c.connect_timeout_s
         ) as session:
             first = await session.reset(timeout_s=c.reset_timeout_s, **reset)
             if first.done:
                 raise InputError(f"{c.url} ended the episode of {task_id} at reset: nothing to act on")
-            messages = ([{"role": "system", "content": c.system_prompt}] if c.system_prompt else []) + [
-                {"role": "user", "content": self._text(first.observation)}
-            ]
-            traj = TokenTrajectory(self.renderer, messages, check_prefix=agent.check_prefix)
-            engine_s = env_s = 0.0
-            turns = mismatches = 0
-            for _ in range(agent.max_turns):
-                max_new = min(agent.max_new_tokens, agent.max_total_tokens - traj.context_len())
-                if max_new < agent.min_turn_tokens:
-                    end = "token_budget"
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    end = "timeout"
-                    break
-                t1 = time.monotonic()
-                try:
-                    out = await generate_to_end(
-                        self.engine,
-                        traj.context_ids(),
-                        self.env.sampling(max_new, seed),
-                        session_id=session_id,
-                        timeout_s=agent.engine_timeout_s,
-                        deadline=deadline,
-                    )
-                except TimeoutError:
-                    end = "timeout"
-                    break
-                text = traj.add_generation(out.output_ids, out.logprobs, out.versions)
-                versions += out.versions
-                mismatches += out.version_mismatches
-                t2 = time.monotonic()
-                engine_s += t2 - t1
-                turns += 1
-                reply = self.renderer.without_eos(text)
-                try:
-                    result = await session.step(
-                        {**c.action_extra, c.action_field: reply}, timeout_s=c.step_timeout_s
-                    )
-                except OpenEnvRequestError as exc:
-                    # What the model wrote is what the server refused (its size, its content).
-                    end, cause, status = "action_rejected", "action_rejected", Status.FAILED_POLICY
-                    log.info("%s rejected a reply in %s: %s", c.url, session_id, exc)
-                    break
-                finally:
-                    env_s += time.monotonic() - t2
-                if result.reward is not None:
-                    rewards.append(float(result.reward))
-                if result.done:
-                    end, status = "done", Status.COMPLETED
-                    break
-                traj.add_observation(text, self._text(result.observation))
-        if cause is not None:
-            reward = c.rejected_reward
-        elif not rewards:
-            reward = 0.0
+            actor = _StepActor(self, session)
+            run = await run_turns(
+                engine=self.engine,
+                actor=actor,
+                renderer=self.renderer,
+                action_format=TextFormat(),
+                instruction=self._text(first.observation),
+                config=c.agent,
+                sampling=self.env.sampling(c.agent.max_new_tokens, seed),
+                session_id=session_id,
+                system_prompt=c.system_prompt,
+            )
+        if run.infra_error is not None:
+            raise run.infra_error
+        rejected = run.policy_error is not None  # the server refused what the model wrote
+        rewards = actor.rewards
+        if rejected:
+            reward, end, status = c.rejected_reward, "action_rejected", Status.FAILED_POLICY
         else:
-            reward = sum(rewards) if c.reward_mode == "sum" else rewards[-1]
-        timings = {"engine_s": engine_s, "env_s": env_s, "total_s": time.monotonic() - t0}
+            reward = (sum(rewards) if c.reward_mode == "sum" else rewards[-1]) if rewards else 0.0
+            end = run.end_reason.value
+            status = Status.COMPLETED if run.end_reason is EndReason.ENV_DONE else Status.TRUNCATED
+        t = run.timings
+        timings = {"engine_s": t["engine_s"], "env_s": t["sandbox_s"], "total_s": t["agent_s"]}
         samples = segment_samples(
-            traj.segments,
+            run.segments,
             reward=reward,
             status=status,
             end_reason=end,
@@ -386,16 +349,56 @@ class RemoteTextRunner:
             segments=samples,
             reward=reward,
             status=status if samples else Status.FAILED_POLICY,
-            turn_versions=versions,
+            turn_versions=[v for turn in run.turns for v in turn.weight_versions],
             end_reason=end,
-            failure_cause=cause,
+            failure_cause="action_rejected" if rejected else None,
             task_id=task_id,
             prompt_id=group_id,
             sample_index=sample_index,
             attempt=attempt,
             timings=timings,
-            metadata={"step_rewards": rewards, "turns": turns, "version_mismatches": mismatches},
+            metadata={
+                "step_rewards": rewards,
+                "turns": len(run.turns),
+                "version_mismatches": run.version_mismatches,
+            },
         )
+
+
+class _StepActor:
+    """The agent loop's actor for a remote text environment: each reply is one `step`."""
+
+    mode = "text"
+
+    def __init__(self, runner: RemoteTextRunner, session: Any) -> None:
+        self.runner = runner
+        self.session = session
+        self.rewards: list[float] = []
+
+    async def initial_state(self) -> str | None:
+        return None
+
+    async def alive(self) -> bool:
+        return True
+
+    async def act(self, commands: list[Command], deadline: float | None) -> Batch:
+        from agentrl.openenv.client import OpenEnvRequestError
+
+        c = self.runner.config
+        try:
+            result = await self.session.step(
+                {**c.action_extra, c.action_field: commands[0].keystrokes}, timeout_s=c.step_timeout_s
+            )
+        except OpenEnvRequestError as exc:
+            log.info("%s rejected a reply: %s", c.url, exc)
+            raise SandboxPolicyError(f"{c.url} rejected the reply: {exc}") from exc
+        if result.reward is not None:
+            self.rewards.append(float(result.reward))
+        text = "" if result.done else self.runner._text(result.observation)
+        return Batch([], text, done=bool(result.done))
+
+    async def close(self) -> None:
+        return None
 
 
 class _Plugin:
