@@ -197,7 +197,9 @@ def eval_cmd(
     model = model_dir or Path(str(cfg.engine.model))
     if engine == "local" and not model.is_dir():
         raise typer.BadParameter(f"{model} is missing: run `prepare` first or pass a model directory")
-    spec = EngineSpec(engine, model, list(url or []), tokenizer, api_model, api_key_env)
+    spec = EngineSpec(
+        engine, model, list(url or []), tokenizer=tokenizer, api_model=api_model, api_key_env=api_key_env
+    )
     try:
         eng, tok = build_engine(spec)
         label = model.name if engine == "local" else engine

@@ -37,13 +37,13 @@ class EngineSpec:
     kind: str
     model: Path | None = None  # local / scripted: a transformers model directory (default: tiny)
     urls: list[str] = field(default_factory=list)  # sglang workers; openai: the base URL
-    router_url: str | None = None  # sglang: a router for generation (`urls` then serve control)
     tokenizer: Path | None = None  # sglang: the tokenizer directory
     api_model: str | None = None  # openai: the served model's name
     # The variable that holds the API key; it is sent only when the variable is set.
     api_key_env: str | None = "OPENAI_API_KEY"
-    api_key_file: str | None = None  # sglang: a file that holds the key (a cluster run's)
     scripted_replies: Sequence[str] = ()
+    api_key_file: str | None = None  # sglang: a file that holds the key (a cluster run's)
+    router_url: str | None = None  # sglang: a router for generation (`urls` then serve control)
     device: str = "cpu"  # local
     max_batch: int = 16  # local: requests batched per forward pass
     logprob_mode: str = "processed"  # local
@@ -72,7 +72,7 @@ def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None)
     if spec.kind == "sglang":
         if not spec.urls and not spec.router_url:
             raise EngineConfigError(
-                "the sglang engine needs worker URLs (engine.urls / --url), a router URL "
+                "the sglang engine needs one or more worker URLs (engine.urls / --url), a router URL "
                 "(engine.router_url), or both (the router for generation, the workers for control)"
             )
         if tokenizer is None and spec.tokenizer is None:
