@@ -294,6 +294,10 @@ async def test_leaving_the_manager_cancels_running_episodes_and_closes_every_san
     assert provider.live_sandboxes() == 0 and mgr.running == 0 and provider.created == provider.closed
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 CTRL_C_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from agentrl.rollout import RolloutConfig, RolloutManager
@@ -316,7 +320,10 @@ CTRL_C_SCRIPT = textwrap.dedent("""
 
 
 def test_ctrl_c_closes_every_sandbox() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT], stdout=subprocess.PIPE, text=True)
+    # The child must get Ctrl-C's default disposition, whatever this worker process inherited.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_SCRIPT], stdout=subprocess.PIPE, text=True, preexec_fn=_default_sigint
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"

@@ -54,6 +54,7 @@ async def test_engine_serve_command_serves_and_stops_on_sigint() -> None:
         str(port),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # whatever this worker inherited
     )
     url = f"http://127.0.0.1:{port}"
     client = SGLangEngine(url, retries=2)
