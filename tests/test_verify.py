@@ -164,7 +164,7 @@ async def test_reward_out_of_range_is_a_verifier_error_showing_the_value(task) -
     async with await provider.create(task, run_id="v") as sb:
         res = await verify(sb, task)
     assert res.outcome == "verifier-error" and res.reward is None and res.infra_failure
-    assert res.cause == "reward_out_of_range" and not res.policy_failure
+    assert res.cause == "reward_out_of_range" and res.policy_failure  # after an agent phase: its code may have written it
     assert "7.0" in (res.error or "")
 
 

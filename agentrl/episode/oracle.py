@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentrl.episode.healthcheck import run_healthcheck
-from agentrl.episode.verify import verify
+from agentrl.episode.verify import save_footprint, verify
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.config import resolve_env_templates
@@ -70,7 +70,9 @@ async def oracle_one(
                     cause, detail = "solution_timeout", f"solve.sh ran past {timeout:.0f}s"
                 elif run.exit_code != 0:
                     detail = f"solve.sh exited {run.exit_code}: {(run.stderr or run.stdout)[-300:]}"
-            result = await verify(sandbox, task)
+            result = await verify(sandbox, task, reference=solution)
+            if solution and result.outcome == "pass":
+                save_footprint(task, result.agent_code)
     except InfraError as exc:
         return OracleResult(
             task.task_id, expected, None, time.monotonic() - start, exc.cause, str(exc)[-2000:]

@@ -1,39 +1,47 @@
-"""The verifier, shared by the oracle sweep and the episode runner (Harbor 0.25's algorithm, hardened
-against an agent that tries to forge its reward; `docs/failures.md`).
+"""The verifier, shared by the oracle sweep and the episode runner (Harbor 0.25's algorithm, built
+so that an agent optimised against the reward cannot move it; `docs/failures.md`).
 
 1. Stop every process the agent started (`Sandbox.stop_processes`; servers listening on a socket
-   survive, as a task may ask for a service): nothing it left running can rewrite the reward, the
-   tests or their inputs while they run.
-2. Look for tampering from outside the sandbox (`Sandbox.tampered_paths`: changed system files or
-   an interpreter, a module shadowing the test harness (`pytest.py`), `sitecustomize`, `.pth` or
-   pytest configuration planted where the tests would pick it up). Tampering is the outcome `tampered`, reward 0: a policy failure.
-3. Remove `/tests` and `/logs/verifier` whatever they are now (the agent may have planted a
-   conftest.py, made test.sh a directory or /logs a file) and recreate them; upload `tests/` to
-   `/tests` only now: tests are never inside the sandbox during the agent phase.
-4. Run `/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1` in the task's working directory with
-   `[verifier.env]` and the verifier timeout, Python made unable to read planted byte code
-   (`VERIFIER_PYTHON_ENV`; the task's own env wins). Its exit code is ignored, as in Harbor.
-5. Copy `/logs/verifier` out of the sandbox (through the backend, never the sandbox's own `cat`)
-   and read `reward.json` (takes precedence; every value numeric and finite) or `reward.txt`.
+   survive, as a task may ask for a service).
+2. Where the backend can (`Sandbox.run_tests`: podman), the tests run privately: in a container of
+   their own over the agent's files, sharing only its network, with /tests and /logs/verifier that
+   exist for the verifier's processes alone, set up and read from the host (no tool of the
+   container's takes part). What the verification executed or loaded as code that the agent made
+   decides `tampered` (`agentrl.sandbox.provenance`): no list of names to get around. The task's
+   graded work (its working directory, unless a module there shadows one the verifier's Python
+   provides) and what its reference solution installs (`save_footprint`) are allowed.
+3. Elsewhere (Daytona, the fakes): the listed system paths are checked from outside
+   (`Sandbox.tampered_paths`), `/tests` and `/logs/verifier` are recreated whatever they are now,
+   `tests/` uploaded only now, `/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1` run, what it
+   started stopped, and the files copied out through the backend.
+4. Either way: the task's working directory, `[verifier.env]` and timeout, Python made unable to
+   read planted byte code (`VERIFIER_PYTHON_ENV`; the task's own env wins); test.sh's exit code is
+   ignored, as in Harbor; `reward.json` (takes precedence; every value numeric and finite) or
+   `reward.txt` is read; every text kept is made printable.
 
 Outcomes: `pass` (reward >= 1.0; the pass rate counts these), `fail` (any other reward in range),
 `tampered` (reward 0, `cause` says why), `verifier-error` (no reward file, an empty, unparseable
 or out-of-range one) and `timeout`. `infra_failure` is true for the last two: the verifier gave no
-usable reward. Whether that is the agent's doing is the caller's call: after an agent phase it could
-be (`policy_failure`), in an oracle sweep it is the task's.
+usable reward. After an agent phase every such outcome could be the agent's doing (`policy_failure`:
+reward 0 with its cause, never a re-roll); in an oracle sweep it is the task's.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
+import os
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.sandbox.base import Sandbox, SandboxPolicyError
+from agentrl.sandbox.base import Sandbox, SandboxPolicyError, printable
+from agentrl.sandbox.provenance import agent_code
 from agentrl.tasks.config import resolve_env_templates
 from agentrl.tasks.task import Task, scripts_with_lf
 
@@ -64,6 +72,7 @@ class VerifyResult:
     log_tail: str = ""
     error: str | None = None
     cause: str | None = None  # why, for anything but pass and fail (counted in metrics)
+    agent_code: list[str] = field(default_factory=list)  # with reference=True: agent-made code used
 
     @property
     def infra_failure(self) -> bool:
@@ -73,11 +82,10 @@ class VerifyResult:
     @property
     def policy_failure(self) -> bool:
         """After an agent phase, the agent's own commands could have caused this outcome (its
-        artefacts hang or break the tests, it tampered), so an episode scores it 0 with `cause`
-        (docs/failures.md). A reward out of range is the task's own bug: never the agent's."""
-        return (
-            self.outcome in ("tampered", "timeout", "verifier-error") and self.cause != "reward_out_of_range"
-        )
+        artefacts hang or break the tests, it tampered, its code run by the tests wrote a reward
+        out of range), so an episode scores it 0 with `cause` (docs/failures.md). In an oracle
+        sweep the same outcomes are the task's own bug."""
+        return self.outcome in ("tampered", "timeout", "verifier-error")
 
 
 def parse_reward(
@@ -122,14 +130,19 @@ def _parse_reward(json_text: str | None, txt_text: str | None) -> tuple[dict[str
     return None, "test.sh wrote neither /logs/verifier/reward.txt nor reward.json"
 
 
-async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) -> VerifyResult:
+async def verify(
+    sandbox: Sandbox, task: Task, *, timeout: float | None = None, reference: bool = False
+) -> VerifyResult:
     """Run the task's verifier in `sandbox` after the agent phase and read its reward.
 
     Raises `TaskFormatError` for a missing tests/test.sh (one stored without its executable bit
-    is made executable inside, as Harbor does; CRLF line ends of scripts are fixed) and lets sandbox
+    is made executable, as Harbor does; CRLF line ends of scripts are fixed) and lets sandbox
     infrastructure errors propagate; a `SandboxPolicyError` on the way (the agent broke the
     sandbox's shell or storage) becomes the outcome `tampered`. `timeout` overrides `[verifier]
     timeout_sec`. With a reward.json, `reward` is its "reward" key, or its first value.
+    `reference=True` (the oracle sweep: what is in the sandbox is the task's own solution) trusts
+    the agent-made code the verification uses and reports it in `agent_code`, for
+    `save_footprint`.
     """
     if not task.test_script.is_file():
         raise TaskFormatError(
@@ -140,39 +153,47 @@ async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) 
         **VERIFIER_PYTHON_ENV,
         **resolve_env_templates(task.config.verifier.env, str(task.path / "task.toml")),
     }
+    user = task.config.verifier.user
     start = time.monotonic()
+    used: list[str] = []
     try:
         await sandbox.stop_processes()
-        changed = await sandbox.tampered_paths()
-        if changed:
-            shown = ", ".join(changed[:10]) + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
-            return _tampered(
-                start, "system_files", f"the agent changed files the verifier relies on: {shown}"
-            )
-        prepared = await sandbox.exec(PREPARE, timeout=60)
-        if not prepared.ok:
-            return _tampered(
-                start,
-                "verifier_inputs",
-                f"/tests and /logs/verifier could not be recreated: {prepared.stderr.strip()[-300:]}",
-            )
         with scripts_with_lf(task.tests_dir) as tests_dir:
-            await sandbox.upload(tests_dir, "/tests")
-        await sandbox.exec("chmod +x /tests/test.sh", timeout=60)
-        run = await sandbox.exec(
-            "/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1",
-            timeout=timeout,
-            env=env,
-            user=task.config.verifier.user,
-        )
-        # Whatever test.sh started must not outlive it either (the agent's code runs under it).
-        await sandbox.stop_processes()
-        files = await _read_verifier_logs(sandbox)
+            private = await sandbox.run_tests(tests_dir, timeout=timeout, env=env, user=user)
+        if private is None:
+            changed = await sandbox.tampered_paths()
+            if changed:
+                return _tampered(
+                    start,
+                    "system_files",
+                    f"the agent changed files the verifier relies on: {_shown(changed)}",
+                )
+            timed_out, files = await _verify_inside(sandbox, task, timeout, env, user)
+        else:
+            timed_out, files = private.timed_out, private.files
+            if reference:
+                used = agent_code(
+                    private.opened, workdir=private.workdir, provided=private.provided.__contains__
+                )
+            else:
+                used = agent_code(
+                    private.opened,
+                    workdir=private.workdir,
+                    trusted=load_footprint(task),
+                    provided=private.provided.__contains__,
+                )
+                if used:
+                    return _tampered(
+                        start,
+                        "agent_code",
+                        f"the verifier ran code the agent made or changed: {_shown(used)}"
+                        + _FOOTPRINT_HINT * (task.solve_script is not None),
+                    )
     except SandboxPolicyError as exc:
         return _tampered(start, exc.cause, str(exc))
     duration = time.monotonic() - start
-    tail = files.get("test-stdout.txt", "")[-3000:]
-    if run.timed_out:
+    tail = printable(files.get("test-stdout.txt", "")[-3000:])
+    if timed_out:
         return VerifyResult(
             "timeout",
             None,
@@ -187,11 +208,53 @@ async def verify(sandbox: Sandbox, task: Task, *, timeout: float | None = None) 
     if rewards is None:
         cause = "reward_out_of_range" if error and "outside" in error else "verifier_error"
         return VerifyResult(
-            "verifier-error", None, duration_s=duration, log_tail=tail or run.stderr, error=error, cause=cause
+            "verifier-error",
+            None,
+            duration_s=duration,
+            log_tail=tail,
+            error=printable(error or ""),
+            cause=cause,
         )
     reward = rewards.get("reward", next(iter(rewards.values()), 0.0))
     outcome = "pass" if reward >= PASS_THRESHOLD else "fail"
-    return VerifyResult(outcome, reward, rewards, duration, tail)
+    return VerifyResult(outcome, reward, rewards, duration, tail, agent_code=used)
+
+
+_FOOTPRINT_HINT = (
+    " (if the task asks for exactly this, run `agentrl tasks oracle` on it once: what its reference"
+    " solution installs is then trusted)"
+)
+
+
+def _shown(paths: list[str]) -> str:
+    shown = ", ".join(printable(p) for p in paths[:10])
+    return shown + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
+
+
+async def _verify_inside(
+    sandbox: Sandbox, task: Task, timeout: float, env: dict[str, str], user: str | None
+) -> tuple[bool, dict[str, str]]:
+    """Where the backend has no private verification: recreate /tests and /logs/verifier inside the
+    sandbox (the agent may have planted a conftest.py, made test.sh a directory or /logs a file),
+    upload tests/, run test.sh there and copy the results out through the backend."""
+    prepared = await sandbox.exec(PREPARE, timeout=60)
+    if not prepared.ok:
+        raise SandboxPolicyError(
+            f"/tests and /logs/verifier could not be recreated: {printable(prepared.stderr.strip()[-300:])}",
+            cause="verifier_inputs",
+        )
+    with scripts_with_lf(task.tests_dir) as tests_dir:
+        await sandbox.upload(tests_dir, "/tests")
+    await sandbox.exec("chmod +x /tests/test.sh", timeout=60)
+    run = await sandbox.exec(
+        "/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout=timeout, env=env, user=user
+    )
+    # Whatever test.sh started must not outlive it either (the agent's code runs under it).
+    await sandbox.stop_processes()
+    files = await _read_verifier_logs(sandbox)
+    if not files.get("test-stdout.txt") and run.stderr:
+        files["test-stdout.txt"] = run.stderr
+    return run.timed_out, files
 
 
 def _tampered(start: float, cause: str, error: str) -> VerifyResult:
@@ -219,3 +282,38 @@ async def _read_verifier_logs(sandbox: Sandbox) -> dict[str, str]:
                 else:
                     files[name] = fh.read().decode(errors="replace")
     return files
+
+
+def footprint_path(task: Task) -> Path:
+    """Where the reference solution's footprint of `task` is kept: under `$AGENTRL_CACHE`, keyed by
+    the content of the task's files, so an edited task is validated afresh."""
+    files = sorted(p for p in task.path.rglob("*") if p.is_file())
+    cache = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    return cache / "footprints" / f"{_content_digest(str(task.path), stamp)}.json"
+
+
+@functools.lru_cache(maxsize=1024)
+def _content_digest(root: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in stamp:
+        digest.update(os.path.relpath(path, root).encode() + b"\0" + Path(path).read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def save_footprint(task: Task, paths: Collection[str]) -> None:
+    """Record the agent-made code the task's reference solution made its verifier use (a tool it
+    installs, a system file it replaces as asked): an episode may use the same."""
+    target = footprint_path(task)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"task": task.task_id, "trusted": sorted(paths)}, indent=1))
+    tmp.replace(target)
+
+
+def load_footprint(task: Task) -> frozenset[str]:
+    try:
+        data = json.loads(footprint_path(task).read_text())
+    except (OSError, ValueError):
+        return frozenset()
+    return frozenset(p for p in data.get("trusted", []) if isinstance(p, str))

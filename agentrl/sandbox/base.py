@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from agentrl.errors import AgentRLError, InfraError, InputError
+from agentrl.sandbox.provenance import Opened
 
 if TYPE_CHECKING:
     from agentrl.tasks.task import Task
@@ -56,6 +57,21 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass
+class TestRun:
+    """A private verification's result (`Sandbox.run_tests`): the exit of test.sh (None after a
+    timeout), the reward files and the output's tail by name, the files the verification opened
+    that the agent made (`agentrl.sandbox.provenance`), which module names of the agent's files in
+    the working directory a Python outside it provides, and that working directory."""
+
+    exit_code: int | None
+    timed_out: bool
+    files: dict[str, str]
+    opened: list[Opened]
+    provided: frozenset[str]
+    workdir: str
 
 
 class SandboxError(InfraError):
@@ -261,6 +277,15 @@ class Sandbox(abc.ABC):
         functions or variables). The next `exec` works as usual. Backends whose sandboxes hold
         their own service processes override this."""
         await self.exec(KILL_ALL, timeout=60)
+
+    async def run_tests(
+        self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | None
+    ) -> TestRun | None:
+        """Run `tests_dir/test.sh` where no process of the agent's can see or touch it, with
+        `tests_dir` at /tests and a fresh /logs/verifier, and report what the verification used that
+        the agent made (`TestRun`). None where the backend cannot (the verifier then runs inside
+        the sandbox, `agentrl.episode.verify`)."""
+        return None
 
     async def tampered_paths(self) -> list[str] | None:
         """System files of the image the agent changed or deleted, and additions that hijack an

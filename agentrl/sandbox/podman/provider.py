@@ -294,6 +294,19 @@ class PodmanProvider(SandboxProvider):
         )
         return "bridge" if allowed else "none"
 
+    def _limit_args(self, task: Task) -> list[str]:
+        """The task's cpus and memory (else the defaults), the pids cap, no host proxy variables:
+        the agent's container and the verifier's get the same."""
+        env = task.config.environment
+        args = ["--pids-limit", str(self.pids_limit)]
+        if self._podman:
+            args.append("--http-proxy=false")  # podman copies the host's proxy variables by default
+        if cpus := env.cpus or self.default_cpus:
+            args += ["--cpus", str(cpus)]
+        if memory := env.memory_mb or self.default_memory_mb:
+            args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
+        return args
+
     def _run_args(self, task: Task, run_id: str, name: str) -> tuple[list[str], int | None]:
         """`run` arguments without the storage cap, and the storage limit in MiB."""
         env = task.config.environment
@@ -310,21 +323,12 @@ class PodmanProvider(SandboxProvider):
             f"{LABEL_TASK}={task.task_id}",
             "--label",
             f"{LABEL_CREATED}={int(time.time())}",
-            "--pids-limit",
-            str(self.pids_limit),
+            *self._limit_args(task),
         ]
-        if self._podman:
-            args.append("--http-proxy=false")  # podman copies the host's proxy variables by default
         if self.init:
             args += ["-v", f"{self.init}:{INIT_PATH}:ro", "--entrypoint", INIT_PATH]
         else:
             args += ["--init", "--entrypoint", "sleep"]
-        cpus = env.cpus or self.default_cpus
-        if cpus:
-            args += ["--cpus", str(cpus)]
-        memory = env.memory_mb or self.default_memory_mb
-        if memory:
-            args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
         if env.workdir:
             args += ["-w", env.workdir]
         # `${VAR}` / `${VAR:-default}` values come from the host, as in Harbor (an unset one is a
@@ -383,10 +387,15 @@ class PodmanProvider(SandboxProvider):
                     "storage_mb to run without a storage limit",
                     log_tail=err[-500:],
                 )
-            if not (storage and not self._storage_opt):
-                upper = None
+            measured = bool(storage and not self._storage_opt and upper)
             sandbox = PodmanSandbox(
-                self, name, env.workdir, storage_mb=storage if upper else None, upper_dir=upper, image=image
+                self,
+                name,
+                env.workdir,
+                storage_mb=storage if measured else None,
+                upper_dir=upper,
+                image=image,
+                limit_args=tuple(self._limit_args(task)),
             )
             sandbox._init_pid = int(pid) if pid.isdigit() else None
             res = await sandbox._exec_clean(
