@@ -120,7 +120,8 @@ def test_verifier_follows_tb2_conventions(task: Task):
     assert script.startswith("#!/bin/bash")
     assert '"$PWD" = "/"' in script, "test.sh must refuse to run from /"
     assert "/tests/test_outputs.py" in script and "/logs/verifier/reward.txt" in script
-    assert "pip install" not in script and "apt-get" not in script, "verification must work offline"
+    offline_pip = all("--no-index" in line for line in script.splitlines() if "pip install" in line)
+    assert offline_pip and "apt-get" not in script, "verification must work offline"
 
 
 @by_id
@@ -138,4 +139,4 @@ def test_shell_scripts_parse(task: Task):
 
 @by_id
 def test_instruction_names_an_absolute_path(task: Task):
-    assert re.search(r"`/(app|srv)/", task.instruction), "say exactly which file or directory is expected"
+    assert re.search(r"`/[a-z]+/", task.instruction), "say exactly which file or directory is expected"

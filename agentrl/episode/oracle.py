@@ -9,18 +9,20 @@ solve.sh with `[solution.env]` under the agent timeout (or nothing, with `soluti
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentrl.episode.healthcheck import run_healthcheck
-from agentrl.episode.verify import save_footprint, verify
+from agentrl.episode.verify import footprint_path, load_footprint, save_footprint, verify
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.config import resolve_env_templates
 from agentrl.tasks.task import Task, scripts_with_lf
 
 DEFAULT_SOLVE_TIMEOUT = 600.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +89,36 @@ async def oracle_one(
         cause = "wrong_reward"
         detail = (detail + "\n" + result.log_tail[-1500:]).strip()
     return OracleResult(task.task_id, expected, result.reward, seconds, cause, detail)
+
+
+_FOOTPRINTS: dict[str, asyncio.Future[frozenset[str]]] = {}
+
+
+async def ensure_footprint(provider: SandboxProvider, task: Task, *, run_id: str) -> frozenset[str]:
+    """The agent-made code the task's reference solution makes its verifier use (what it installs
+    or replaces as the task asks), computed once per task content by an oracle run in a sandbox of
+    its own and cached (`save_footprint`); episodes of one task running at once share the run. A
+    solution that fails its own verifier leaves an empty footprint (and says so in the log)."""
+    key = str(footprint_path(task))
+    if key not in _FOOTPRINTS:
+        future = _FOOTPRINTS[key] = asyncio.get_running_loop().create_future()
+        try:
+            if not footprint_path(task).is_file():
+                result = await oracle_one(provider, task, run_id=f"{run_id}-footprint")
+                if not result.ok:
+                    log.warning(
+                        "the reference solution of %s failed (%s): nothing it installs is trusted",
+                        task.task_id,
+                        result.cause,
+                    )
+                    save_footprint(task, [])
+            future.set_result(load_footprint(task))
+        except BaseException as exc:
+            _FOOTPRINTS.pop(key, None)
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters see it through their own await
+            raise
+    return await asyncio.shield(_FOOTPRINTS[key])
 
 
 async def build_images(

@@ -22,6 +22,7 @@ from agentrl.agent.loop import TRUNCATING, AgentConfig, AgentRun, EndReason, run
 from agentrl.agent.tokens import ChatRenderer, Segment
 from agentrl.engine.base import Engine, SamplingParams
 from agentrl.episode.healthcheck import run_healthcheck
+from agentrl.episode.oracle import ensure_footprint
 from agentrl.episode.record import RECORD_VERSION, Recorder, read_record
 from agentrl.episode.sample import Episode, Sample, Status
 from agentrl.episode.verify import VerifyResult, verify
@@ -232,7 +233,9 @@ async def run_episode(
                 )
             else:
                 t_v = time.monotonic()
-                vres = await verify(sandbox, task)
+                vres = await verify(
+                    sandbox, task, footprint=lambda: ensure_footprint(provider, task, run_id=run_id)
+                )
                 timings["verifier_s"] = time.monotonic() - t_v
         if vres.infra_failure and not vres.policy_failure:
             raise VerifierInfraError(

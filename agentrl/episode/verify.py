@@ -35,7 +35,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +131,12 @@ def _parse_reward(json_text: str | None, txt_text: str | None) -> tuple[dict[str
 
 
 async def verify(
-    sandbox: Sandbox, task: Task, *, timeout: float | None = None, reference: bool = False
+    sandbox: Sandbox,
+    task: Task,
+    *,
+    timeout: float | None = None,
+    reference: bool = False,
+    footprint: Callable[[], Awaitable[frozenset[str]]] | None = None,
 ) -> VerifyResult:
     """Run the task's verifier in `sandbox` after the agent phase and read its reward.
 
@@ -142,7 +147,8 @@ async def verify(
     timeout_sec`. With a reward.json, `reward` is its "reward" key, or its first value.
     `reference=True` (the oracle sweep: what is in the sandbox is the task's own solution) trusts
     the agent-made code the verification uses and reports it in `agent_code`, for
-    `save_footprint`.
+    `save_footprint`. `footprint` computes the reference solution's footprint when none is saved
+    yet and the agent's work needs it (`agentrl.episode.oracle.ensure_footprint`).
     """
     if not task.test_script.is_file():
         raise TaskFormatError(
@@ -176,12 +182,16 @@ async def verify(
                     private.opened, workdir=private.workdir, provided=private.provided.__contains__
                 )
             else:
-                used = agent_code(
+                judge = functools.partial(
+                    agent_code,
                     private.opened,
                     workdir=private.workdir,
-                    trusted=load_footprint(task),
                     provided=private.provided.__contains__,
                 )
+                used = judge(trusted=load_footprint(task))
+                if used and footprint is not None and task.solve_script is not None:
+                    if not footprint_path(task).is_file():
+                        used = judge(trusted=await footprint())
                 if used:
                     return _tampered(
                         start,

@@ -233,7 +233,8 @@ class PodmanProvider(SandboxProvider):
                     )
                     self._terminal_notes[image] = note
                     tag = image
-                elif NO_TMUX in out + err:
+                elif any(line.startswith(NO_TMUX) for line in (out + err).splitlines()):
+                    # (the build log also echoes the RUN line, which holds the same words)
                     self._terminal_notes[tag] = "no package manager of the image could install it"
                     log.warning("%s has no tmux and none could be installed: no terminal in it", image)
             self._terminal_images[image] = tag

@@ -34,15 +34,12 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError, TestRun, printable
 from agentrl.sandbox.podman.cli import INIT_PATH, LABEL_RUN, cli_cwd, find_init, rm_args, run_cli
 from agentrl.sandbox.podman.fanotify import OpenWatch
 from agentrl.sandbox.provenance import Opened, module_name
-
-if TYPE_CHECKING:
-    from agentrl.sandbox.podman.sandbox import PodmanSandbox
 
 REWARD_FILE_LIMIT = 64 * 1024  # bytes: a larger reward file is a verifier error, never read whole
 OUTPUT_TAIL = 64 * 1024  # bytes of the tests' output kept (the rest is read and dropped)
@@ -53,8 +50,16 @@ def available() -> bool:
     return OpenWatch.available() and shutil.which("mount") is not None
 
 
+class _Container(Protocol):
+    cli: str
+    sandbox_id: str
+    limit_args: tuple[str, ...]
+
+    async def _running(self) -> bool: ...
+
+
 async def run_private_tests(
-    sb: PodmanSandbox, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | None
+    sb: _Container, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | None
 ) -> TestRun:
     info = await _inspect(sb)
     graph = info.get("GraphDriver", {}).get("Data", {})
@@ -131,7 +136,7 @@ async def run_private_tests(
         await asyncio.to_thread(shutil.rmtree, tmp, True)
 
 
-async def _inspect(sb: PodmanSandbox) -> dict:  # type: ignore[type-arg]
+async def _inspect(sb: _Container) -> dict:  # type: ignore[type-arg]
     rc, out, err = await run_cli(sb.cli, "inspect", "--format", "{{json .}}", sb.sandbox_id, timeout=60)
     if rc != 0:
         raise SandboxTransportError(f"`inspect {sb.sandbox_id}` failed: {err.strip()[-300:]}")
