@@ -10,6 +10,7 @@ running. The tasks are in `tests/fixtures/adversarial/` (see its README).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -408,3 +409,44 @@ async def test_a_listening_service_survives_verification_other_processes_do_not(
         assert "while" not in ps.stdout and "sleep 0.05" not in ps.stdout
         probe = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8011/').status)\""
         assert (await sb.exec(probe, timeout=30)).stdout == "200\n"
+
+
+def terminus(keys: str, done: bool = False) -> str:
+    return json.dumps(
+        {
+            "analysis": "",
+            "plan": "",
+            "commands": [{"keystrokes": keys, "duration": 0.5}],
+            "task_complete": done,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("keys", "status", "cause"),
+    [
+        ("kill -STOP $(pgrep tmux)\n", Status.FAILED_POLICY, "terminal_broken"),
+        ("tmux kill-server\n", Status.COMPLETED, None),  # the session ended: verified as it is
+        ("exit\n", Status.COMPLETED, None),
+    ],
+)
+async def test_the_terminal_server_stopped_or_killed_is_the_agents_doing_never_an_exception(
+    provider: PodmanProvider, run_id: str, keys: str, status: Status, cause: str | None
+) -> None:
+    tok = byte_tokenizer()
+    engine = ScriptedEngine([terminus(keys), terminus("", True), terminus("", True)], tok)
+    config = EpisodeConfig(
+        action_format="terminus-json",
+        agent=AgentConfig(max_turns=4, command_timeout_s=10),
+        sampling=SamplingParams(max_new_tokens=2048),
+    )
+    result = await run_episode(
+        load_task(GUARDED),
+        provider=provider,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=config,
+        run_id=run_id,
+    )
+    assert (result.episode.status, result.episode.failure_cause) == (status, cause)
+    assert result.episode.reward == 0.0

@@ -377,23 +377,14 @@ async def run_turns(
             consecutive_malformed = 0
             try:
                 batch = await actor.act(action.commands, deadline)
-            except TerminalClosedError as exc:
-                if exc.cause != "terminal_closed":
-                    raise  # broken, not ended: handled below as a sandbox the agent broke
-                sandbox_s += time.monotonic() - t1
-                end = EndReason.SESSION_ENDED
-                turns.append(
-                    TurnRecord(
-                        index, text, _action_dict(action), outputs, "", versions, t1 - t0,
-                        time.monotonic() - t1, finish,
-                    )
-                )  # fmt: skip
-                break
             except (SandboxError, SandboxPolicyError) as exc:
-                # Infrastructure (the container gone, the host's client dead) vs. what the command
-                # itself could have done to its shell (docs/failures.md): the sandbox decides.
+                # The session ended (`exit`: Terminus-2 verifies what is there), or infrastructure
+                # (the container gone, the host's client dead) vs. what the command itself could
+                # have done to its shell or terminal (docs/failures.md): the sandbox decides.
                 sandbox_s += time.monotonic() - t1
-                if isinstance(exc, SandboxPolicyError):
+                if isinstance(exc, TerminalClosedError) and exc.cause == "terminal_closed":
+                    end = EndReason.SESSION_ENDED
+                elif isinstance(exc, SandboxPolicyError):
                     end, policy = EndReason.SANDBOX_BROKEN, exc
                 else:
                     end, infra = EndReason.SANDBOX_ERROR, exc
