@@ -450,3 +450,24 @@ async def test_the_terminal_server_stopped_or_killed_is_the_agents_doing_never_a
     )
     assert (result.episode.status, result.episode.failure_cause) == (status, cause)
     assert result.episode.reward == 0.0
+
+
+async def test_the_verification_writing_past_the_storage_limit_is_stopped_and_the_agents_doing(
+    provider: PodmanProvider, run_id: str, tmp_path: Path
+) -> None:
+    """The tests run the agent's programs; one that fills the verifier's own layer is stopped
+    when it passes the task's storage limit, never left to fill the host's disk."""
+    task_dir = tmp_path / "fills"
+    shutil.copytree(GUARDED, task_dir)
+    toml = task_dir / "task.toml"
+    toml.write_text(toml.read_text().replace("storage_mb = 1024", "storage_mb = 100"))
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nbash /app/fill.sh\necho 1 > /logs/verifier/reward.txt\n"
+    )
+    fill = script("/app/fill.sh", "dd if=/dev/zero of=/var/tmp/big bs=1M count=2000 2>/dev/null; sleep 30")
+    result = await episode(provider, [fill], run_id, task=load_task(task_dir))
+    assert result.verify is not None
+    assert (result.verify.outcome, result.verify.cause) == ("tampered", "storage_exceeded"), (
+        result.verify.error
+    )
+    assert result.episode.reward == 0.0

@@ -397,6 +397,7 @@ class PodmanProvider(SandboxProvider):
                 upper_dir=upper,
                 image=image,
                 limit_args=tuple(self._limit_args(task)),
+                storage_limit_mb=storage,
             )
             sandbox._init_pid = int(pid) if pid.isdigit() else None
             res = await sandbox._exec_clean(

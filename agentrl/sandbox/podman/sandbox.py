@@ -72,6 +72,7 @@ class PodmanSandbox(Sandbox):
         upper_dir: str | None = None,
         image: str = "",
         limit_args: tuple[str, ...] = (),
+        storage_limit_mb: int | None = None,
     ) -> None:
         self.provider = provider
         self.cli = provider.cli
@@ -79,6 +80,7 @@ class PodmanSandbox(Sandbox):
         self.workdir = workdir
         self.image = image
         self.limit_args = limit_args  # the container's cpus, memory and pids limits, as `run` options
+        self.storage_limit_mb = storage_limit_mb  # the task's, however enforced (also the verifier's)
         self._terminals: list[TmuxTerminal] = []
         self.output_limit = provider.output_limit
         self.shell_grace_s = provider.shell_grace_s

@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Protocol
 
 from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError, TestRun, printable
-from agentrl.sandbox.podman.cli import INIT_PATH, LABEL_RUN, cli_cwd, find_init, rm_args, run_cli
+from agentrl.sandbox.podman.cli import INIT_PATH, LABEL_RUN, _tree_bytes, cli_cwd, find_init, rm_args, run_cli
 from agentrl.sandbox.podman.fanotify import OpenWatch
 from agentrl.sandbox.provenance import Opened, module_name
 
 REWARD_FILE_LIMIT = 64 * 1024  # bytes: a larger reward file is a verifier error, never read whole
+STORAGE_CHECK_S = 2.0  # how often the verifier's own layer is measured against the storage limit
 OUTPUT_TAIL = 64 * 1024  # bytes of the tests' output kept (the rest is read and dropped)
 RESULT_NAMES = ("reward.json", "reward.txt")
 
@@ -54,6 +55,7 @@ class _Container(Protocol):
     cli: str
     sandbox_id: str
     limit_args: tuple[str, ...]
+    storage_limit_mb: int | None
 
     async def _running(self) -> bool: ...
 
@@ -108,8 +110,15 @@ async def run_private_tests(
         for k, v in env.items():
             args += ["-e", f"{k}={v}"]
         args += ["--rootfs", str(root), *(["--", "/tests/test.sh"] if init else ["/tests/test.sh"])]
+        limit = sb.storage_limit_mb * 2**20 if sb.storage_limit_mb else None
         with OpenWatch(str(root)) as watch:
-            exit_code, timed_out, output = await _run(sb.cli, args, name, timeout)
+            exit_code, timed_out, output, overrun = await _run(sb.cli, args, name, timeout, str(upper), limit)
+        if overrun is not None:
+            raise SandboxPolicyError(
+                f"the verification wrote {overrun / 2**20:.0f} MiB, over the task's storage limit of "
+                f"{sb.storage_limit_mb} MiB; it was stopped",
+                cause="storage_exceeded",
+            )
         if watch.lost:
             raise SandboxTransportError("the verifier's file accesses could not all be recorded")
         if exit_code == 125 and not timed_out:
@@ -151,9 +160,13 @@ async def _host(*argv: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
-async def _run(cli: str, args: list[str], name: str, timeout: float) -> tuple[int | None, bool, str]:
-    """Run the verification container; its output's last `OUTPUT_TAIL` bytes, bounded in memory
-    whatever the tests print. A timeout kills and removes the container."""
+async def _run(
+    cli: str, args: list[str], name: str, timeout: float, layer: str, limit: int | None
+) -> tuple[int | None, bool, str, int | None]:
+    """Run the verification container: its exit code (None after a timeout), whether it timed
+    out, its output's last `OUTPUT_TAIL` bytes (bounded in memory whatever the tests print) and,
+    when the verifier's own layer grew past `limit` bytes (measured on the host every
+    `STORAGE_CHECK_S`), its size. A timeout or an overrun kills and removes the container."""
     proc = await asyncio.create_subprocess_exec(
         cli, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, cwd=cli_cwd(),
@@ -161,6 +174,7 @@ async def _run(cli: str, args: list[str], name: str, timeout: float) -> tuple[in
     assert proc.stdout is not None
     tail: collections.deque[bytes] = collections.deque()
     kept = 0
+    overrun: int | None = None
 
     async def drain() -> None:
         nonlocal kept
@@ -171,19 +185,32 @@ async def _run(cli: str, args: list[str], name: str, timeout: float) -> tuple[in
             while kept - len(tail[0]) >= OUTPUT_TAIL:
                 kept -= len(tail.popleft())
 
+    async def watch_storage() -> None:
+        nonlocal overrun
+        while limit is not None:
+            await asyncio.sleep(STORAGE_CHECK_S)
+            used = await asyncio.to_thread(_tree_bytes, layer, limit)
+            if used > limit:
+                overrun = used
+                return
+
     timed_out = False
+    watcher = asyncio.ensure_future(watch_storage())
+    runner = asyncio.ensure_future(asyncio.gather(drain(), proc.wait()))
     try:
-        await asyncio.wait_for(asyncio.gather(drain(), proc.wait()), timeout)
-    except TimeoutError:
-        timed_out = True
+        done, _ = await asyncio.wait([runner, watcher], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not done
     finally:
+        watcher.cancel()
         if proc.returncode is None:
             await asyncio.shield(run_cli(cli, *rm_args(cli), name, timeout=120))
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await asyncio.shield(proc.wait())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner, 30)  # the output's end, after the container's
     text = b"".join(tail)[-OUTPUT_TAIL:].decode(errors="replace")
-    return (None if timed_out else proc.returncode), timed_out, text
+    return (None if timed_out else proc.returncode), timed_out, text, overrun
 
 
 def _plain_dirs(root: str, rels: list[str]) -> None:
