@@ -37,11 +37,10 @@ HOSTILE = [
     ("kill -9 -1", "shell_killed"),
     ("printf 'garbage\\n' > /proc/$PPID/fd/1", "shell_protocol"),
     ("head -c 40000000 /dev/zero | tr '\\0' a > /proc/$PPID/fd/1", "shell_protocol"),
-    ("printf '#!/bin/sh\\necho 1\\n' > /usr/bin/cat; " + HONEST.replace("hello", "bye"), "system_files"),
+    ("printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/python3; chmod +x /usr/local/bin/python3", "agent_code"),
     (
-        "d=$(python3 -c 'import site; print(site.getsitepackages()[0])'); mkdir -p $d;"
-        " printf 'import os\\nos._exit(0)\\n' > $d/sitecustomize.py",
-        "system_files",
+        "d=/usr/local/lib/python3.11/dist-packages; mkdir -p $d; echo 'import os; os._exit(0)' > $d/zz.pth",
+        "agent_code",
     ),
 ]
 STEPS = 12  # 24 hostile episodes: every attack's cause is seen (asserted below)

@@ -73,7 +73,7 @@ async def oracle_one(
                 elif run.exit_code != 0:
                     detail = f"solve.sh exited {run.exit_code}: {(run.stderr or run.stdout)[-300:]}"
             result = await verify(sandbox, task, reference=solution)
-            if solution and result.outcome == "pass":
+            if solution and result.outcome == "pass" and result.agent_code is not None:
                 save_footprint(task, result.agent_code)
     except InfraError as exc:
         return OracleResult(

@@ -72,7 +72,9 @@ class VerifyResult:
     log_tail: str = ""
     error: str | None = None
     cause: str | None = None  # why, for anything but pass and fail (counted in metrics)
-    agent_code: list[str] = field(default_factory=list)  # with reference=True: agent-made code used
+    # With reference=True: the agent-made code the verification used (None: this backend has no
+    # provenance, so nothing is known).
+    agent_code: list[str] | None = None
 
     @property
     def infra_failure(self) -> bool:
@@ -161,7 +163,7 @@ async def verify(
     }
     user = task.config.verifier.user
     start = time.monotonic()
-    used: list[str] = []
+    used: list[str] | None = None
     try:
         await sandbox.stop_processes()
         with scripts_with_lf(task.tests_dir) as tests_dir:
@@ -242,7 +244,7 @@ def _shown(paths: list[str]) -> str:
 
 
 async def _verify_inside(
-    sandbox: Sandbox, task: Task, timeout: float, env: dict[str, str], user: str | None
+    sandbox: Sandbox, task: Task, timeout: float, env: dict[str, str], user: str | int | None
 ) -> tuple[bool, dict[str, str]]:
     """Where the backend has no private verification: recreate /tests and /logs/verifier inside the
     sandbox (the agent may have planted a conftest.py, made test.sh a directory or /logs a file),

@@ -279,7 +279,7 @@ class Sandbox(abc.ABC):
         await self.exec(KILL_ALL, timeout=60)
 
     async def run_tests(
-        self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | None
+        self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
     ) -> TestRun | None:
         """Run `tests_dir/test.sh` where no process of the agent's can see or touch it, with
         `tests_dir` at /tests and a fresh /logs/verifier, and report what the verification used that

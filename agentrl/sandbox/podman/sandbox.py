@@ -449,7 +449,7 @@ class PodmanSandbox(Sandbox):
         return found
 
     async def run_tests(
-        self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | None
+        self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
     ) -> TestRun | None:
         """In a verification container of its own over this container's files (`verifier.py`),
         on a rootful podman; None elsewhere."""

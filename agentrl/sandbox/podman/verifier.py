@@ -34,7 +34,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError, TestRun, printable
 from agentrl.sandbox.podman.cli import INIT_PATH, LABEL_RUN, _tree_bytes, cli_cwd, find_init, rm_args, run_cli
@@ -61,7 +61,7 @@ class _Container(Protocol):
 
 
 async def run_private_tests(
-    sb: _Container, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | None
+    sb: _Container, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
 ) -> TestRun:
     info = await _inspect(sb)
     graph = info.get("GraphDriver", {}).get("Data", {})
@@ -102,8 +102,8 @@ async def run_private_tests(
         ]  # fmt: skip
         init = find_init()
         args += ["-v", f"{init}:{INIT_PATH}:ro", "--entrypoint", INIT_PATH] if init else ["--init"]
-        if user or config.get("User"):
-            args += ["--user", user or config["User"]]
+        if user is not None or config.get("User"):
+            args += ["--user", str(user if user is not None else config["User"])]
         for item in config.get("Env") or []:
             if not item.startswith(tuple(f"{k}=" for k in env)):
                 args += ["-e", item]
@@ -145,7 +145,7 @@ async def run_private_tests(
         await asyncio.to_thread(shutil.rmtree, tmp, True)
 
 
-async def _inspect(sb: _Container) -> dict:  # type: ignore[type-arg]
+async def _inspect(sb: _Container) -> dict[str, Any]:
     rc, out, err = await run_cli(sb.cli, "inspect", "--format", "{{json .}}", sb.sandbox_id, timeout=60)
     if rc != 0:
         raise SandboxTransportError(f"`inspect {sb.sandbox_id}` failed: {err.strip()[-300:]}")
@@ -196,7 +196,7 @@ async def _run(
 
     timed_out = False
     watcher = asyncio.ensure_future(watch_storage())
-    runner = asyncio.ensure_future(asyncio.gather(drain(), proc.wait()))
+    runner: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(drain(), proc.wait()))
     try:
         done, _ = await asyncio.wait([runner, watcher], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         timed_out = not done
