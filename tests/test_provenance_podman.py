@@ -110,3 +110,27 @@ async def test_a_service_left_running_answers_the_tests(provider, run_id: str) -
     finally:
         await provider.aclose()
     assert result.ok and result.reward == 1.0, result.detail
+
+
+@pytest.mark.parametrize(
+    "commands",
+    [
+        [script("/pytest.ini", "[pytest]", "addopts = --collect-only")],  # passes without running a test
+        [script("/pytest.ini", "[pytest]"), script("/conftest.py", "import os", "os._exit(0)")],
+        [
+            "f=$(python3 -c 'import _pytest.main as m; print(m.__file__)') && echo 'import os; os._exit(0)' >> $f"
+        ],
+    ],
+    ids=["root pytest.ini", "root conftest.py", "pytest's own code"],
+)
+async def test_the_real_harness_steered_by_the_agent_is_tampering(
+    provider, run_id: str, commands: list[str]
+) -> None:  # type: ignore[no-untyped-def]
+    task = load_task(TASKS / "hello-file")
+    try:
+        result = await episode(provider, commands, run_id, task=task)
+    finally:
+        await provider.aclose()
+    assert result.verify is not None
+    assert (result.verify.outcome, result.verify.cause) == CODE, result.verify.error
+    assert result.episode.reward == 0.0

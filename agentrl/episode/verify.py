@@ -198,8 +198,8 @@ async def verify(
                     return _tampered(
                         start,
                         "agent_code",
-                        f"the verifier ran code the agent made or changed: {_shown(used)}"
-                        + _FOOTPRINT_HINT * (task.solve_script is not None),
+                        f"the verification used code or configuration the agent made or changed: {_shown(used)}"
+                        + _FOOTPRINT_HINT * (task.solve_script is not None and footprint is None),
                     )
     except SandboxPolicyError as exc:
         return _tampered(start, exc.cause, str(exc))
