@@ -471,3 +471,24 @@ async def test_the_verification_writing_past_the_storage_limit_is_stopped_and_th
         result.verify.error
     )
     assert result.episode.reward == 0.0
+
+
+async def test_code_put_back_after_the_tests_loaded_the_agents_version_is_still_tampering(
+    provider: PodmanProvider, run_id: str, tmp_path: Path
+) -> None:
+    """A kept service swaps the harness for its own, waits for the tests to load it, then writes
+    the original back (same content as the image's): what the tests ran is judged, not what is
+    left. The task's test.sh lingers 3 s after the tests, so the original is back by the end."""
+    task_dir = tmp_path / "lingers"
+    shutil.copytree(GUARDED, task_dir)
+    test_sh = task_dir / "tests" / "test.sh"
+    test_sh.write_text(test_sh.read_text() + "sleep 3\n")
+    commands = survivor(
+        "if 'orig' not in dir():",
+        "    orig = open('/opt/harness/pytest.py').read(); open('/opt/harness/pytest.py', 'w').write('import os; os._exit(0)'); t0 = time.time()",
+        "if time.time() - t0 > 2 and orig: open('/opt/harness/pytest.py', 'w').write(orig); orig = ''",
+    )
+    result = await episode(provider, commands, run_id, task=load_task(task_dir))
+    assert result.verify is not None
+    assert (result.verify.outcome, result.verify.cause) == CODE, result.verify.error
+    assert "/opt/harness/pytest.py" in (result.verify.error or "")

@@ -33,6 +33,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -111,6 +112,7 @@ async def run_private_tests(
             args += ["-e", f"{k}={v}"]
         args += ["--rootfs", str(root), *(["--", "/tests/test.sh"] if init else ["/tests/test.sh"])]
         limit = sb.storage_limit_mb * 2**20 if sb.storage_limit_mb else None
+        started = time.time()  # wall clock: compared with the layer's inode change times
         with OpenWatch(str(root)) as watch:
             exit_code, timed_out, output, overrun = await _run(sb.cli, args, name, timeout, str(upper), limit)
         if overrun is not None:
@@ -133,7 +135,7 @@ async def run_private_tests(
         files = await asyncio.to_thread(_read_results, logs)
         files["test-stdout.txt"] = output
         opened = await asyncio.to_thread(
-            _agent_made, watch.opened, agent_upper, str(upper), graph.get("LowerDir", "")
+            _agent_made, watch.opened, agent_upper, str(upper), graph.get("LowerDir", ""), started
         )
         provided = await asyncio.to_thread(_provided, opened, workdir, graph.get("LowerDir", ""), str(upper))
         return TestRun(exit_code, timed_out, files, opened, provided, workdir)
@@ -257,23 +259,53 @@ def _read_results(logs: Path) -> dict[str, str]:
     return files
 
 
-def _agent_made(opened: dict[str, bool], agent_upper: str, verifier_upper: str, lower: str) -> list[Opened]:
+def _agent_made(
+    opened: dict[str, bool], agent_upper: str, verifier_upper: str, lower: str, started: float
+) -> list[Opened]:
     """The opened files that come from the agent's writable layer (created or changed by the
-    agent, before or during verification), not from the image or the verifier's own writes. A
-    file whose content is the image's (only its owner or mode changed) is the image's code."""
+    agent, before or during verification), not from the image or the verifier's own writes.
+
+    A file whose content is the image's and whose inode last changed before the verification
+    started only had its owner or mode changed: the image's code. One changed during verification
+    counts whatever its content now (a process of the agent's may have put the original back
+    after the tests loaded its own), and so does one deleted since the tests opened it (a
+    whiteout at it or at a directory above it)."""
     found = []
     for path, executed in opened.items():
-        try:
-            st = os.lstat(agent_upper + path)
-        except (OSError, ValueError):
+        if os.path.lexists(verifier_upper + path):
             continue
-        whiteout = stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-        if stat.S_ISDIR(st.st_mode) or whiteout or os.path.lexists(verifier_upper + path):
-            continue
-        if stat.S_ISREG(st.st_mode) and _same_as_image(agent_upper + path, st.st_size, path, lower):
-            continue
-        found.append(Opened(path, executed))
+        changed = _whiteout_above(agent_upper, path)
+        if not changed:
+            try:
+                st = os.lstat(agent_upper + path)
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            changed = not (
+                stat.S_ISREG(st.st_mode)
+                and st.st_ctime < started
+                and _same_as_image(agent_upper + path, st.st_size, path, lower)
+            )
+        if changed:
+            found.append(Opened(path, executed))
     return found
+
+
+def _whiteout_above(layer: str, path: str) -> bool:
+    """Whether `path` or a directory above it is deleted in the writable `layer` (a whiteout:
+    a 0/0 character device), looked at without following links."""
+    parts = path.strip("/").split("/")
+    for depth in range(1, len(parts) + 1):
+        try:
+            st = os.lstat(os.path.join(layer, *parts[:depth]))
+        except (OSError, ValueError):
+            return False
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+            return True
+        if not stat.S_ISDIR(st.st_mode):
+            return False
+    return False
 
 
 def _same_as_image(copy: str, size: int, path: str, lower: str) -> bool:
