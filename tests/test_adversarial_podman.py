@@ -492,3 +492,27 @@ async def test_code_put_back_after_the_tests_loaded_the_agents_version_is_still_
     assert result.verify is not None
     assert (result.verify.outcome, result.verify.cause) == CODE, result.verify.error
     assert "/opt/harness/pytest.py" in (result.verify.error or "")
+
+
+async def test_a_sparse_reward_file_and_hostile_output_stay_bounded_and_printable(
+    provider: PodmanProvider, run_id: str, tmp_path: Path
+) -> None:
+    """The tests run an agent program that makes the reward file a 100 GiB sparse file and prints
+    escape sequences and invalid UTF-8: the reward is refused after reading 64 KiB (no copy of
+    the rest), and what reaches records and logs is bounded and printable."""
+    task_dir = tmp_path / "sparse"
+    shutil.copytree(GUARDED, task_dir)
+    (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\nbash /app/run.sh\n")
+    run = script(
+        "/app/run.sh",
+        "truncate -s 100G /logs/verifier/reward.txt",
+        "head -c 10000000 /dev/zero | tr '\\0' x",
+        "printf '\\033]0;owned\\007\\033[2J\\377\\376 done\\n'",
+    )
+    result = await episode(provider, [run], run_id, task=load_task(task_dir))
+    vres = result.verify
+    assert vres is not None and vres.outcome == "verifier-error" and result.episode.reward == 0.0
+    assert "too large" in (vres.error or "")
+    assert "done" in vres.log_tail and "\\x1b" in vres.log_tail  # shown escaped
+    assert "\x1b" not in vres.log_tail and "\x07" not in vres.log_tail and len(vres.log_tail) <= 3100
+    assert vres.duration_s < 30
