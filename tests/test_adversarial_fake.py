@@ -18,6 +18,7 @@ from agentrl.episode.run import run_episode
 from agentrl.episode.sample import Status
 from agentrl.sandbox.base import ExecResult, SandboxPolicyError, printable, tampered
 from agentrl.sandbox.lint import lint_task
+from agentrl.sandbox.podman.sandbox import _DiffScan
 from agentrl.tasks.task import MAX_INSTRUCTION_BYTES, load_task
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider
 from tests.chat_tokenizer import byte_tokenizer
@@ -82,6 +83,24 @@ def test_lint_warns_about_an_oversized_instruction(tmp_path: Path) -> None:
 )
 def test_tamper_rules(changed, deleted, added, flagged) -> None:  # type: ignore[no-untyped-def]
     assert tampered(changed, deleted, added) == flagged
+    # The same rules over `podman diff` lines streamed in either order (directories are not
+    # listed before their entries); a directory only seen before its entries is asked of the layer.
+    lines = [f"C {p}" for p in changed] + [f"D {p}" for p in deleted] + [f"A {p}" for p in added]
+    dirs = {p.rsplit("/", 1)[0] for p in [*changed, *deleted, *added]}
+    for order in (lines, lines[::-1]):
+        scan = _DiffScan()
+        for line in order:
+            scan.feed(line)
+        assert scan.result(lambda p: p in dirs) == flagged
+
+
+def test_a_huge_diff_is_scanned_in_bounded_memory() -> None:
+    scan = _DiffScan(cap=100)
+    for i in range(50_000):
+        scan.feed(f"A /usr/local/lib/python3.11/site-packages/evil{i}.pth")
+        scan.feed(f"A /app/data/file{i}")  # ordinary additions are never held
+    found = scan.result()
+    assert len(scan.candidates) == 100 and len(found) == 101 and found[-1] == "... and up to 49900 more"
 
 
 async def test_a_sandbox_the_command_broke_is_a_policy_failure_not_infra() -> None:

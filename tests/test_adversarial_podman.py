@@ -516,3 +516,30 @@ async def test_a_sparse_reward_file_and_hostile_output_stay_bounded_and_printabl
     assert "done" in vres.log_tail and "\\x1b" in vres.log_tail  # shown escaped
     assert "\x1b" not in vres.log_tail and "\x07" not in vres.log_tail and len(vres.log_tail) <= 3100
     assert vres.duration_s < 30
+
+
+@pytest.mark.parametrize(
+    ("commands", "expected"),
+    [
+        (
+            ["printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/python3; chmod +x /usr/local/bin/python3"],
+            ("tampered", "system_files"),
+        ),
+        (["printf 'import sys\\nsys.exit(0)\\n' > /app/pytest.py"], ("tampered", "system_files")),
+        (["rm -rf /logs && ln -s / /logs"], FAIL),
+    ],
+    ids=["python3 on PATH", "pytest.py in the working directory", "/logs a link to the root"],
+)
+async def test_without_private_verification_the_listed_checks_still_hold(
+    run_id: str, commands: list[str], expected: tuple[str, str | None]
+) -> None:
+    """Rootless podman or docker (or `private_verification=False`): the tests run inside the
+    sandbox after the `podman diff` scan of the listed system paths."""
+    provider = PodmanProvider(cli=CLI, shell_grace_s=3, private_verification=False)
+    try:
+        result = await episode(provider, commands, run_id)
+    finally:
+        await provider.aclose()
+    assert result.verify is not None
+    assert (result.verify.outcome, result.verify.cause) == expected, result.verify.error
+    assert not Path("/verifier").exists()

@@ -71,13 +71,17 @@ class PodmanProvider(SandboxProvider):
         shell_grace_s: float = 30.0,
         init: str | None = None,
         terminal_tools: bool = True,
+        private_verification: bool = True,
     ) -> None:
         """Limits: a task's own `cpus` / `memory_mb` / `storage_mb` win; when it is silent the
         defaults apply (None: no limit). `init` is a static init run as PID 1 in pause mode
         (default: catatonit, found like podman finds it): it reaps zombies and cannot be killed from
         inside, so `kill -9 -1` ends the agent's processes but never the container.
         `terminal_tools`: sandboxes run the task's image plus one layer that installs tmux where it
-        is missing (built once per image, with the build network), so `open_terminal` works."""
+        is missing (built once per image, with the build network), so `open_terminal` works.
+        `private_verification`: the tests run in a verification container of their own with
+        provenance (`verifier.py`) where the host allows it (rootful podman); False verifies inside
+        the sandbox after the `podman diff` tamper scan."""
         self.cli = cli or os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
         self.allow_network = allow_network  # None: the task decides; True/False: user override
         self.pids_limit = pids_limit
@@ -93,6 +97,7 @@ class PodmanProvider(SandboxProvider):
         self.shell_grace_s = shell_grace_s
         self.init = init if init is not None else find_init()
         self.terminal_tools = terminal_tools
+        self.private_verification = private_verification and self._podman
         self._terminal_images: dict[str, str] = {}
         self._terminal_notes: dict[str, str] = {}  # image -> why its tmux layer is missing
         self._storage_opt: bool | None = None  # whether the storage driver caps a container's size

@@ -9,12 +9,17 @@ import logging
 import os
 import secrets
 import shlex
+import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from agentrl.sandbox.base import (
+    HARMLESS,
     KILL_ALL,
+    SUSPICIOUS_ADDITIONS,
+    SYSTEM_PREFIXES,
     ExecResult,
     Sandbox,
     SandboxError,
@@ -47,6 +52,41 @@ from agentrl.sandbox.terminal import TmuxTerminal
 log = logging.getLogger(__name__)
 
 
+class _DiffScan:
+    """`tampered()` over a `podman diff` listing (`C|A|D path` lines) fed one line at a time,
+    holding only the candidate entries (at most `cap`, beyond which the rest are only counted)."""
+
+    def __init__(self, cap: int = 10_000) -> None:
+        self.cap = cap
+        self.candidates: dict[str, bool] = {}  # path -> is a directory (a parent of another entry)
+        self.extra = 0
+
+    def feed(self, line: str) -> None:
+        kind, _, path = line.partition(" ")
+        if not path.startswith("/"):
+            return
+        parent = path.rsplit("/", 1)[0]
+        while parent:
+            if parent in self.candidates:
+                self.candidates[parent] = True
+            parent = parent.rsplit("/", 1)[0]
+        system = path.startswith(SYSTEM_PREFIXES)
+        suspicious = (kind in ("C", "D") and system) or (kind == "A" and SUSPICIOUS_ADDITIONS.search(path))
+        if suspicious and not HARMLESS.search(path) and path not in self.candidates:
+            if len(self.candidates) < self.cap:
+                self.candidates[path] = False
+            else:
+                self.extra += 1
+
+    def result(self, is_dir: Callable[[str], bool] = lambda path: False) -> list[str]:
+        """The candidates that are files: `podman diff` does not order a directory before its
+        entries, so a candidate seen only before its children is asked of `is_dir`."""
+        found = sorted(p for p, seen_as_dir in self.candidates.items() if not seen_as_dir and not is_dir(p))
+        if self.extra:
+            found.append(f"... and up to {self.extra} more")
+        return found
+
+
 class PodmanHost(Protocol):
     """What a sandbox needs of the provider that started it (`PodmanProvider`)."""
 
@@ -55,6 +95,7 @@ class PodmanHost(Protocol):
     storage_check_s: float
     shell_grace_s: float
     terminal_tools: bool
+    private_verification: bool
     _terminal_notes: dict[str, str]
     _background: set[asyncio.Task[Any]]
 
@@ -453,10 +494,55 @@ class PodmanSandbox(Sandbox):
     ) -> TestRun | None:
         """In a verification container of its own over this container's files (`verifier.py`),
         on a rootful podman; None elsewhere."""
-        if not verifier.available() or self._upper_dir is None:
+        if not (self.provider.private_verification and verifier.available()) or self._upper_dir is None:
             return None
         self._check_storage()
         return await verifier.run_private_tests(self, tests_dir, timeout=timeout, env=env, user=user)
+
+    async def tampered_paths(self) -> list[str] | None:
+        """Where verification cannot be private (rootless podman, docker): the container's changes against its image, as the storage driver sees them on the
+        host (`podman diff`): no tool inside the container takes part. The listing is streamed a
+        line at a time and only suspicious entries are kept, so an agent that created millions of
+        files costs time, never host memory."""
+        proc = await asyncio.create_subprocess_exec(
+            self.cli,
+            "diff",
+            self.sandbox_id,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cli_cwd(),
+        )
+        scan = _DiffScan()
+
+        async def read() -> bytes:
+            assert proc.stdout is not None and proc.stderr is not None
+            while line := await proc.stdout.readline():
+                scan.feed(line.decode(errors="replace").rstrip("\n"))
+            return await proc.stderr.read(64 * 1024)
+
+        try:
+            err, _ = await asyncio.wait_for(asyncio.gather(read(), proc.wait()), 300)
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+            raise
+        if proc.returncode != 0:
+            raise SandboxTransportError(
+                f"`{self.cli} diff {self.sandbox_id}` failed: {err.decode(errors='replace').strip()[-300:]}"
+            )
+        return scan.result(self._is_dir_in_layer)
+
+    def _is_dir_in_layer(self, path: str) -> bool:
+        """Whether `path` is a directory in the container's writable layer (copied up when its
+        entries changed), looked at from the host without following links."""
+        if self._upper_dir is None:
+            return False
+        try:
+            return stat.S_ISDIR(os.lstat(self._upper_dir + path).st_mode)
+        except (OSError, ValueError):
+            return False
 
     # -- storage -------------------------------------------------------------------------------------
     async def _measure_storage(self) -> None:
