@@ -37,6 +37,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
 
 import agentrl
+from agentrl.episode.oracle import ensure_footprint
 from agentrl.episode.verify import verify
 from agentrl.errors import InfraError, InputError
 from agentrl.openenv.config import ServeConfig
@@ -467,7 +468,12 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
         if self._broken is not None:
             return await self._policy_failure("evaluate", self._broken)
         try:
-            vres = await verify(self._sandbox, self._task)
+            task, hub = self._task, self.hub
+            vres = await verify(
+                self._sandbox,
+                task,
+                footprint=lambda: ensure_footprint(hub.provider, task, run_id=hub.config.run_id),
+            )
         except InputError as exc:
             await self._release()
             self._done = True
