@@ -40,9 +40,10 @@ class OracleResult:
 
 
 async def oracle_one(
-    provider: SandboxProvider, task: Task, *, run_id: str, solution: bool = True
+    provider: SandboxProvider, task: Task, *, run_id: str, solution: bool = True, raise_infra: bool = False
 ) -> OracleResult:
-    """Run one task's oracle check; infrastructure and format failures become a failure cause."""
+    """Run one task's oracle check; infrastructure and format failures become a failure cause
+    (with `raise_infra`, an infrastructure failure is raised instead)."""
     expected = 1.0 if solution else 0.0
     start = time.monotonic()
     cause: str | None = None
@@ -76,6 +77,8 @@ async def oracle_one(
             if solution and result.outcome == "pass" and result.agent_code is not None:
                 save_footprint(task, result.agent_code)
     except InfraError as exc:
+        if raise_infra:
+            raise
         return OracleResult(
             task.task_id, expected, None, time.monotonic() - start, exc.cause, str(exc)[-2000:]
         )
@@ -98,13 +101,14 @@ async def ensure_footprint(provider: SandboxProvider, task: Task, *, run_id: str
     """The agent-made code the task's reference solution makes its verifier use (what it installs
     or replaces as the task asks), computed once per task content by an oracle run in a sandbox of
     its own and cached (`save_footprint`); episodes of one task running at once share the run. A
-    solution that fails its own verifier leaves an empty footprint (and says so in the log)."""
+    solution that fails its own verifier leaves an empty footprint (and says so in the log); an
+    infrastructure failure on the way is raised (the episode is retried, nothing is cached)."""
     key = str(footprint_path(task))
     if key not in _FOOTPRINTS:
         future = _FOOTPRINTS[key] = asyncio.get_running_loop().create_future()
         try:
             if not footprint_path(task).is_file():
-                result = await oracle_one(provider, task, run_id=f"{run_id}-footprint")
+                result = await oracle_one(provider, task, run_id=f"{run_id}-footprint", raise_infra=True)
                 if not result.ok:
                     log.warning(
                         "the reference solution of %s failed (%s): nothing it installs is trusted",
