@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import shutil
 from pathlib import Path
 
 import pytest
 
-from agentrl.episode.verify import VERIFIER_PYTHON_ENV, parse_reward, verify
+from agentrl.episode.oracle import ensure_footprint
+from agentrl.episode.verify import VERIFIER_PYTHON_ENV, footprint_path, parse_reward, verify
 from agentrl.errors import TaskFormatError
-from agentrl.sandbox.base import ExecResult
+from agentrl.sandbox.base import ExecResult, SandboxCreateError
 from agentrl.tasks.task import load_task
 from agentrl.testing.sandbox import FakeSandbox, FakeSandboxProvider, Faults
 
@@ -164,7 +166,9 @@ async def test_reward_out_of_range_is_a_verifier_error_showing_the_value(task) -
     async with await provider.create(task, run_id="v") as sb:
         res = await verify(sb, task)
     assert res.outcome == "verifier-error" and res.reward is None and res.infra_failure
-    assert res.cause == "reward_out_of_range" and res.policy_failure  # after an agent phase: its code may have written it
+    assert (
+        res.cause == "reward_out_of_range" and res.policy_failure
+    )  # after an agent phase: its code may have written it
     assert "7.0" in (res.error or "")
 
 
@@ -232,3 +236,26 @@ async def test_a_task_may_declare_its_reward_range(task, tmp_path: Path) -> None
     (path / "task.toml").write_text(toml.replace("[0, 10]", "[10, 0]"))
     with pytest.raises(TaskFormatError, match="reward_range"):
         _ = load_task(path).config
+
+
+async def test_a_footprint_is_computed_once_for_episodes_running_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    task = load_task(FIXTURES / "write-hello")
+    provider = FakeSandboxProvider(grader=lambda sb: 1.0)
+    results = await asyncio.gather(*(ensure_footprint(provider, task, run_id="f") for _ in range(3)))
+    assert results == [frozenset()] * 3 and provider.created == 1
+
+
+async def test_an_infrastructure_failure_while_computing_a_footprint_is_raised_and_not_cached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    task = load_task(FIXTURES / "reward-json")
+    broken = FakeSandboxProvider(grader=lambda sb: 1.0, faults=Faults(create_failure=1.0))
+    with pytest.raises(SandboxCreateError):
+        await ensure_footprint(broken, task, run_id="f")
+    assert not footprint_path(task).exists()
+    working = FakeSandboxProvider(grader=lambda sb: 1.0)
+    assert await ensure_footprint(working, task, run_id="f") == frozenset() and working.created == 1
