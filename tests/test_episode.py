@@ -152,12 +152,15 @@ async def test_a_verifier_that_writes_no_reward_after_an_agent_phase_is_a_policy
     assert result.episode.failure_cause == "verifier_error"
 
 
-async def test_a_reward_out_of_range_is_infra_with_the_value_shown() -> None:
+async def test_a_reward_out_of_range_after_an_agent_phase_is_a_policy_failure_with_the_value_shown() -> None:
+    """The tests run the agent's programs with the verifier's rights, so the agent could have
+    written it: reward 0 with its cause, never a re-roll (the oracle sweep calls it the task's)."""
     tok = byte_tokenizer()
     prov = FakeSandboxProvider(grader=lambda sb: 7.0)
-    with pytest.raises(InfraError) as info:
-        await run(ScriptedEngine([fenced("echo hello > /app/hello.txt"), "TASK_COMPLETE"], tok), prov)
-    assert info.value.cause == "reward_out_of_range" and "7.0" in str(info.value)
+    result = await run(ScriptedEngine([fenced("echo hello > /app/hello.txt"), "TASK_COMPLETE"], tok), prov)
+    assert result.episode.status is Status.FAILED_POLICY and result.episode.reward == 0.0
+    assert result.episode.failure_cause == "reward_out_of_range" and result.verify is not None
+    assert "7.0" in (result.verify.error or "")
 
 
 async def test_record_then_replay_matches(tmp_path: Path) -> None:
