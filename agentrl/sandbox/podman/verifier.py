@@ -79,9 +79,10 @@ async def run_private_tests(
     try:
         tests, logs = tmp / "tests", tmp / "logs"
         shutil.copytree(tests_dir, tests, symlinks=True)
-        for path in [tests, *tests.rglob("*")]:
+        for path in [tests, *tests.rglob("*")]:  # readable by any verifier user, own modes kept
             if not path.is_symlink():
-                path.chmod(0o777 if path.is_dir() else 0o755 if path.name == "test.sh" else 0o644)
+                mode = path.stat().st_mode & 0o7777
+                path.chmod(0o777 if path.is_dir() else mode | (0o755 if path == tests / "test.sh" else 0o644))
         logs.mkdir(mode=0o777)
         logs.chmod(0o777)
         options = f"lowerdir={merged},upperdir={upper},workdir={tmp / 'work'}"
