@@ -38,7 +38,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError, TestRun, printable
-from agentrl.sandbox.podman.cli import INIT_PATH, LABEL_RUN, _tree_bytes, cli_cwd, find_init, rm_args, run_cli
+from agentrl.sandbox.podman.cli import (
+    INIT_PATH,
+    LABEL_CREATED,
+    LABEL_RUN,
+    _tree_bytes,
+    cli_cwd,
+    find_init,
+    rm_args,
+    run_cli,
+)
 from agentrl.sandbox.podman.fanotify import OpenWatch
 from agentrl.sandbox.provenance import Opened, module_name
 
@@ -99,6 +108,7 @@ async def run_private_tests(
         args = [
             "run", "--rm", "--name", name, "--network", f"container:{sb.sandbox_id}",
             "--label", f"{LABEL_RUN}={config.get('Labels', {}).get(LABEL_RUN, '')}",
+            "--label", f"{LABEL_CREATED}={int(time.time())}",
             "-v", f"{tests}:/tests", "-v", f"{logs}:/logs/verifier", "-w", workdir,
             *sb.limit_args,
         ]  # fmt: skip
