@@ -171,12 +171,23 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return base / "tiny"
 
 
+# The bundled tasks whose text the tiny tokenizer is trained on, pinned: the tokenizer (and so the
+# random-init model built on it) would otherwise change with every task added to the bundle or
+# every edit of its README, and the demo's result after SFT moves with it (docs/demo_log.md).
+CORPUS_TASKS = (
+    "c-build-fix", "count-lines", "csv-transform", "fix-python-bug", "git-recover-file",
+    "git-remove-commit", "hello-file", "json-config-fix", "log-status-report", "make-dirs",
+    "make-executable", "port-service", "replace-word", "rotate-logs-script", "setup-wizard",
+    "sqlite-report", "uppercase-file", "user-permissions",
+)  # fmt: skip
+
+
 def _bundled_task_texts() -> list[str]:
     tasks = Path(__file__).resolve().parents[2] / "envs" / "tbench2" / "tasks"
     if not tasks.is_dir():
         return []
     texts = []
-    for path in sorted(tasks.rglob("*")):
+    for path in sorted(p for name in CORPUS_TASKS for p in (tasks / name).rglob("*")):
         if path.is_file() and path.suffix in {".md", ".sh", ".toml", ".py", ".json", ".txt", ".csv", ""}:
             try:
                 texts.append(path.read_text(encoding="utf-8"))
