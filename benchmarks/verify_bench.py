@@ -33,8 +33,9 @@ TASKS = [
 ]
 
 
-async def one_side(tasks_root: Path, episodes: int) -> dict[str, list[float]]:
-    """Runs inside one interpreter with one revision's `agentrl`: seconds of `verify` per episode."""
+async def one_side(tasks_root: Path, episodes: int, concurrency: int = 1) -> dict[str, list[float]]:
+    """Runs inside one interpreter with one revision's `agentrl`: seconds of `verify` per episode,
+    `concurrency` episodes of a task at once (their verifications overlap, as in a rollout)."""
     import time
 
     from agentrl.episode.verify import verify
@@ -43,18 +44,25 @@ async def one_side(tasks_root: Path, episodes: int) -> dict[str, list[float]]:
 
     provider = PodmanProvider(shell_grace_s=3)
     out: dict[str, list[float]] = {}
+
+    async def one(task, times: list[float], ready: asyncio.Barrier | None) -> None:  # type: ignore[no-untyped-def]
+        async with await provider.create(task, run_id="verify-bench") as sandbox:
+            await sandbox.upload(task.solution_dir, "/solution")
+            await sandbox.exec("bash /solution/solve.sh", timeout=120)
+            if ready is not None:
+                await ready.wait()  # every sandbox ready: the verifications start together
+            start = time.monotonic()
+            result = await verify(sandbox, task)
+            times.append(time.monotonic() - start)
+            assert result.outcome == "pass", (task.task_id, result.outcome, result.error)
+
     try:
         for rel in TASKS:
             task = load_task(tasks_root / rel)
             times = out.setdefault(task.task_id, [])
             for _ in range(episodes):
-                async with await provider.create(task, run_id="verify-bench") as sandbox:
-                    await sandbox.upload(task.solution_dir, "/solution")
-                    await sandbox.exec("bash /solution/solve.sh", timeout=120)
-                    start = time.monotonic()
-                    result = await verify(sandbox, task)
-                    times.append(time.monotonic() - start)
-                    assert result.outcome == "pass", (task.task_id, result.outcome, result.error)
+                ready = asyncio.Barrier(concurrency) if concurrency > 1 else None
+                await asyncio.gather(*(one(task, times, ready) for _ in range(concurrency)))
     finally:
         await provider.aclose()
     return out
@@ -71,11 +79,14 @@ def main() -> None:
     )
     parser.add_argument("--episodes", type=int, default=20)
     parser.add_argument("--before", default="5fe452d")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="verifications at once (8: the demo's rollout)"
+    )
     parser.add_argument("--side", choices=["before", "after"], help=argparse.SUPPRESS)
     parser.add_argument("--tasks-root", default=str(ROOT), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:  # a child: one batch of one side, times as JSON on stdout
-        print(json.dumps(asyncio.run(one_side(Path(args.tasks_root), args.episodes))))
+        print(json.dumps(asyncio.run(one_side(Path(args.tasks_root), args.episodes, args.concurrency))))
         return
     with tempfile.TemporaryDirectory(prefix="agentrl-before-") as tmp:
         worktree = Path(tmp) / "before"
@@ -90,7 +101,8 @@ def main() -> None:
                 for side, pkg in (("before", worktree), ("after", ROOT)):
                     env = {**os.environ, "PYTHONPATH": str(pkg)}
                     out = subprocess.run(
-                        [sys.executable, __file__, "--side", side, "--episodes", "1", "--tasks-root", str(ROOT)],
+                        [sys.executable, __file__, "--side", side, "--episodes", "1", "--tasks-root", str(ROOT),
+                         "--concurrency", str(args.concurrency)],
                         env=env, check=True, capture_output=True, text=True, cwd=pkg,
                     )  # fmt: skip
                     for task, times in json.loads(out.stdout.splitlines()[-1]).items():
@@ -99,7 +111,9 @@ def main() -> None:
             subprocess.run(
                 ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
             )
-    print(f"verification per episode, {args.episodes} episodes per task and side (seconds)")
+    print(
+        f"verification per episode, {args.episodes} rounds of {args.concurrency} at once per task and side (seconds)"
+    )
     print(
         f"{'task':<16} {'before p50':>10} {'after p50':>10} {'diff p50':>9} {'before p95':>11} {'after p95':>10}"
     )
