@@ -6,11 +6,7 @@ sandbox per task. `--dry-run` prints the whole resolved plan. The recipe is `rec
 the planner and launcher are agentrl.cluster's.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+# `_glm52` sits next to this script: Python puts a script's own directory first on its path.
 from _glm52 import TBENCH2 as spec
 from _glm52 import app as _app
 

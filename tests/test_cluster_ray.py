@@ -374,13 +374,11 @@ def test_dapo_math_two_steps_through_ray_resume_after_the_trainer_crashes(
 
 
 def test_local_dry_run_prints_the_processes_local_mode_starts() -> None:
-    import importlib.util
-
     from typer.testing import CliRunner
 
-    spec = importlib.util.spec_from_file_location("glm52_dapo_math", ROOT / "recipes" / "glm52_dapo_math.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    from tests.test_recipe_glm52 import recipe_module
+
+    module = recipe_module("glm52_dapo_math")
     result = CliRunner().invoke(module.app, ["train", "--num-nodes", "2", "--local", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "# dapo_math: GLM-5.2_5layer on 2 x 4 GB300" in result.output

@@ -19,6 +19,9 @@ SNAPSHOTS = ROOT / "tests" / "fixtures" / "glm52_dryrun"
 
 
 def recipe_module(name: str):
+    """Load a recipe script as Python runs it: its own directory (with `_glm52`) first on the path."""
+    if str(ROOT / "recipes") not in sys.path:
+        sys.path.insert(0, str(ROOT / "recipes"))
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

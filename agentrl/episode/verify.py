@@ -40,14 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.sandbox.base import Sandbox, SandboxPolicyError, printable
+from agentrl.sandbox.base import REWARD_FILE_LIMIT, Sandbox, SandboxPolicyError, printable
 from agentrl.sandbox.provenance import agent_code
 from agentrl.tasks.config import resolve_env_templates
 from agentrl.tasks.task import Task, scripts_with_lf
 
 PASS_THRESHOLD = 1.0
 REWARD_RANGE = (0.0, 1.0)
-REWARD_FILE_LIMIT = 64 * 1024  # bytes; a larger reward file is a verifier error, never read whole
 VERIFIER_PYTHON_ENV = {
     # Planted byte code is never read (the cache lives elsewhere, emptied first) and none is
     # written. Module shadowing from the working directory (a `pytest.py` next to the work) is
@@ -179,17 +178,13 @@ async def verify(
             timed_out, files = await _verify_inside(sandbox, task, timeout, env, user)
         else:
             timed_out, files = private.timed_out, private.files
-            if reference:
-                used = agent_code(
-                    private.opened, workdir=private.workdir, provided=private.provided.__contains__
-                )
-            else:
-                judge = functools.partial(
-                    agent_code,
-                    private.opened,
-                    workdir=private.workdir,
-                    provided=private.provided.__contains__,
-                )
+            judge = functools.partial(
+                agent_code, private.opened, workdir=private.workdir, provided=private.provided.__contains__
+            )
+            used = judge()
+            if used and not reference:
+                # The footprint is read (and hashed, and computed) only when there is something to
+                # judge: most verifications use no agent-made code at all.
                 used = judge(trusted=load_footprint(task))
                 if used and footprint is not None and task.solve_script is not None:
                     if not footprint_path(task).is_file():

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from agentrl.tasks.task import Task
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024
+REWARD_FILE_LIMIT = 64 * 1024  # bytes: a larger reward file is a verifier error, never read whole
 
 # Limits applied when a task does not set its own (Harbor's documented task defaults for cpus and
 # memory; a pids cap so a fork bomb stays inside its container; Harbor's storage default).

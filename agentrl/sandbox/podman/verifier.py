@@ -37,7 +37,13 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from agentrl.sandbox.base import SandboxPolicyError, SandboxTransportError, TestRun, printable
+from agentrl.sandbox.base import (
+    REWARD_FILE_LIMIT,
+    SandboxPolicyError,
+    SandboxTransportError,
+    TestRun,
+    printable,
+)
 from agentrl.sandbox.podman.cli import (
     INIT_PATH,
     LABEL_CREATED,
@@ -51,7 +57,6 @@ from agentrl.sandbox.podman.cli import (
 from agentrl.sandbox.podman.fanotify import OpenWatch
 from agentrl.sandbox.provenance import Opened, module_name
 
-REWARD_FILE_LIMIT = 64 * 1024  # bytes: a larger reward file is a verifier error, never read whole
 STORAGE_CHECK_S = 2.0  # how often the verifier's own layer is measured against the storage limit
 OUTPUT_TAIL = 64 * 1024  # bytes of the tests' output kept (the rest is read and dropped)
 RESULT_NAMES = ("reward.json", "reward.txt")
