@@ -31,7 +31,7 @@ browser:
 	command -v chromium >/dev/null 2>&1 || { SUDO=; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-demo: setup
+demo: venv host bases
 	$(BIN)/python recipes/local_tbench2.py prepare
 	$(BIN)/python recipes/local_tbench2.py train
 

@@ -16,7 +16,14 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 ENV = "AGENTRL_PROGRESS"
 
@@ -65,7 +72,7 @@ _active: list[Any] = []  # the Progress on screen: a bar opened inside another i
 
 @contextlib.contextmanager
 def progress_bar(label: str, total: float | None, *, enabled: bool | None = None) -> Iterator[Bar]:
-    """A bar `label [====    ] 3/8 0:00:12 <note>` on stderr for the duration of the block;
+    """A bar `label [====    ] 3/8 0:00:12 left 0:00:20 <note>` on stderr for the duration of the block;
     `total` None draws a pulsing bar (work of unknown length). It disappears when the block ends.
     A bar opened while another is shown (an eval inside a training run) is a second row."""
     if not (progress_enabled() if enabled is None else enabled):
@@ -86,6 +93,8 @@ def progress_bar(label: str, total: float | None, *, enabled: bool | None = None
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
         TextColumn("{task.description}"),
     ]
     # What the command prints to stdout goes above the bar when both share a terminal; piped, it

@@ -165,11 +165,7 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
     result = asyncio.run(go())
     parts.trainer.model.save_pretrained(cfg.out_dir / "final")  # type: ignore[attr-defined]
     parts.tokenizer.save_pretrained(cfg.out_dir / "final")
-    if len(result.evals) >= 2:
-        a, b = result.evals[0]["pass@1"], result.evals[-1]["pass@1"]
-        console.print(
-            f"[b]pass@1 before RL {a:.3f} -> after {b:.3f} ({b - a:+.3f}) in {result.seconds:.0f}s[/b]"
-        )
+    console.print(result.summary(), markup=False, soft_wrap=True)
 
 
 @app.command("eval")

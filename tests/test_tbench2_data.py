@@ -165,3 +165,22 @@ def test_prepare_writes_the_directories_the_recipe_trains_and_evaluates_on(tmp_p
     sets = dict(s.split("=", 1) for s in plan_recipe(spec.options(root=str(tmp_path)), spec).run_overrides)
     assert len(valid_tasks(sets["env.eval_tasks"])) == 3
     assert len(valid_tasks(sets["env.tasks"])) == len(valid_tasks(BUNDLED_TASKS)) - 3
+
+
+def test_task_ids_keep_only_the_named_tasks_and_refuse_an_unknown_one() -> None:
+    from agentrl.errors import AgentRLError
+    from envs.tbench2.environment import select_tasks
+
+    chosen = select_tasks(BUNDLED_TASKS, 64, ["hello-file", "make-dirs"])
+    assert sorted(t.task_id for t in chosen) == ["hello-file", "make-dirs"]
+    # both filters apply: a named task whose solution is too long is not kept
+    long_ones = [
+        t.task_id
+        for t in valid_tasks(BUNDLED_TASKS)
+        if t.task_id not in {x.task_id for x in select_tasks(BUNDLED_TASKS, 64)}
+    ]
+    assert long_ones
+    with pytest.raises(AgentRLError, match="no task in"):
+        select_tasks(BUNDLED_TASKS, 64, long_ones[:1])
+    with pytest.raises(AgentRLError, match="no-such-task"):
+        select_tasks(BUNDLED_TASKS, None, ["hello-file", "no-such-task"])

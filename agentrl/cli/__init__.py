@@ -129,10 +129,16 @@ def sft_cmd(
     records: str = typer.Argument(..., help="Directory of episode records to learn from."),
     model: str = typer.Option(..., help="Model directory (transformers) to start from."),
     output: str = typer.Option(..., help="Where to save the fine-tuned model and tokenizer."),
-    steps: int = typer.Option(100),
+    steps: int = typer.Option(100, help="The most optimizer steps."),
     lr: float = typer.Option(1e-3),
     batch_size: int = typer.Option(8),
     seed: int = typer.Option(0),
+    target: float = typer.Option(
+        None,
+        help="Stop once the model, sampling at --temperature, reproduces the records' replies with this"
+        " mean probability (e.g. 0.3: a warm start that leaves RL something to learn).",
+    ),
+    temperature: float = typer.Option(1.0, help="The sampling temperature --target is measured at."),
 ) -> None:
     """Supervised warm start on recorded trajectories (loss on assistant tokens only)."""
     from pathlib import Path
@@ -144,7 +150,13 @@ def sft_cmd(
 
     samples = load_samples([Path(records)], min_reward=1.0)
     net = AutoModelForCausalLM.from_pretrained(model)
-    run_sft(net, samples, SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed))
+    run_sft(
+        net,
+        samples,
+        SFTConfig(
+            steps=steps, lr=lr, batch_size=batch_size, seed=seed, target=target, temperature=temperature
+        ),
+    )
     net.save_pretrained(output)
     AutoTokenizer.from_pretrained(model).save_pretrained(output)
 

@@ -227,3 +227,8 @@ async def evaluate(
             "before reading a pass rate"
         )
     return summary
+
+
+def standard_error(p: float, n: int) -> float:
+    """The standard error of a pass rate `p` measured over `n` independent episodes."""
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else float("nan")

@@ -28,7 +28,7 @@ import torch
 
 from agentrl.dashboard.sinks import open_sinks
 from agentrl.engine.base import Engine, EngineVersionMismatch
-from agentrl.eval.passk import EvalSummary, evaluate
+from agentrl.eval.passk import EvalSummary, evaluate, standard_error
 from agentrl.overrides import ConfigError
 from agentrl.progress import progress_bar
 from agentrl.rollout.environment import EnvContext, Environment, get_plugin
@@ -67,6 +67,34 @@ class RunResult:
     metrics: list[StepMetrics]
     out_dir: Path
     seconds: float
+
+    def summary(self) -> str:
+        """A few lines for the end of a run: pass@1 before and after with standard errors, per task,
+        and where the plot, the evals and the episodes are."""
+        minutes, secs = divmod(round(self.seconds), 60)
+        lines = [f"trained {self.steps} steps in {minutes}m{secs:02d}s"]
+        if len(self.evals) >= 2:
+            a, b = self.evals[0], self.evals[-1]
+            pa, pb, na, nb = a["pass@1"], b["pass@1"], a["episodes"], b["episodes"]
+            sa, sb = standard_error(pa, na), standard_error(pb, nb)
+            lines.append(
+                f"pass@1 {a['label']} {pa:.3f} +- {sa:.3f} -> {b['label']} {pb:.3f} +- {sb:.3f}: "
+                f"{pb - pa:+.3f} +- {(sa**2 + sb**2) ** 0.5:.3f} ({na} and {nb} fixed-seed episodes)"
+            )
+            tasks = [t for t in b.get("per_task", {}) if t in a.get("per_task", {})]
+            if 1 < len(tasks) <= 12:
+                lines.append(
+                    "per task: "
+                    + ", ".join(f"{t} {_rate(a['per_task'][t])} -> {_rate(b['per_task'][t])}" for t in tasks)
+                )
+        files = [self.out_dir / n for n in ("reward.png", "evals.json", "metrics.jsonl", "records")]
+        if present := [str(f) for f in files if f.exists()]:
+            lines.append("see " + ", ".join(present))
+        return "\n".join(lines)
+
+
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def _report(reporter: Callable[[str], None] | None, text: str) -> None:
@@ -307,6 +335,7 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
         tracker = MetricsTracker(manager, metrics_path)
         with progress_bar("train", total=cfg.steps) as bar:
             bar.advance(start_step)
+            train_t0 = time.monotonic()
             for step in range(start_step + 1, cfg.steps + 1):
                 groups = await manager.get_batch(timeout=cfg.batch_timeout_s)
                 consumed_at = parts.engine.weight_version
@@ -327,10 +356,11 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
                 bar.advance(note=f"reward {m.reward_mean:.3f}, pass {m.pass_rate:.2f}")
                 _report(
                     reporter,
-                    f"step {step}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f} (all {m.rollout_pass_rate:.2f})"
+                    f"step {step}/{cfg.steps}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f}"
+                    f" (all {m.rollout_pass_rate:.2f})"
                     f"  loss {stats.get('loss', 0.0):+.4f}  grad_norm {stats.get('grad_norm', 0.0):.3f}"
                     f"  skipped {int(stats.get('skipped_steps', 0))}  infra {sum(m.failures_by_cause.values())}"
-                    f"  {m.wall_s:.1f}s",
+                    f"  {m.wall_s:.1f}s{_time_left(train_t0, step - start_step, cfg.steps - step)}",
                 )
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
                     parts.trainer.save(
@@ -354,6 +384,14 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
     sinks.log(evals)
     _plot(cfg, evals)
     return RunResult(step, evals, history, out, time.monotonic() - t0)
+
+
+def _time_left(t0: float, done: int, left: int) -> str:
+    """`, about 3m left` from the steps done so far (the evals after training not counted)."""
+    if done <= 0 or left <= 0:
+        return ""
+    seconds = (time.monotonic() - t0) / done * left
+    return f", about {seconds / 60:.0f}m left" if seconds >= 90 else f", about {seconds:.0f}s left"
 
 
 def prune_records(record_dir: Path, keep: int) -> int:

@@ -4,13 +4,24 @@ The trajectories are episode records (see `agentrl.episode.run`), typically harv
 task's reference solution through the real agent loop, so the model learns the agent's own action
 format on exactly the token layout it will see in RL. The loss is the mean negative log-likelihood
 of assistant tokens only (loss mask 1); prompts and observations are context.
+
+A warm start for RL can stop at a skill instead of a step count (`SFTConfig.target`): a small model
+memorising a few trajectories goes from never reproducing them to always within a handful of steps
+(the demo's tiny model: 0.03 -> 0.93 between steps 42 and 66), so a fixed count lands anywhere on
+that cliff depending on the random init. `reference_pass` measures, in one forward pass per
+trajectory, the probability that the policy sampling at the run's temperature reproduces each
+trajectory's assistant tokens exactly; it tracks a sampled pass rate closely and, since other
+replies may pass too, sits at or below it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
+
+import torch  # this module is the trainer's: it is only imported where torch is installed
 
 from agentrl.episode.sample import Sample
 
@@ -18,18 +29,20 @@ from agentrl.episode.sample import Sample
 @dataclass
 class SFTConfig:
     steps: int = 100
+    """The most optimizer steps (all of them when `target` is None)."""
     lr: float = 1e-3
     batch_size: int = 8
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 10
+    target: float | None = None
+    """Stop once `reference_pass` (mean over the samples) reaches this."""
+    temperature: float = 1.0
+    """The sampling temperature `target` is measured at (the run's)."""
 
 
-def sft_loss(model: Any, batch: list[Sample], device: str = "cpu") -> Any:
-    """Mean NLL over loss-masked tokens of a right-padded batch."""
-    import torch
-
+def _padded(batch: list[Sample], device: str) -> tuple[Any, Any, Any]:
     width = max(len(s.tokens) for s in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.float32)
@@ -38,21 +51,46 @@ def sft_loss(model: Any, batch: list[Sample], device: str = "cpu") -> Any:
         ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
         attn[i, : len(s.tokens)] = 1
         mask[i, s.prompt_length : len(s.tokens)] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    ids, mask, attn = ids.to(device), mask.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return ids.to(device), mask.to(device), attn.to(device)
+
+
+def _token_logprobs(model: Any, ids: Any, attn: Any, temperature: float = 1.0) -> Any:
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def sft_loss(model: Any, batch: list[Sample], device: str = "cpu") -> Any:
+    """Mean NLL over loss-masked tokens of a right-padded batch."""
+    ids, mask, attn = _padded(batch, device)
+    logp = _token_logprobs(model, ids, attn)
     target_mask = mask[:, 1:]
     return -(logp * target_mask).sum() / target_mask.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def reference_pass(model: Any, samples: list[Sample], temperature: float, device: str = "cpu") -> list[float]:
+    """Per sample: the probability that `model`, sampling at `temperature` (no top-k or top-p), replies
+    with exactly the sample's assistant tokens, given its prompt and observations."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for s in samples:
+        ids, mask, attn = _padded([s], device)
+        logp = _token_logprobs(model, ids, attn, temperature)
+        out.append(math.exp(float((logp * mask[:, 1:]).sum())))
+    model.train(was_training)
+    return out
 
 
 def run_sft(
     model: Any, samples: list[Sample], config: SFTConfig, *, device: str = "cpu", log: Any = print
 ) -> list[float]:
-    """Train `model` in place; returns the loss per step."""
-    import torch
-
+    """Train `model` in place; returns the loss per step (fewer than `config.steps` when `config.target`
+    was reached first)."""
     if not samples:
         raise ValueError("no SFT samples: harvest trajectories first (recipes/local_tbench2.py prepare)")
+    if config.target is not None and not 0.0 < config.target <= 1.0:
+        raise ValueError(f"SFT target {config.target} is not a probability in (0, 1]")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     model.train()
@@ -71,7 +109,20 @@ def run_sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         losses.append(float(loss.detach()))
-        if log is not None and (step % config.log_every == 0 or step == config.steps - 1):
-            log(f"sft step {step:4d}  loss {losses[-1]:.4f}")
+        reached = None
+        if config.target is not None:
+            passes = reference_pass(model, samples, config.temperature, device)
+            reached = sum(passes) / len(passes)
+        done = reached is not None and reached >= config.target
+        if log is not None and (step % config.log_every == 0 or step == config.steps - 1 or done):
+            extra_text = "" if reached is None else f"  reference pass {reached:.3f}"
+            log(f"sft step {step:4d}  loss {losses[-1]:.4f}{extra_text}")
+        if done:
+            if log is not None:
+                log(f"sft: reference pass {reached:.3f} >= target {config.target} after {step + 1} steps")
+            break
+    else:
+        if config.target is not None and log is not None:
+            log(f"sft: target {config.target} not reached in {config.steps} steps")
     model.eval()
     return losses

@@ -37,6 +37,11 @@ class TerminalConfig(BaseModel):
         description="Keep only tasks whose reference solution is at most this many characters of "
         "commands (the tiny demo model cannot learn long scripts); None keeps every valid task.",
     )
+    task_ids: list[str] | None = Field(
+        None,
+        description="Keep only the tasks with these ids (in `tasks` and `eval_tasks`); an id that "
+        "matches no valid task is an error. None keeps every task.",
+    )
     backend: Literal["podman", "docker", "daytona", "fake"] = "podman"
     action_format: str = "terminus-json"
     system_prompt: str | None = None
@@ -77,8 +82,18 @@ def valid_tasks(root: str | Path) -> list[Task]:
     return chosen
 
 
-def select_tasks(root: str | Path, max_solution_chars: int | None) -> list[Task]:
+def select_tasks(
+    root: str | Path, max_solution_chars: int | None, task_ids: list[str] | None = None
+) -> list[Task]:
     tasks = valid_tasks(root)
+    if task_ids is not None:
+        known = {t.task_id for t in tasks}
+        if missing := sorted(set(task_ids) - known):
+            raise EnvironmentPluginError(
+                f"env.task_ids names {', '.join(missing)}, which {root} has no valid task for "
+                f"(it has {', '.join(sorted(known))})"
+            )
+        tasks = [t for t in tasks if t.task_id in set(task_ids)]
     if max_solution_chars is None:
         return tasks
     chosen = [t for t in tasks if (n := solution_chars(t)) is not None and n <= max_solution_chars]
@@ -96,7 +111,7 @@ class TerminalEnvironment:
     def __init__(self, config: TerminalConfig, context: EnvContext) -> None:
         self.config = config
         self.context = context
-        self.tasks = select_tasks(config.tasks, config.max_solution_chars)
+        self.tasks = select_tasks(config.tasks, config.max_solution_chars, config.task_ids)
         self._eval_tasks: list[Task] | None = None
         self._provider: SandboxProvider | None = None
 
@@ -105,7 +120,9 @@ class TerminalEnvironment:
         if self._eval_tasks is None:
             root = self.config.eval_tasks
             self._eval_tasks = (
-                self.tasks if root is None else select_tasks(root, self.config.max_solution_chars)
+                self.tasks
+                if root is None
+                else select_tasks(root, self.config.max_solution_chars, self.config.task_ids)
             )
         return self._eval_tasks
 

@@ -103,6 +103,7 @@ class PodmanProvider(SandboxProvider):
         self._storage_opt: bool | None = None  # whether the storage driver caps a container's size
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._unpullable: set[str] = set()
+        self._resolved: dict[str, str] = {}  # task directory -> its image
         self._standins_said: set[tuple[str, str]] = set()  # warned once per provider
         self._live: set[str] = set()
         self._pool: dict[str, list[PodmanSandbox]] = {}
@@ -112,7 +113,15 @@ class PodmanProvider(SandboxProvider):
     # -- images ---------------------------------------------------------------------------------
     async def image_for(self, task: Task) -> str:
         """The image to run `task` in: `docker_image` when it is local or can be pulled (Harbor's
-        default), else the image built from environment/Dockerfile."""
+        default), else the image built from environment/Dockerfile. Resolved once per task and
+        provider: every later episode of the task starts without asking the image store again
+        (four or five CLI calls, about 0.2 s of CPU each episode on a 2-core machine)."""
+        key = str(task.path.resolve())
+        if (known := self._resolved.get(key)) is None:
+            known = self._resolved[key] = await self._image_for(task)
+        return known
+
+    async def _image_for(self, task: Task) -> str:
         env = task.config.environment
         if env.docker_image:
             if await self._have_or_pull(env.docker_image):

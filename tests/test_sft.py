@@ -1,0 +1,79 @@
+"""The supervised warm start: the loss on assistant tokens, and a warm start that stops at a skill
+(`SFTConfig.target`) instead of a step count."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from agentrl.episode.sample import Sample  # noqa: E402
+from agentrl.train.sft import SFTConfig, reference_pass, run_sft  # noqa: E402
+
+
+class Bigram(torch.nn.Module):
+    """A next-token table: logits depend on the previous token only (enough to memorise a reply)."""
+
+    def __init__(self, vocab: int = 16) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(vocab, vocab))
+
+    def forward(self, input_ids, attention_mask=None):
+        return type("Out", (), {"logits": self.table[input_ids]})()
+
+
+def _sample(tokens: list[int], prompt_length: int) -> Sample:
+    reply = len(tokens) - prompt_length
+    return Sample(
+        prompt_id="0",
+        tokens=tokens,
+        prompt_length=prompt_length,
+        loss_mask=[1] * reply,
+        rollout_logprobs=[0.0] * reply,
+        reward=1.0,
+        task_id="t",
+    )
+
+
+def test_reference_pass_is_the_probability_of_sampling_the_reply_at_the_temperature() -> None:
+    model = Bigram()
+    with torch.no_grad():
+        model.table.copy_(torch.randn(16, 16))
+    s = _sample([1, 2, 3, 4, 5], prompt_length=2)
+    for temperature in (1.0, 0.7):
+        probs = torch.softmax(model.table.detach() / temperature, dim=-1)
+        want = float(probs[2, 3] * probs[3, 4] * probs[4, 5])  # the reply's tokens given each previous one
+        assert reference_pass(model, [s], temperature) == pytest.approx([want], rel=1e-5)
+
+
+def test_a_masked_token_is_context_not_part_of_the_reply() -> None:
+    model = Bigram()
+    with torch.no_grad():
+        model.table.copy_(torch.randn(16, 16))
+    s = _sample([1, 2, 3, 4, 5], prompt_length=2)
+    s.loss_mask = [1, 0, 1]  # token 4 is an observation
+    probs = torch.softmax(model.table.detach(), dim=-1)
+    assert reference_pass(model, [s], 1.0)[0] == pytest.approx(float(probs[2, 3] * probs[4, 5]), rel=1e-5)
+
+
+def test_sft_stops_once_the_target_is_reached_and_not_before() -> None:
+    samples = [_sample([1, 2, 3, 4, 5], 2), _sample([1, 6, 7, 8, 9], 2)]
+    model = Bigram()
+    losses = run_sft(model, samples, SFTConfig(steps=500, lr=0.05, batch_size=2, target=0.5), log=None)
+    assert 1 < len(losses) < 500
+    passes = reference_pass(model, samples, 1.0)
+    assert sum(passes) / 2 >= 0.5
+    # one step fewer would not have reached it: replay the same run to that point
+    model2 = Bigram()
+    run_sft(model2, samples, SFTConfig(steps=len(losses) - 1, lr=0.05, batch_size=2), log=None)
+    assert sum(reference_pass(model2, samples, 1.0)) / 2 < 0.5
+
+
+def test_without_a_target_every_step_runs_and_a_target_outside_0_1_is_refused() -> None:
+    samples = [_sample([1, 2, 3], 1)]
+    assert len(run_sft(Bigram(), samples, SFTConfig(steps=7, lr=0.01, batch_size=1), log=None)) == 7
+    with pytest.raises(ValueError, match="not a probability"):
+        run_sft(Bigram(), samples, SFTConfig(steps=7, target=1.5), log=None)
+    assert math.isclose(SFTConfig().temperature, 1.0)
