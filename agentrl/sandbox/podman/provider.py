@@ -180,14 +180,16 @@ class PodmanProvider(SandboxProvider):
                     "build-bases`"
                 )
             if (task.task_id, line.written) not in self._standins_said:
+                # what the stand-ins hold is said once per provider; each task's line stays short
+                first = not self._standins_said
                 self._standins_said.add((task.task_id, line.written))
                 log.warning(
                     "%s: FROM %s is not present locally and cannot be pulled: the stand-in %s answers "
-                    "instead; %s",
+                    "instead%s",
                     task.task_id,
                     line.written,
                     standin,
-                    recipe.content,
+                    f"; {recipe.content}" if first else "",
                 )
             replace[line.line] = standin
         return images.rewrite_froms(text, replace) if replace else None
