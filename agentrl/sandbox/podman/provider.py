@@ -437,7 +437,11 @@ class PodmanProvider(SandboxProvider):
         image = await self.terminal_image(
             await self.image_for(task), task.config.environment.build_timeout_sec
         )
-        sandbox = await self._start(task, run_id, image)
+        try:
+            sandbox = await self._start(task, run_id, image)
+        except SandboxCreateError:
+            self._resolved.pop(str(task.path.resolve()), None)  # an image removed meanwhile: ask again
+            raise
         self._refill(task, run_id)
         return sandbox
 
