@@ -34,9 +34,9 @@ class PrepareSettings(_Section):
     stops at a skill, not a step count (docs/demo_log.md: a fixed count landed anywhere between 0.01
     and 0.26 pass@1 depending on the random init)."""
 
-    sft_target: float = 0.25  # stop once the reference replies are sampled with this mean probability
+    sft_target: float = 0.2  # stop once the reference replies are sampled with this mean probability
     sft_steps: int = 200  # the most steps
-    sft_lr: float = 3e-4  # smoother than 1e-3 near the cliff: the tasks rise more evenly
+    sft_lr: float = 1e-3
     sft_batch_size: int = 8
     harvest_max_new_tokens: int = 1024  # room for a scripted solution in one reply
     harvest_max_total_tokens: int = 8192
