@@ -66,7 +66,7 @@ every = 1
     )
     first = agentrl("train", "run", str(config))
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "step 2:" in first.stdout
+    assert "step 2/2:" in first.stdout
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     saved = json.loads((run / "config.json").read_text())
@@ -79,7 +79,7 @@ every = 1
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one metrics file, continued
     assert [r["extra"]["version"] for r in rows] == [1, 2, 3, 4]
     log = (run / "run.log").read_text()
-    assert "step 4:" in log and "resumed from" in log  # the run's own log file, both sessions
+    assert "step 4/4:" in log and "resumed from" in log  # the run's own log file, both sessions
 
     wrong = agentrl("train", "run", "--resume", str(tmp_path / "nowhere"))
     assert wrong.returncode == 2 and "no config.json there" in wrong.stderr
