@@ -48,7 +48,14 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
     for name in TASKS:
         shutil.copytree(ROOT / "envs" / "tbench2" / "tasks" / name, tasks / name)
     out = tmp_path / "out"
-    common = ["--set", f"out={out}", "--set", f"env.tasks={tasks}"]
+    common = [
+        "--set",
+        f"out={out}",
+        "--set",
+        f"env.tasks={tasks}",
+        "--set",
+        'env.task_ids=["hello-file","make-executable"]',
+    ]
 
     invoke(recipe, "prepare", *common, "--set", "prepare.sft_steps=4")
     assert (out / "sft" / "config.json").is_file()

@@ -91,7 +91,7 @@ def select_tasks(
         if missing := sorted(set(task_ids) - known):
             raise EnvironmentPluginError(
                 f"env.task_ids names {', '.join(missing)}, which {root} has no valid task for "
-                f"(it has {', '.join(sorted(known))})"
+                f"(it has {', '.join(sorted(known))}); set env.task_ids=null to keep every task"
             )
         tasks = [t for t in tasks if t.task_id in set(task_ids)]
     if max_solution_chars is None:
