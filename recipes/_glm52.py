@@ -49,13 +49,14 @@ GLM52_CONFIG: dict[str, Any] = {
     "rope_theta": 8000000.0,
 }
 
-# The pruned smoke-test variant (`GLM-5.2_5layer`): 3 dense + 2 MoE layers, no MTP layer.
+# The pruned smoke-test variant (`GLM-5.2_5layer`, published as `Pinaster/GLM-5.2_5layer`, not under
+# zai-org): 3 dense + 2 MoE layers, no MTP layer.
 GLM52_5LAYER_CONFIG: dict[str, Any] = {**GLM52_CONFIG, "num_hidden_layers": 5, "num_nextn_predict_layers": 0}
 
 MODELS: dict[str, ModelEntry] = {
     "GLM-5.2": ModelEntry("GLM-5.2", "zai-org/GLM-5.2", GLM52_CONFIG),
     "GLM-5.2_5layer": ModelEntry(
-        "GLM-5.2_5layer", "zai-org/GLM-5.2_5layer", GLM52_5LAYER_CONFIG, smoke=True, tokens_per_gpu=2048
+        "GLM-5.2_5layer", "Pinaster/GLM-5.2_5layer", GLM52_5LAYER_CONFIG, smoke=True, tokens_per_gpu=2048
     ),
 }
 SMOKE_MODEL = "GLM-5.2_5layer"  # the plan of a few simulated nodes (--local): the pruned model's branch

@@ -111,6 +111,7 @@ TWO_RANK_LAYOUTS = [
     "cp2",
     "cp2-ep2",
     "cp2-indexer-loss",
+    "cp2-gspo",
     "tp2-checkpoint",
 ]
 
@@ -304,19 +305,22 @@ def test_virtual_pipeline_stages_take_the_same_grpo_step_as_one_rank(two_rank_la
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("layout", ["cp2", "cp2-ep2", "cp2-indexer-loss"])
+@pytest.mark.parametrize("layout", ["cp2", "cp2-ep2", "cp2-indexer-loss", "cp2-gspo"])
 def test_context_parallel_ranks_take_the_same_grpo_step_as_one(two_rank_layouts: dict, layout: str) -> None:
     """CP=2: every packed sequence split over the two ranks in megatron's zigzag THD layout, DSA's
     all-gather CP (keys / values and indexer keys gathered, top-k over the whole sequence, the
     shared-index layer 3 reusing layer 2's indices), log-probs gathered back for the loss;
     gradients summed over the CP ranks. With cp2-ep2 the experts are spread over the CP ranks;
     with cp2-indexer-loss the DSA indexer trains on its KL loss (padding rows marked, so the
-    sequences' CP padding adds nothing to it), compared with one rank with the same loss."""
+    sequences' CP padding adds nothing to it), compared with one rank with the same loss; with
+    cp2-gspo each sequence's GSPO ratio averages tokens of both ranks."""
     r = two_rank_layouts[layout]
     assert (r["cp"], r["dp"], r["tp"], r["ep"]) == (2, 1, 1, 2 if layout == "cp2-ep2" else 1)
     # Each rank ran half of every sequence (sequences padded to a multiple of 2 x CP).
     assert [x["cp_local_tokens"] for x in r["ranks"]] == [r["cp_global_tokens"] // 2] * 2
     _same_step(r)
+    if layout == "cp2-gspo":
+        assert r["seq_ratio_mean"] is not None  # the sequence-level objective ran
 
 
 @pytest.mark.slow

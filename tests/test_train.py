@@ -345,3 +345,32 @@ def test_log_ratio_is_clamped_before_exp():
     assert torch.isfinite(w).all() and stats["tis_max"].item() == pytest.approx(
         float(torch.exp(torch.tensor(LOG_RATIO_CLAMP)))
     )
+
+
+def test_gspo_trains_with_the_same_step_whatever_logprob_impl_is_asked(tiny_base):  # noqa: F811
+    """GSPO's sequence ratio mixes a row's positions, so the trainer computes it from log-probs
+    even where the fused head was asked for: the same step either way, with its sequence metrics."""
+    samples = make_samples(tiny_base, seed=8)
+    for s in samples[::2]:
+        s.rollout_logprobs = [x - 0.3 * m for x, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)]
+    loss = LossConfig(objective="gspo", eps_clip=1e-4, eps_clip_high=2e-4)
+    out = []
+    for impl in ("chunked", "fused"):
+        model = copy.deepcopy(tiny_base).float()
+        cfg = TrainConfig(
+            lr=1e-3,
+            weight_decay=0.0,
+            loss=loss,
+            adam_eps=1.0,
+            logprob_impl=impl,
+            max_tokens_per_micro_batch=40,
+        )
+        m = TorchTrainer(model, cfg, device="cpu").train_step(samples)
+        out.append((m, torch.cat([p.flatten() for p in model.parameters()])))
+    (m_a, p_a), (m_b, p_b) = out
+    assert m_a["num_micro_batches"] > 1
+    assert m_a["seq_ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # first step: policy == old
+    assert m_a["seq_clip_frac"] == 0.0
+    assert m_a["grad_norm"] > 0
+    assert m_b["loss"] == pytest.approx(m_a["loss"], rel=1e-6, abs=1e-9)
+    assert (p_a - p_b).abs().max().item() == 0.0

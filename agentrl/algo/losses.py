@@ -1,4 +1,5 @@
-"""GRPO policy loss with PPO clipping, truncated importance sampling, KL and entropy terms.
+"""GRPO policy loss with PPO clipping, truncated importance sampling, KL and entropy terms, and
+GSPO (the same objective on a sequence-level ratio).
 
 Notation per token (b, t) with trained-token mask m_{b,t} in {0, 1}:
     logp      log pi_theta(y_t)        the policy being trained (carries gradient)
@@ -24,11 +25,19 @@ LOG_RATIO_CLAMP = 20.0
 TISLevel = Literal["token", "sequence", "geometric"]
 TISMode = Literal["truncate", "mask"]
 KLKind = Literal["k1", "k2", "k3"]
+# grpo: PPO clip on each token's ratio exp(logp_t - old_logp_t).
+# gspo: PPO clip on each sequence's ratio s_b = exp(mean_t m (logp - old_logp)) (Zheng et al. 2025,
+# "Group Sequence Policy Optimization"; the GLM-4.5 bash launcher's `--advantage-estimator gspo`):
+# every token of row b carries s_b, with its gradient through the mean, as Miles computes it.
+Objective = Literal["grpo", "gspo"]
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Every loss knob. Defaults follow the GLM-5.2 RL recipe (clip 0.2 / 0.28, TIS 0.5 / 2.0)."""
+    """Every loss knob. Defaults follow the GLM-5.2 RL recipe (clip 0.2 / 0.28, TIS 0.5 / 2.0).
+    `objective="gspo"` clips the sequence ratio instead; its clip range is much narrower (the GLM-4.5
+    launcher: eps_clip 1e-4, eps_clip_high 2e-4), and its loss mixes a row's positions, so the
+    trainers compute it from log-probs first (not with the loss fused into the LM head)."""
 
     # Unknown keys in a run configuration are errors, not silently dropped settings.
     __pydantic_config__ = ConfigDict(extra="forbid")
@@ -45,6 +54,7 @@ class LossConfig:
     kl_kind: KLKind = "k3"
     entropy_coef: float = 0.0
     aggregation: Aggregation = "token_mean"
+    objective: Objective = "grpo"
 
     def __post_init__(self) -> None:
         if not (0 <= self.eps_clip < 1 and self.eps_clip_high >= 0):
@@ -62,6 +72,7 @@ class LossConfig:
             ("tis_mode", self.tis_mode, get_args(TISMode)),
             ("kl_kind", self.kl_kind, get_args(KLKind)),
             ("aggregation", self.aggregation, get_args(Aggregation)),
+            ("objective", self.objective, get_args(Objective)),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
@@ -230,16 +241,20 @@ def aggregation_weights(
 
 @dataclass(frozen=True)
 class TokenTerms:
-    """What the GRPO objective needs per token besides the policy's own log-prob and entropy, all
-    fixed before the policy's forward: l_t = a_t (w_t L^clip_t(logp_t) + kl_coef KL_t - entropy_coef H_t).
-    Token t's loss depends on logp_t and H_t alone, so a chunk of tokens can be finished on its
-    own (`agentrl.algo.fused_loss`)."""
+    """What the objective needs per token besides the policy's own log-prob and entropy, all
+    fixed before the policy's forward: l_t = a_t (w_t L^clip_t(log r_t) + kl_coef KL_t - entropy_coef H_t).
+    GRPO: log r_t = logp_t - old_logp_t, so token t's loss depends on logp_t and H_t alone and a
+    chunk of tokens can be finished on its own (`agentrl.algo.fused_loss`). GSPO: log r_t is the
+    mean of that over the trained tokens of t's row (`seq`), so every position is needed at once."""
 
     old_logp: torch.Tensor
     advantages: torch.Tensor
     tis: torch.Tensor | None  # TIS weights (detached), None when use_tis is off
     weight: torch.Tensor  # a: the aggregation's weights, 0 on untrained tokens
     ref_logp: torch.Tensor | None
+    # GSPO only: each token's row, `num_seqs` (one past the last row) on untrained tokens.
+    seq: torch.Tensor | None = None
+    num_seqs: int = 0
 
     def map(self, fn: Any) -> TokenTerms:
         """The same terms with `fn` applied to every tensor (e.g. a shift and a flatten)."""
@@ -249,15 +264,33 @@ class TokenTerms:
             tis=fn(self.tis) if self.tis is not None else None,
             weight=fn(self.weight),
             ref_logp=fn(self.ref_logp) if self.ref_logp is not None else None,
+            seq=fn(self.seq) if self.seq is not None else None,
+            num_seqs=self.num_seqs,
         )
+
+    def log_ratio(self, logp: torch.Tensor, index: Any = slice(None)) -> torch.Tensor:
+        """log r at the positions `index` selects: the token's own log-ratio (GRPO), or its row's
+        mean log-ratio over trained tokens, differentiable in every token of the row (GSPO)."""
+        d = logp - self.old_logp[index]
+        if self.seq is None:
+            return d
+        ids = self.seq[index]
+        if ids.numel() != self.seq.numel():
+            raise ValueError(
+                "gspo's sequence ratio needs all of a micro-batch's positions at once; it cannot be "
+                "fused into the LM head chunk by chunk (the trainers use logprob_impl 'chunked' for it)"
+            )
+        mean = _row_means(d, ids, self.num_seqs)
+        return mean[ids.reshape(-1)].reshape(d.shape)
 
     def loss(
         self, logp: torch.Tensor, entropy: torch.Tensor | None, config: LossConfig, index: Any = slice(None)
     ) -> torch.Tensor:
         """The weighted per-token losses a_t l_t of the positions `index` selects."""
         adv = self.advantages[index]
+        log_r = self.log_ratio(logp, index)
         pg, _ = policy_loss(
-            logp, self.old_logp[index], adv, torch.ones_like(adv),
+            log_r, torch.zeros_like(log_r), adv, torch.ones_like(adv),
             eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
         )  # fmt: skip
         per_token = pg * self.tis[index] if self.tis is not None else pg
@@ -271,6 +304,22 @@ class TokenTerms:
                 )
             per_token = per_token - config.entropy_coef * entropy
         return self.weight[index] * per_token
+
+
+def _row_means(values: torch.Tensor, ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[num_seqs + 1]: the mean of `values` over each row's positions (`ids`: the row of each
+    position, num_seqs for positions of no row); the last entry is junk."""
+    flat, idx = values.reshape(-1), ids.reshape(-1)
+    sums = flat.new_zeros(num_seqs + 1).index_add(0, idx, flat)
+    counts = flat.new_zeros(num_seqs + 1).index_add(0, idx, torch.ones_like(flat))
+    return sums / counts.clamp(min=1)
+
+
+def sequence_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] long: b on row b's trained tokens, B elsewhere (GSPO's grouping of tokens)."""
+    b = mask.shape[0]
+    rows = torch.arange(b, device=mask.device).unsqueeze(-1).expand_as(mask)
+    return torch.where(mask > 0, rows, torch.full_like(rows, b))
 
 
 def grpo_terms(
@@ -301,7 +350,11 @@ def grpo_terms(
     weight = aggregation_weights(
         mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights
     )
-    return TokenTerms(old_logp, advantages, tis, weight, ref_logp), metrics
+    seq = sequence_ids(mask) if config.objective == "gspo" else None
+    terms = TokenTerms(
+        old_logp, advantages, tis, weight, ref_logp, seq, mask.shape[0] if seq is not None else 0
+    )
+    return terms, metrics
 
 
 def grpo_metrics(
@@ -312,13 +365,17 @@ def grpo_metrics(
     *,
     entropy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The metrics of the policy's log-probs (detached): clip fractions, the PG loss, KL, entropy."""
+    """The metrics of the policy's log-probs (detached): clip fractions, the PG loss, KL, entropy;
+    with GSPO the sequence ratios' mean / min / max and the share of sequences clipped."""
     m = mask.to(torch.float32)
     logp = logp.detach()
+    log_r = terms.log_ratio(logp)
     pg, metrics = policy_loss(
-        logp, terms.old_logp, terms.advantages, m,
+        log_r, torch.zeros_like(log_r), terms.advantages, m,
         eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
     )  # fmt: skip
+    if terms.seq is not None:
+        metrics.update(_sequence_metrics(log_r, terms, m, config))
     metrics["pg_loss"] = (terms.weight * pg).sum()
     if config.kl_coef:
         assert terms.ref_logp is not None
@@ -326,6 +383,29 @@ def grpo_metrics(
     if entropy is not None:
         metrics["entropy"] = _masked_mean(entropy.detach(), m)
     return metrics
+
+
+def _sequence_metrics(
+    log_r: torch.Tensor, terms: TokenTerms, mask: torch.Tensor, config: LossConfig
+) -> dict[str, torch.Tensor]:
+    assert terms.seq is not None
+    trained = mask.sum(-1) > 0
+    first = mask.argmax(-1)  # every token of a row carries the row's ratio: read it at the first
+    ratio = torch.exp(
+        log_r.gather(-1, first.unsqueeze(-1)).squeeze(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    )
+    adv = terms.advantages.gather(-1, first.unsqueeze(-1)).squeeze(-1)
+    clipped = ((adv > 0) & (ratio > 1 + config.eps_clip_high)) | ((adv < 0) & (ratio < 1 - config.eps_clip))
+    if not trained.any():
+        zero = torch.zeros((), device=mask.device)
+        return {"seq_ratio_mean": zero, "seq_ratio_min": zero, "seq_ratio_max": zero, "seq_clip_frac": zero}
+    r = ratio[trained]
+    return {
+        "seq_ratio_mean": r.mean(),
+        "seq_ratio_min": r.min(),
+        "seq_ratio_max": r.max(),
+        "seq_clip_frac": clipped[trained].float().mean(),
+    }
 
 
 def grpo_loss(
@@ -345,7 +425,8 @@ def grpo_loss(
     """The full per-token objective, aggregated:
 
         l_{b,t} = w_{b,t} * L^clip_{b,t} + kl_coef * KL_{b,t} - entropy_coef * H_{b,t}
-    with w the TIS weight (1 when `use_tis` is off). `advantages` is [B, T] (see broadcast_to_tokens).
+    with w the TIS weight (1 when `use_tis` is off) and L^clip on the token's ratio (GRPO) or its
+    row's sequence ratio (GSPO, `config.objective`). `advantages` is [B, T] (see broadcast_to_tokens).
     `token_weights` [B, T], when given, replaces the aggregation: loss = sum(token_weights * l), the
     denominators having been computed outside (once per episode, `agentrl.train.batch`).
     Returns (scalar loss, metrics of detached scalars).

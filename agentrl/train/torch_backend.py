@@ -134,6 +134,8 @@ class TorchTrainer:
         sums: dict[str, float] = {}
         total = 0.0
         cfg = self.config
+        # GSPO's sequence ratio mixes a row's positions: log-probs first, then the loss.
+        impl = "chunked" if cfg.loss.objective == "gspo" else cfg.logprob_impl
         for mb in batch.micro_batches:
             assert mb.old_logprobs is not None
             terms, metrics = grpo_terms(
@@ -165,7 +167,7 @@ class TorchTrainer:
                     chunk_size=cfg.logprob_chunk_size,
                     temperature=cfg.temperature,
                     with_entropy=want_entropy,
-                    impl=cfg.logprob_impl,
+                    impl=impl,
                 )
             metrics.update(grpo_metrics(logp * mb.loss_mask, terms, mb.loss_mask, cfg.loss, entropy=ent))
             if not torch.isfinite(loss):

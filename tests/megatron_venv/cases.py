@@ -106,14 +106,22 @@ def trainer(
     lr: float = 1e-3,
     mb_tokens: int = 64,
     logprob_impl: str = "auto",
+    loss: dict[str, Any] | None = None,
     **settings: Any,
 ) -> Any:
     from agentrl.train.megatron.settings import MegatronSettings
     from agentrl.train.megatron.trainer import MegatronTrainer
 
+    config = TrainConfig(
+        lr=lr,
+        max_tokens_per_micro_batch=mb_tokens,
+        weight_decay=0.0,
+        logprob_impl=logprob_impl,
+        loss=loss or {},
+    )
     return MegatronTrainer(
         hf.config,
-        TrainConfig(lr=lr, max_tokens_per_micro_batch=mb_tokens, weight_decay=0.0, logprob_impl=logprob_impl),
+        config,
         MegatronSettings(tp=tp, **settings),
         hf_state=hf.state_dict(),
     )
@@ -248,6 +256,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp2-ep2": {"cp": 2, "ep": 2},  # CP with experts spread over the CP ranks
     # CP with the DSA indexer's KL loss on: sequences padded for CP, padding rows marked for it
     "cp2-indexer-loss": {"cp": 2, "dsa_indexer_loss_coeff": 0.05, "reference": "4-indexer-loss"},
+    # GSPO: each sequence's ratio is the mean over its tokens, half of which are on the other rank
+    "cp2-gspo": {"cp": 2, "loss": {"objective": "gspo"}, "reference": "4-gspo"},
     # torch_dist save at TP=2 and a resume in a fresh trainer (not a step against one rank)
     "tp2-checkpoint": {"tp": 2, "checkpoint": True},
     # Four ranks (by hand, not in CI: four processes on a two-core machine):
@@ -310,6 +320,7 @@ def grads_step(
         ],
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
+        "seq_ratio_mean": metrics.get("seq_ratio_mean"),
         "checkpoint_layout_exact": checkpoint_layout_exact,
         "checkpoint_layout_tensors": len(streamed),
     }
@@ -384,6 +395,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "4": {"layers": 4},
     "8": {"layers": 8},
     "4-indexer-loss": {"layers": 4, "dsa_indexer_loss_coeff": 0.05},
+    "4-gspo": {"layers": 4, "loss": {"objective": "gspo"}},
 }
 
 

@@ -666,8 +666,9 @@ class MegatronTrainer(CheckpointMixin):
             )
 
         # The loss straight from the LM head (gradients made in its forward pass) unless the
-        # configuration asks for log-probs first ("chunked").
-        fused_head = cfg.logprob_impl != "chunked"
+        # configuration asks for log-probs first ("chunked") or the loss mixes a row's positions
+        # (GSPO's sequence ratio: a row may also be split over CP ranks).
+        fused_head = cfg.logprob_impl != "chunked" and cfg.loss.objective != "gspo"
 
         def loss_of(
             i: int,
