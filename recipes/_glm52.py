@@ -146,6 +146,7 @@ _COMMON: dict[str, Any] = {
     "local_root": "/local/glm52",
     "local_run_root": "runs/glm52-local",
     "hardware": "GB300",
+    "hardware_choices": ("H200", "B200", "GB300"),  # the Miles recipe's --hardware choices
     "num_nodes": 16,
     "algorithm": ALGORITHM,
     "sglang_env": SGLANG_ENV,

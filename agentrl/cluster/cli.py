@@ -32,6 +32,7 @@ from agentrl.cluster.recipe import (
     RecipeError,
     RecipeOptions,
     RecipeSpec,
+    check_trainable,
     env_data,
     plan_recipe,
     render,
@@ -44,7 +45,9 @@ NumNodes = Annotated[int, typer.Option("--num-nodes", min=1)]
 GpusPerNode = Annotated[
     int | None, typer.Option("--gpus-per-node", help="Default: the hardware's (8; GB300 4).")
 ]
-Hw = Annotated[str, typer.Option("--hardware", help="H200, B200 or GB300.")]
+Hw = Annotated[
+    str, typer.Option("--hardware", help=f"GPU kind: {', '.join(HARDWARE)} (as the recipe allows).")
+]
 SglangConfig = Annotated[
     str | None, typer.Option("--sglang-config", help="low-latency or balanced (default: the recipe's).")
 ]
@@ -109,15 +112,17 @@ HostMemory = Annotated[
     float | None,
     typer.Option(
         "--host-memory-gib",
-        help="Host memory of a node, GiB (default: the hardware's reference system: H200 / B200 2048, GB300 960; "
+        help="Host memory of a node, GiB (default: the hardware's reference system: H100 / H200 / B200 2048, GB300 960; "
         "--local: this machine's divided among the simulated nodes).",
     ),
 ]
 
 
 def _options(spec: RecipeSpec, **kw: object) -> RecipeOptions:
-    if kw.get("hardware") not in HARDWARE:
-        raise typer.BadParameter(f"--hardware {kw.get('hardware')}: choose one of {', '.join(HARDWARE)}")
+    try:
+        spec.check_hardware(str(kw.get("hardware")))
+    except RecipeError as exc:
+        raise typer.BadParameter(str(exc)) from None
     if kw.get("sglang_config") not in (None, "low-latency", "balanced"):
         raise typer.BadParameter(f"--sglang-config {kw.get('sglang_config')}: choose low-latency or balanced")
     if kw.get("model_name") not in spec.models:
@@ -125,6 +130,14 @@ def _options(spec: RecipeSpec, **kw: object) -> RecipeOptions:
             f"--model-name {kw.get('model_name')}: choose one of {', '.join(spec.models)}"
         )
     return spec.options(**kw)
+
+
+def _trainable(spec: RecipeSpec, model_name: str) -> None:
+    try:
+        check_trainable(spec, model_name)
+    except RecipeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _plan(opts: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
@@ -259,7 +272,7 @@ def make_app(spec: RecipeSpec) -> typer.Typer:
         hardware: Hw = default_hw,
         sglang_config: SglangConfig = None,
         fp8_rollout: Fp8 = None,
-        enable_mtp: Mtp = False,
+        enable_mtp: Mtp = spec.mtp,
         enable_pd: Pd = None,
         use_deepep: DeepEP = None,
         enable_optimizer_offload: Offload = None,
@@ -304,6 +317,8 @@ def make_app(spec: RecipeSpec) -> typer.Typer:
             if local:
                 typer.echo(_render_local(plan, set_ or []), nl=False)
             return
+        if not local:
+            _trainable(spec, model_name)
         out = Path(root) / "runs" / spec.name / "launch"
         scripts = write_launch(plan, out)
         if write_scripts:
@@ -358,6 +373,8 @@ def make_app(spec: RecipeSpec) -> typer.Typer:
             raise typer.BadParameter(f"--model-name {model_name}: choose one of {models}")
         if local and single_host:
             raise typer.BadParameter("--local and --single-host: choose one")
+        if convert:
+            _trainable(spec, model_name)
         entry = spec.models[model_name]
         src = model_source or entry.hf_repo
         fp8 = spec.fp8_rollout if fp8_rollout is None else fp8_rollout
@@ -541,7 +558,7 @@ def make_app(spec: RecipeSpec) -> typer.Typer:
         hardware: Hw = default_hw,
         sglang_config: SglangConfig = None,
         fp8_rollout: Fp8 = None,
-        enable_mtp: Mtp = False,
+        enable_mtp: Mtp = spec.mtp,
         enable_pd: Pd = None,
         use_deepep: DeepEP = None,
         enable_optimizer_offload: Offload = None,

@@ -1,5 +1,7 @@
-"""The shape of a `glm_moe_dsa` model as the planner needs it: layer kinds, DSA computing layers and
-parameter counts by how they are sharded, read from a Hugging Face `config.json` (a dict).
+"""The shape of a mixture-of-experts model as the planner needs it: layer kinds, DSA computing layers and
+parameter counts by how they are sharded, read from a Hugging Face `config.json` (a dict). Two
+attention kinds: MLA (`kv_lora_rank` in the config: DeepSeek-style, `glm_moe_dsa`, with DSA's
+indexer when `index_topk` is there) and grouped-query attention (`num_key_value_heads`: `glm4_moe`).
 `ModelEntry` is one model a recipe offers (its name, hub repository and config); the recipes
 under `recipes/` hold their own entries, this module names no model.
 
@@ -51,7 +53,7 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A `glm_moe_dsa` model's shape, from its HF config dict."""
+    """A MoE model's shape (MLA or grouped-query attention, DSA or not), from its HF config dict."""
 
     name: str
     config: dict[str, Any] = field(repr=False)
@@ -70,28 +72,52 @@ class ModelSpec:
     def num_layers(self) -> int:
         return int(self.config["num_hidden_layers"])
 
+    @property
+    def dsa(self) -> bool:
+        """DeepSeek Sparse Attention: an indexer on the computing layers (`glm_moe_dsa`)."""
+        return "index_topk" in self.config
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (low-rank q / kv projections); else grouped-query attention."""
+        return "kv_lora_rank" in self.config
+
     @cached_property
     def indexer_types(self) -> list[str]:
-        return indexer_types(self.namespace)
+        """Per layer "full" or "shared" (DSA); without DSA every layer is "full" (any stage split)."""
+        return indexer_types(self.namespace) if self.dsa else ["full"] * self.num_layers
 
     @property
     def computing_layers(self) -> list[int]:
         """1-indexed layers that compute their own DSA top-k (the rest reuse the last one's)."""
-        return computing_layers(self.namespace)
+        return computing_layers(self.namespace) if self.dsa else list(range(1, self.num_layers + 1))
 
-    @cached_property
-    def moe_layers(self) -> list[bool]:
-        k = int(self.config.get("first_k_dense_replace", 0))
-        return [i >= k for i in range(self.num_layers)]
+    def attention_width(self) -> int:
+        """Per token, the activation width attention keeps for its backward: q, k, v and the output
+        (the MLA form counts k and v at full head width, as its up-projections make them)."""
+        c = self.config
+        heads = int(c["num_attention_heads"])
+        if self.mla:
+            qk = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
+            return (2 * qk + 2 * int(c["v_head_dim"])) * heads
+        hd = self.head_dim
+        return 2 * heads * hd + 2 * int(c["num_key_value_heads"]) * hd
 
     @property
-    def mtp_layers(self) -> int:
-        return int(self.config.get("num_nextn_predict_layers", 0) or 0)
+    def head_dim(self) -> int:
+        c = self.config
+        return int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
 
-    def layer_params(self, i: int) -> LayerParams:
-        """Layer `i` (0-indexed)."""
+    def _attention_params(self) -> tuple[int, int]:
+        """(TP-split, duplicated) attention parameters of one layer, norms included."""
         c = self.config
         h, heads = c["hidden_size"], c["num_attention_heads"]
+        if not self.mla:
+            hd, kv = self.head_dim, c["num_key_value_heads"]
+            bias = (heads + 2 * kv) * hd if c.get("attention_bias") else 0
+            tp = h * (heads + 2 * kv) * hd + bias + heads * hd * h  # q, k, v (+ biases), o
+            dup = 2 * h + (2 * hd if c.get("use_qk_norm") else 0)  # input / post norms, q / k norms
+            return tp, dup
         qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
         tp = (
             c["q_lora_rank"] * heads * qk  # q_b_proj
@@ -105,7 +131,23 @@ class ModelSpec:
             + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
             + c["kv_lora_rank"]  # kv_a_proj_with_mqa, kv_a_layernorm
         )
-        if self.indexer_types[i] == "full":
+        return tp, dup
+
+    @cached_property
+    def moe_layers(self) -> list[bool]:
+        k = int(self.config.get("first_k_dense_replace", 0))
+        return [i >= k for i in range(self.num_layers)]
+
+    @property
+    def mtp_layers(self) -> int:
+        return int(self.config.get("num_nextn_predict_layers", 0) or 0)
+
+    def layer_params(self, i: int) -> LayerParams:
+        """Layer `i` (0-indexed)."""
+        c = self.config
+        h = c["hidden_size"]
+        tp, dup = self._attention_params()
+        if self.dsa and self.indexer_types[i] == "full":
             ih, idim = c["index_n_heads"], c["index_head_dim"]
             dup += c["q_lora_rank"] * ih * idim + h * idim + 2 * idim + h * ih
         expert = 0

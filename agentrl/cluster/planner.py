@@ -29,8 +29,8 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU kind. `memory_gib` is what a process can allocate (nvidia-smi's total for H200 and
-    B200; the 288 GB spec figure for GB300, which nvidia-smi reports no lower)."""
+    """One GPU kind. `memory_gib` is what a process can allocate (nvidia-smi's total for H100 SXM,
+    H200 and B200; the 288 GB spec figure for GB300, which nvidia-smi reports no lower)."""
 
     name: str
     memory_gib: float
@@ -40,6 +40,7 @@ class Hardware:
 
 
 HARDWARE = {
+    "H100": Hardware("H100", memory_gib=79.6, gpus_per_node=8, bf16_tflops=989.0, fp8_tflops=1979.0),
     "H200": Hardware("H200", memory_gib=140.4, gpus_per_node=8, bf16_tflops=989.0, fp8_tflops=1979.0),
     "B200": Hardware("B200", memory_gib=179.1, gpus_per_node=8, bf16_tflops=2250.0, fp8_tflops=4500.0),
     "GB300": Hardware("GB300", memory_gib=268.2, gpus_per_node=4, bf16_tflops=2500.0, fp8_tflops=5000.0),
@@ -247,9 +248,8 @@ def memory_estimate(
     h, t = int(c["hidden_size"]), layout.max_tokens_per_gpu
     stages = stages_of(model, layout)
     expert_dp = layout.tp * layout.cp * dp // (layout.ep * layout.etp)
-    heads, qk = int(c["num_attention_heads"]), int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
-    attn_work = 2 * (2 * qk + 2 * int(c["v_head_dim"])) * heads * t * 2 / layout.tp
-    indexer_work = t * t * layout.cp * 4 + t * int(c["index_topk"]) * 4
+    attn_work = 2 * model.attention_width() * t * 2 / layout.tp
+    indexer_work = t * t * layout.cp * 4 + t * int(c["index_topk"]) * 4 if model.dsa else 0
     moe_work = 2 * t * int(c["num_experts_per_tok"]) * (h + 3 * int(c["moe_intermediate_size"])) * 2
     dense_work = 2 * t * 3 * int(c["intermediate_size"]) * 2 / layout.tp
     best: MemoryEstimate | None = None

@@ -56,7 +56,7 @@ HOST_HEADROOM = 0.8
 # Host memory per node of the vendors' reference systems, GiB (32 x 64 GiB DIMMs in a DGX H200 /
 # DGX B200; two Grace CPUs of 480 GiB LPDDR5X in a GB300 NVL72 compute tray). Assumptions:
 # pass the cluster's own figure with --host-memory-gib.
-HOST_MEMORY_GIB = {"H200": 2048.0, "B200": 2048.0, "GB300": 960.0}
+HOST_MEMORY_GIB = {"H100": 2048.0, "H200": 2048.0, "B200": 2048.0, "GB300": 960.0}
 
 
 class ModelCheckpointError(AgentRLError):

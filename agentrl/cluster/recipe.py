@@ -23,6 +23,7 @@ from typing import Any, Literal
 from agentrl.cluster.launch import keyed
 from agentrl.cluster.model import ModelEntry, ModelSpec
 from agentrl.cluster.planner import (
+    HARDWARE,
     GiB,
     Layout,
     LayoutChoice,
@@ -35,7 +36,7 @@ from agentrl.overrides import ConfigError
 from agentrl.rollout.environment import get_plugin
 from agentrl.runtime.config import RunConfig
 from agentrl.runtime.config import resolve as resolve_run_config
-from agentrl.train.megatron.plan import pipeline_layout
+from agentrl.train.megatron.plan import MODEL_TYPES, pipeline_layout
 
 SGLANG_PORT = 30000
 ROUTER_PORT = 8000
@@ -70,6 +71,23 @@ class RecipeOptions:
     daytona_key_file: str = "~/.daytona/api_key"
     engine_auth: bool = True  # engines and router require the run's key (agentrl.cluster.launch)
     engine_key_file: str | None = None  # default <root>/engine.key, created 0600 by the driver
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """A recipe's own SGLang engine shape, in place of the low-latency / balanced configurations:
+    `gpus` per engine (fewer where the rollout nodes have fewer), data-parallel attention over
+    `dp_size` groups (with a dense-TP-1 MoE and a dp LM head), the static memory fraction and the
+    request cap. No prefill/decode split."""
+
+    gpus: int
+    dp_size: int | None = None
+    mem_fraction: float = 0.85
+    max_running_requests: int = 512
+
+    def describe(self) -> str:
+        dp = f", dp attention {self.dp_size}" if self.dp_size else ""
+        return f"{self.gpus}-GPU engines{dp}, mem fraction {self.mem_fraction:.2f}"
 
 
 ReferenceLayouts = Callable[[RecipeOptions, ModelEntry, int, int], list[tuple[str, Layout]]]
@@ -108,7 +126,19 @@ class RecipeSpec:
     sglang_env: Mapping[str, str] = field(default_factory=dict)
     sglang_args: tuple[str, ...] = ()  # model-specific server flags (attention backends, KV cache dtype)
     mtp_args: Callable[[str], list[str]] | None = None  # --enable-mtp's flags for an SGLang config
+    mtp: bool = False  # the default of --enable-mtp
+    engine_shape: EngineShape | None = None  # fixed engines (then --sglang-config is refused)
     reference_layouts: ReferenceLayouts = _no_references
+    hardware_choices: tuple[str, ...] = ()  # the GPU kinds the recipe runs on (empty: every kind known)
+    hardware_refusal: str = ""  # why the others are refused (said in the error)
+    notes: tuple[str, ...] = ()  # said at the end of every plan (what the recipe does not do as upstream)
+
+    def check_hardware(self, name: str) -> None:
+        """`RecipeError` unless the recipe runs on GPU kind `name`."""
+        choices = self.hardware_choices or tuple(HARDWARE)
+        if name not in choices or name not in HARDWARE:
+            why = f" ({self.hardware_refusal})" if self.hardware_refusal and name in HARDWARE else ""
+            raise RecipeError(f"--hardware {name}: choose one of {', '.join(choices)}{why}")
 
     def model(self, name: str) -> ModelEntry:
         if name not in self.models:
@@ -119,7 +149,7 @@ class RecipeSpec:
         """`RecipeOptions` with this recipe's defaults for what `kw` leaves out."""
         defaults: dict[str, Any] = {
             "recipe": self.name, "model_name": self.default_model, "num_nodes": self.num_nodes,
-            "hardware": self.hardware, "root": self.root, "local_root": self.local_root,
+            "hardware": self.hardware, "root": self.root, "local_root": self.local_root, "enable_mtp": self.mtp,
         }  # fmt: skip
         return RecipeOptions(**{**defaults, **kw})
 
@@ -196,6 +226,7 @@ def plan_recipe(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
     """The whole plan, or a `RecipeError` / `LayoutError` that says which flag or size to change."""
     entry = spec.model(o.model_name)
     model = entry.spec()
+    spec.check_hardware(o.hardware)
     hw = hardware(o.hardware)
     gpn = o.gpus_per_node or hw.gpus_per_node
     if o.num_nodes < 1 or gpn < 1:
@@ -214,7 +245,13 @@ def plan_recipe(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
             "--hardware GB300 needs --no-megatron-use-deepep: Megatron's DeepEP dispatcher is not "
             "supported there (the reference launcher asserts it)"
         )
-    config = o.sglang_config or spec.sglang_config
+    shape = spec.engine_shape
+    if shape is not None and (o.sglang_config or o.enable_pd):
+        flag = "--sglang-config" if o.sglang_config else "--enable-pd"
+        raise RecipeError(
+            f"{flag}: the {spec.name} recipe's engines have their own shape ({shape.describe()})"
+        )
+    config = "recipe" if shape is not None else (o.sglang_config or spec.sglang_config)
     if config == "balanced" and gpn % 4:
         raise RecipeError(
             f"--sglang-config balanced runs one 4-GPU engine per node: --gpus-per-node {gpn} % 4 != 0"
@@ -223,7 +260,7 @@ def plan_recipe(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
         if o.enable_pd:
             notes.append("--enable-pd forced off: prefill/decode disaggregation needs more than one node")
         enable_pd = False
-    elif config == "balanced":
+    elif config in ("balanced", "recipe"):
         if o.enable_pd:
             raise RecipeError("--sglang-config balanced is incompatible with --enable-pd: choose one")
         enable_pd = False
@@ -270,7 +307,8 @@ def plan_recipe(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
         )
     else:
         notes.append("--no-engine-auth: engines and router take any request from anyone who reaches them")
-    engines = _engines(config, enable_pd, rollout_nodes, gpn, notes, smoke)
+    notes += spec.notes
+    engines = _engines(config, enable_pd, rollout_nodes, gpn, notes, smoke, shape)
     model_dir = local_model_dir(o, rollout_kind(fp8))
     processes = [
         p for e in engines
@@ -302,10 +340,15 @@ def local_model_dir(o: RecipeOptions, kind: str) -> str:
 
 
 def _engines(
-    config: str, pd: bool, nodes: list[int], gpn: int, notes: list[str], smoke: bool
-) -> list[EnginePlan]:
+    config: str, pd: bool, nodes: list[int], gpn: int, notes: list[str], smoke: bool,
+    shape: EngineShape | None = None,
+) -> list[EnginePlan]:  # fmt: skip
     gpus = len(nodes) * gpn
-    if config == "balanced":
+    if shape is not None:
+        size = min(shape.gpus, gpus)
+        if size < shape.gpus:
+            notes.append(f"engines of {shape.gpus} GPUs capped to the {gpus} rollout GPUs")
+    elif config == "balanced":
         size = 4 if smoke else gpn
     elif pd:
         size = 16 if len(nodes) < 16 else 64
@@ -351,11 +394,17 @@ def _sglang(
         ]
     elif e.gpus < gpn:
         argv += ["--base-gpu-id", str(port - SGLANG_PORT)]
-    if config == "balanced" or pd:
+    shape = spec.engine_shape
+    dp_attention = (
+        (min(shape.dp_size, e.gpus) if shape.dp_size else None)
+        if shape is not None
+        else (e.gpus if config == "balanced" or pd else None)
+    )
+    if dp_attention:
         argv += [
             "--enable-dp-attention",
             "--dp-size",
-            str(e.gpus),
+            str(dp_attention),
             "--moe-dense-tp-size",
             "1",
             "--enable-dp-lm-head",
@@ -364,9 +413,13 @@ def _sglang(
         argv += ["--moe-a2a-backend", "deepep", "--deepep-mode", "auto"]
     elif hw in ("B200", "GB300"):
         argv += ["--moe-runner-backend", "flashinfer_trtllm_routed" if fp8 else "triton"]
-    mem = 0.70 if (o.num_nodes == 1 and smoke) else 0.85
+    if shape is not None:
+        mem, running = shape.mem_fraction, shape.max_running_requests
+    else:
+        mem = 0.70 if (o.num_nodes == 1 and smoke) else 0.85
+        running = 256 if config == "balanced" else 512
     argv += ["--mem-fraction-static", f"{mem:.2f}", *spec.sglang_args]
-    argv += ["--max-running-requests", "256" if config == "balanced" else "512", "--watchdog-timeout", "3600"]
+    argv += ["--max-running-requests", str(running), "--watchdog-timeout", "3600"]
     if o.enable_mtp:
         if spec.mtp_args is None:
             raise RecipeError(f"--enable-mtp: the {spec.name} recipe has no speculative decoding settings")
@@ -462,6 +515,19 @@ def _trainers(
     return out
 
 
+def check_trainable(spec: RecipeSpec, model_name: str) -> None:
+    """`RecipeError` unless the Megatron backend builds this model (plans of other models print with
+    --dry-run; their training needs the backend to support the architecture first)."""
+    model_type = spec.model(model_name).config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise RecipeError(
+            f"{model_name} is a {model_type!r} model and agentrl's Megatron backend builds "
+            f"{', '.join(MODEL_TYPES)} only: its plan prints with --dry-run, `prepare --no-convert` "
+            "downloads, validates and stages its data, and --local runs the loop on a tiny model; "
+            "training it on a cluster needs the architecture in agentrl.train.megatron (model and converter)"
+        )
+
+
 def validate_overrides(plan: ClusterPlan) -> None:
     """The trainer's `--set` list is a valid agentrl run configuration (else `LayoutError`)."""
     try:
@@ -477,8 +543,15 @@ def render(plan: ClusterPlan) -> str:
     lines.append(f"model: {plan.spec.model(o.model_name).hf_repo}, {plan.model.total_params() / 1e9:.1f}B parameters "
                  f"({plan.model.total_params(with_mtp=False) / 1e9:.1f}B without MTP), "
                  f"{plan.model.num_layers} layers")  # fmt: skip
-    lines.append(f"DSA computing layers (1-indexed): {', '.join(map(str, plan.model.computing_layers))}")
-    lines.append(f"sglang config: {plan.sglang_config}; fp8 rollout: {plan.fp8_rollout}; PD: {plan.enable_pd}; "
+    m = plan.model
+    if m.dsa:
+        lines.append(f"DSA computing layers (1-indexed): {', '.join(map(str, m.computing_layers))}")
+    elif not m.mla:
+        lines.append(f"attention: grouped-query, {m.num_attention_heads} heads, {m.num_key_value_heads} KV heads "
+                     f"of {m.head_dim}")  # fmt: skip
+    shape = plan.spec.engine_shape
+    sglang = plan.sglang_config if shape is None else shape.describe()
+    lines.append(f"sglang config: {sglang}; fp8 rollout: {plan.fp8_rollout}; PD: {plan.enable_pd}; "
                  f"MTP: {o.enable_mtp}; megatron DeepEP: {o.use_deepep}; optimizer offload: {plan.offload}")  # fmt: skip
     lines.append("")
     lines.append("## nodes")

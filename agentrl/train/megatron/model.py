@@ -19,6 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from agentrl.train.megatron.plan import (
+    MODEL_TYPES,
     ModelConfigError,
     PipelineLayout,
     check_pipeline_split,
@@ -91,9 +92,10 @@ def schedule_device_shim() -> contextlib.AbstractContextManager[Any]:
 
 def check_hf_config(hf_config: Any) -> None:
     """Refuse what this backend does not build, before any weight is allocated."""
-    if getattr(hf_config, "model_type", None) != "glm_moe_dsa":
+    if getattr(hf_config, "model_type", None) not in MODEL_TYPES:
         raise ModelConfigError(
-            f"the megatron backend builds glm_moe_dsa models; this config is {getattr(hf_config, 'model_type', None)!r}"
+            f"the megatron backend builds {', '.join(MODEL_TYPES)} models; this config is "
+            f"{getattr(hf_config, 'model_type', None)!r}"
         )
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ModelConfigError("tie_word_embeddings=True: GLM-5 models have untied embeddings")

@@ -18,6 +18,10 @@ from typing import Any
 
 from agentrl.errors import AgentRLError
 
+# The Hugging Face model types this backend builds (model and converter); the cluster recipes
+# refuse to launch training of any other.
+MODEL_TYPES = ("glm_moe_dsa",)
+
 
 class PipelineSplitError(AgentRLError):
     """A pipeline layout that cuts a DSA index-sharing run of layers."""
