@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[local,dev,openenv,ray]"
+	$(BIN)/pip install -q -e ".[local,dev,openenv,ray,lora]"
 	# openenv without its declared dependencies (they pull gradio); the `openenv` extra has what it needs.
 	$(BIN)/pip install -q --no-deps "openenv>=0.10,<0.11"
 	touch $(STAMP)

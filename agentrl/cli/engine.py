@@ -46,6 +46,16 @@ def serve_cmd(
         "KEY'. On a command line the key is visible to `ps`: start the server through "
         "`python -m agentrl.cluster.launch --key-file PATH -- ...` instead.",
     ),
+    enable_lora: bool = typer.Option(
+        False, "--enable-lora", help="Serve LoRA adapters (SGLang's flag): /load_lora_adapter, lora_path."
+    ),
+    max_lora_rank: int = typer.Option(None, "--max-lora-rank", help="Refuse adapters of a higher rank."),
+    max_loaded_loras: int = typer.Option(
+        None, "--max-loaded-loras", help="At most this many adapters loaded."
+    ),
+    lora_paths: list[str] = typer.Option(
+        None, "--lora-paths", help="NAME=PATH adapters loaded at start (implies --enable-lora), as SGLang's."
+    ),
     request_log: bool = typer.Option(
         True,
         "--request-log/--no-request-log",
@@ -84,10 +94,24 @@ def serve_cmd(
                 tp_size=tp_size,
                 served_model_name=served_model_name,
                 api_key=api_key,
+                enable_lora=enable_lora,
+                max_lora_rank=max_lora_rank,
+                max_loaded_loras=max_loaded_loras,
+                lora_paths=_lora_paths(lora_paths or []),
             )
         )
     if dead is not None:
         raise typer.Exit(1)
+
+
+def _lora_paths(values: list[str]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"--lora-paths {value!r}: give NAME=PATH")
+        out[name] = path
+    return out
 
 
 @app.command("tiny")

@@ -107,7 +107,18 @@ class DistributedWeights:
             raise ValueError("DistributedWeights: names, dtypes and shapes must have the same length")
 
 
-WeightUpdate = DiskWeights | TensorWeights | DistributedWeights
+@dataclass(frozen=True)
+class LoraAdapter:
+    """`/load_lora_adapter` + `/update_weight_version`: the servers (started with `--enable-lora`)
+    load a PEFT LoRA adapter directory every one of them can read as `name`, and the client's
+    requests name it from then on (`lora_path`); the base weights do not move. Adapters older than
+    the one before are unloaded (a request paused in place may still run on the previous one)."""
+
+    name: str
+    path: str
+
+
+WeightUpdate = DiskWeights | TensorWeights | DistributedWeights | LoraAdapter
 
 
 class EngineError(InfraError):

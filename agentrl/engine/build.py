@@ -47,6 +47,7 @@ class EngineSpec:
     device: str = "cpu"  # local
     max_batch: int = 16  # local: requests batched per forward pass
     logprob_mode: str = "processed"  # local
+    enable_lora: bool = False  # local: serve LoRA adapters by name (SGLang's --enable-lora)
     # sglang HTTP behaviour (see `SGLangEngine`)
     request_timeout_s: float = 1800.0
     control_timeout_s: float = 120.0
@@ -102,6 +103,7 @@ def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None)
             device=spec.device,
             max_batch=spec.max_batch,
             logprob_mode=spec.logprob_mode,
+            enable_lora=spec.enable_lora,
         )
         return engine, tokenizer
 
@@ -115,6 +117,7 @@ def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     engine = LocalEngine(
-        model, tok, device=spec.device, max_batch=spec.max_batch, logprob_mode=spec.logprob_mode
-    )
+        model, tok, device=spec.device, max_batch=spec.max_batch, logprob_mode=spec.logprob_mode,
+        enable_lora=spec.enable_lora,
+    )  # fmt: skip
     return engine, tok

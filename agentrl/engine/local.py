@@ -37,15 +37,18 @@ from agentrl.engine.base import (
     EngineBadRequest,
     EngineError,
     Generation,
+    LoraAdapter,
     PauseMode,
     SamplingParams,
     TensorWeights,
     WeightUpdate,
 )
+from agentrl.engine.lora import NOT_ENABLED, AdapterFileError, LoraPool
 from agentrl.engine.tensors import deserialize_named_tensors
 
 _GREEDY_T = 1e-6
 _GATE_POLL_S = 0.05
+_ACTIVE: Any = object()  # generate(): the adapter the last LoraAdapter update made current
 
 
 @dataclass
@@ -62,6 +65,7 @@ class _Job:
     request: _Request
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Generation]
+    lora: str | None = None
 
 
 @dataclass
@@ -101,6 +105,9 @@ class LocalEngine(Engine):
         context_length: int | None = None,
         cpu_threads: int | None = None,
         max_batch: int = 16,
+        enable_lora: bool = False,
+        max_lora_rank: int | None = None,
+        max_loaded_loras: int | None = None,
     ) -> None:
         if logprob_mode not in ("processed", "original"):
             raise ValueError(f"logprob_mode={logprob_mode!r}: use 'processed' (SGLang default) or 'original'")
@@ -142,6 +149,11 @@ class LocalEngine(Engine):
         # for the resume that follows the load).
         self._parked = threading.Event()
         self._closed = False
+        # SGLang's --enable-lora: adapters by name (`agentrl.engine.lora`); None refuses them.
+        self.lora = (
+            LoraPool(self.model, max_rank=max_lora_rank, max_loaded=max_loaded_loras) if enable_lora else None
+        )
+        self.active_lora: str | None = None  # what an in-process caller's requests use by default
 
     async def generate(
         self,
@@ -150,10 +162,21 @@ class LocalEngine(Engine):
         *,
         session_id: str | None = None,
         rid: str | None = None,
+        lora: str | None = _ACTIVE,
     ) -> Generation:
         """Sample a continuation of `input_ids`. Returns finish_reason "stop", "length" or
-        "abort" (with the tokens produced before the abort). Waits while the engine is paused."""
+        "abort" (with the tokens produced before the abort). Waits while the engine is paused.
+        `lora`: a loaded adapter's name, None for the base weights; by default the adapter the last
+        `LoraAdapter` update made current (an in-process engine syncing LoRA adapters)."""
         self._check(input_ids, sampling)
+        lora = self.active_lora if lora is _ACTIVE else lora
+        if lora is not None:
+            if self.lora is None:
+                raise EngineBadRequest(NOT_ENABLED)
+            try:
+                self.lora.check(lora)
+            except AdapterFileError as e:
+                raise EngineBadRequest(str(e)) from None
         if self._closed:
             raise EngineError("the local engine is closed", cause="engine_closed")
         rid = rid or uuid.uuid4().hex
@@ -166,7 +189,7 @@ class LocalEngine(Engine):
             await self._resumed.wait()
             request.submitted = True
             loop = asyncio.get_running_loop()
-            job = _Job(list(input_ids), sampling, request, loop, loop.create_future())
+            job = _Job(list(input_ids), sampling, request, loop, loop.create_future(), lora)
             with self._queue_lock:
                 self._queue.append(job)
             # Each submission drains whatever is queued by then, so concurrent requests batch.
@@ -201,9 +224,11 @@ class LocalEngine(Engine):
             raise EngineBadRequest("stop strings need a tokenizer: build LocalEngine with one")
 
     def _drain(self) -> None:
-        with self._queue_lock:
-            jobs = self._queue[: self.max_batch]
-            del self._queue[: self.max_batch]
+        with self._queue_lock:  # one adapter per batch: the oldest job's, and the jobs that share it
+            lora = self._queue[0].lora if self._queue else None
+            jobs = [j for j in self._queue if j.lora == lora][: self.max_batch]
+            taken = {id(j) for j in jobs}
+            self._queue = [j for j in self._queue if id(j) not in taken]
         ready = []
         for job in jobs:
             if job.request.abort.is_set():
@@ -214,6 +239,8 @@ class LocalEngine(Engine):
         if not ready:
             return
         try:
+            if self.lora is not None:
+                self.lora.activate(lora)
             self._generate_batch(ready)
         except BaseException as e:  # hand every failure to the waiting callers, never lose it here
             for job in ready:
@@ -323,6 +350,8 @@ class LocalEngine(Engine):
     def _prompt_logprobs_sync(self, input_ids: list[int]) -> list[float]:
         import torch
 
+        if self.lora is not None:  # the policy an in-process caller samples from
+            self.lora.activate(self.active_lora)
         with torch.no_grad():
             ids = torch.tensor([input_ids], device=self.device)
             logits = self.model(ids).logits[0, :-1].float()
@@ -466,9 +495,12 @@ class LocalEngine(Engine):
                 raise EngineBadRequest(
                     f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(own[name].shape)}"
                 )
+        folded = self.lora.without_adapter() if self.lora is not None else None  # load the base weights
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+        if self.lora is not None:
+            self.lora.activate(folded)
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return self.weight_version
 
@@ -481,8 +513,8 @@ class LocalEngine(Engine):
     async def update_weights(
         self, update: WeightUpdate, *, weight_version: int, flush_cache: bool = False
     ) -> None:
-        """`DiskWeights` (see `load_from_disk`) or `TensorWeights` with exactly one entry (this
-        engine is one TP rank; see `agentrl.engine.tensors`). `DistributedWeights` needs a process
+        """`DiskWeights` (see `load_from_disk`), `TensorWeights` with exactly one entry (this
+        engine is one TP rank; see `agentrl.engine.tensors`) or `LoraAdapter` (with `enable_lora`). `DistributedWeights` needs a process
         group: serve this engine with `agentrl engine serve` for that. With `flush_cache` and a
         request running or queued this refuses before loading (a real server would die there)."""
         if flush_cache and self.busy:
@@ -504,6 +536,12 @@ class LocalEngine(Engine):
 
             pairs = await asyncio.to_thread(deserialize_named_tensors, update.serialized_named_tensors[0])
             await self.load_state_dict(dict(pairs), weight_version)
+        elif isinstance(update, LoraAdapter):
+            await self.load_lora_adapter(update.name, update.path)
+            previous, self.active_lora = self.active_lora, update.name
+            self.weight_version = int(weight_version)
+            for old in [n for n in self.lora_names() if n not in (update.name, previous)]:
+                await self.unload_lora_adapter(old)
         elif isinstance(update, DistributedWeights):
             raise EngineBadRequest(
                 "LocalEngine in this process has no weight-update process group: use "
@@ -511,8 +549,34 @@ class LocalEngine(Engine):
             )
         else:
             raise EngineBadRequest(
-                f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
+                f"update_weights takes DiskWeights, TensorWeights, DistributedWeights or LoraAdapter, not {update!r}"
             )
+
+    async def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """SGLang's `/load_lora_adapter`: read a PEFT LoRA directory and serve it as `name`."""
+        if self.lora is None:
+            raise EngineBadRequest(NOT_ENABLED)
+        pool = self.lora
+        try:  # on the worker thread: it alone touches the weights
+            await asyncio.get_running_loop().run_in_executor(self._executor, pool.load, name, str(path))
+        except AdapterFileError as e:
+            raise EngineBadRequest(str(e)) from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """SGLang's `/unload_lora_adapter`."""
+        if self.lora is None:
+            raise EngineBadRequest(NOT_ENABLED)
+        if self.active_lora == name:
+            self.active_lora = None
+        pool = self.lora
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, pool.unload, name)
+        except AdapterFileError as e:
+            raise EngineBadRequest(str(e)) from None
+
+    def lora_names(self) -> dict[str, str]:
+        """Loaded adapters: name -> the path each was loaded from."""
+        return dict(self.lora.paths) if self.lora is not None else {}
 
     async def weight_versions(self) -> dict[str, int]:
         return {"local": self.weight_version}

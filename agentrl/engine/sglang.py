@@ -75,6 +75,7 @@ from agentrl.engine.base import (
     EngineError,
     EngineVersionMismatch,
     Generation,
+    LoraAdapter,
     PauseMode,
     SamplingParams,
     TensorWeights,
@@ -147,6 +148,10 @@ class SGLangEngine(Engine):
             raise ValueError("SGLangEngine needs either base_urls (workers) or router_url, not both")
         self.base_urls = [u.rstrip("/") for u in base_urls or []]
         self.router_url = router_url.rstrip("/") if router_url else None
+        # The LoRA adapter every request names (`lora_path`) after a `LoraAdapter` update, and the
+        # adapters loaded on the servers, oldest first.
+        self.lora: str | None = None
+        self._loras: list[str] = []
         self._workers = [u.rstrip("/") for u in worker_urls] if worker_urls else list(self.base_urls)
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -338,6 +343,8 @@ class SGLangEngine(Engine):
             "return_logprob": True,
             "rid": rid,
         }
+        if self.lora is not None:
+            body["lora_path"] = self.lora
         headers = {ROUTING_KEY_HEADER: session_id} if (self.router_url and session_id) else None
         try:
             status, reply = await self._request(
@@ -574,9 +581,13 @@ class SGLangEngine(Engine):
                 "group_name": update.group_name,
                 **common,
             }
+        elif isinstance(update, LoraAdapter):
+            await self._update_lora(update, int(weight_version), timeout_s)
+            return
         else:
             raise EngineBadRequest(
-                f"update_weights takes DiskWeights, TensorWeights or DistributedWeights, not {update!r}"
+                "update_weights takes DiskWeights, TensorWeights, DistributedWeights or LoraAdapter, "
+                f"not {update!r}"
             )
         before = self._weight_version
         # A distributed update goes to its group's members only: a server that came up after the
@@ -590,6 +601,29 @@ class SGLangEngine(Engine):
                 await self.admit_workers()
             except EngineError as e:  # the weights are in; a router that refuses is retried next time
                 log.error("could not register caught-up workers with the router %s: %s", self.router_url, e)
+
+    async def _update_lora(self, update: LoraAdapter, version: int, timeout_s: float) -> None:
+        """`/load_lora_adapter` on every worker, `/update_weight_version` (no abort: the caller
+        paused the fleet), the version read back; then requests name the new adapter, and every
+        adapter older than the previous one is unloaded (the previous may still run a request that
+        an in_place pause held)."""
+        body = {"lora_name": update.name, "lora_path": update.path}
+        updated = await self._fan_out(
+            "POST", "/load_lora_adapter", body, timeout_s=timeout_s, check_success=True
+        )
+        version_body = {"new_version": str(version), "abort_all_requests": False}
+        await self._fan_out(
+            "POST", "/update_weight_version", version_body, timeout_s=timeout_s, check_success=True
+        )
+        await self._confirm_version(version, list(updated))
+        self.lora = update.name
+        self._loras.append(update.name)
+        while len(self._loras) > 2:
+            old = self._loras.pop(0)
+            try:
+                await self._fan_out("POST", "/unload_lora_adapter", {"lora_name": old}, check_success=True)
+            except EngineError as e:  # it costs server memory, not correctness
+                log.warning("could not unload LoRA adapter %s: %s", old, e)
 
     async def _confirm_version(self, version: int, urls: list[str]) -> None:
         versions = await self.weight_versions()

@@ -40,10 +40,11 @@ def engine_spec(cfg: RunConfig) -> EngineSpec:
         retries=e.retries,
         on_version_mismatch=e.on_version_mismatch,
         flush_wait_s=e.flush_wait_s,
+        enable_lora=cfg.sync.transport == "lora_adapter",
     )
 
 
-def build_transport(cfg: RunConfig, engine: Any) -> Any:
+def build_transport(cfg: RunConfig, engine: Any, trainer: Any = None) -> Any:
     from agentrl.train import weight_sync as ws
 
     s = cfg.sync
@@ -60,6 +61,15 @@ def build_transport(cfg: RunConfig, engine: Any) -> Any:
         )
     if s.transport == "tensor":
         return ws.TensorTransport([engine], tp_size=s.tp_size, timeout=s.timeout_s)
+    if s.transport == "lora_adapter":
+        if trainer is None or not hasattr(trainer, "adapter_config"):
+            raise AgentRLError(
+                "sync.transport=lora_adapter needs the torch trainer with trainer.lora.rank > 0"
+            )
+        return ws.AdapterTransport(
+            [engine], s.directory or str(cfg.out_dir / "adapters"), trainer.adapter_config(),
+            keep=s.keep, timeout=s.timeout_s,
+        )  # fmt: skip
     return ws.DistributedTransport(
         [engine],
         master_address=s.master_address,
@@ -110,7 +120,7 @@ def build_trainer(cfg: RunConfig, *, engine_policy: bool = True) -> tuple[Any, A
     else:
         policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         trainer = TorchTrainer(policy, cfg.trainer, device=cfg.engine.device)
-        policy = trainer.model
+        policy = trainer.engine_model()
     return trainer, policy, tokenizer
 
 
@@ -132,7 +142,7 @@ def build_parts(cfg: RunConfig, built: tuple[Any, Any, Any] | None = None) -> Ru
         ),
     )
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[cfg.sync.dtype]
-    transport = build_transport(cfg, engine)
+    transport = build_transport(cfg, engine, trainer)
     return RunParts(
         env=env,
         engine=engine,

@@ -76,7 +76,11 @@ class EngineSettings(_Section):
 class SyncSettings(_Section):
     """How new weights reach the engines after every rollout step (one version per step)."""
 
-    transport: Literal["in_process", "disk", "tensor", "distributed"] = "in_process"
+    transport: Literal["in_process", "disk", "tensor", "distributed", "lora_adapter"] = Field(
+        "in_process",
+        description="lora_adapter: the trainer's LoRA adapters alone, loaded by name on engines with "
+        "LoRA enabled (trainer.lora.rank > 0); with LoRA and any other transport the merged weights go.",
+    )
     pause_mode: Literal["abort", "in_place", "retract"] = Field(
         "abort",
         description="abort: in-flight turns are re-sent on the new weights; in_place: they continue "
@@ -84,10 +88,12 @@ class SyncSettings(_Section):
     )
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Cast floats (None: as trained).")
     directory: str | None = Field(
-        None, description="Disk transport: where versions are written (default <out>/weights)."
+        None,
+        description="Disk and lora_adapter transports: where versions are written (default "
+        "<out>/weights, <out>/adapters); every engine must read it.",
     )
     bucket_mb: int = Field(512, gt=0)
-    keep: int = Field(2, ge=1, description="Disk transport: newest versions kept on disk.")
+    keep: int = Field(2, ge=1, description="Disk and lora_adapter transports: newest versions kept on disk.")
     timeout_s: float = Field(600.0, gt=0, description="Each engine call of a push.")
     tp_size: int | None = Field(
         None,
@@ -210,6 +216,16 @@ class RunConfig(_Section):
     def _derived(self) -> RunConfig:
         if self.trainer.temperature != self.sampling.temperature:
             self.trainer.temperature = self.sampling.temperature
+        if self.trainer.lora.enabled and self.trainer.backend == "megatron":
+            raise ValueError(
+                "trainer.lora on the megatron backend is not implemented: LoRA trains on the torch "
+                "backend (trainer.backend=torch), or set trainer.lora.rank=0"
+            )
+        if self.sync.transport == "lora_adapter" and not self.trainer.lora.enabled:
+            raise ValueError(
+                "sync.transport=lora_adapter sends the trainer's LoRA adapters: set trainer.lora.rank > 0, "
+                "or choose another transport"
+            )
         return self
 
     @property

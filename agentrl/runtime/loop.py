@@ -241,9 +241,11 @@ async def sync_weights(
     bucket_bytes = cfg.sync.bucket_mb * 2**20
 
     async def push() -> None:
-        await parts.transport.push(
-            parts.trainer.export_weights(parts.export_dtype, bucket_bytes=bucket_bytes), version=version
-        )
+        if getattr(parts.transport, "exports", "weights") == "adapter":  # LoRA adapters alone
+            buckets = parts.trainer.export_adapter(parts.export_dtype)
+        else:
+            buckets = parts.trainer.export_weights(parts.export_dtype, bucket_bytes=bucket_bytes)
+        await parts.transport.push(buckets, version=version)
 
     if manager is None:
         await push()

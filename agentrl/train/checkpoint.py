@@ -2,6 +2,8 @@
 
 Layout under a root directory:
     step-00000012/   model.safetensors, config.json (when the model has a config), optimizer.pt, state.json
+                     (a LoRA policy: adapter_model.safetensors and adapter_config.json instead of the
+                     model's files: the base weights never change, so they are not written again)
     latest           the name of the newest complete checkpoint directory
 A checkpoint is written into a hidden temporary directory and renamed into place only when complete,
 and `latest` is replaced by rename, so a crash mid-write never leaves a half checkpoint that a
@@ -21,7 +23,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from agentrl.engine.lora import ADAPTER_WEIGHTS, read_adapter
 from agentrl.errors import AgentRLError
+from agentrl.train.lora import adapter_weights, is_lora, write_adapter
 
 
 class CheckpointError(AgentRLError):
@@ -83,7 +87,10 @@ def save_checkpoint(
     root = Path(root)
 
     def fill(tmp: Path) -> None:
-        write_model_dir(model, tmp)
+        if is_lora(model):
+            write_adapter(model, tmp)
+        else:
+            write_model_dir(model, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "state.json").write_text(
             json.dumps(
@@ -96,6 +103,21 @@ def save_checkpoint(
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     return final
+
+
+def _load_adapter(model: Any, path: Path) -> tuple[list[str], list[str]]:
+    """Load a LoRA checkpoint's adapters into `model`; (missing, unexpected) names."""
+    from peft import set_peft_model_state_dict
+
+    _, tensors = read_adapter(path)
+    own = adapter_weights(model)
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if not missing and not unexpected:
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise RuntimeError(f"{name}: shape {tuple(t.shape)} != the model's {tuple(own[name].shape)}")
+        set_peft_model_state_dict(model, tensors)
+    return missing, unexpected
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -122,11 +144,23 @@ def load_checkpoint(
                 f"{path}/latest points to a missing checkpoint: delete it or restore the directory"
             )
         path = resolved
-    for name in ("model.safetensors", "state.json"):
-        if not (path / name).exists():
-            raise CheckpointError(f"{path} has no {name}: not a complete agentrl checkpoint")
+    weights = ADAPTER_WEIGHTS if is_lora(model) else "model.safetensors"
+    if not (path / "state.json").exists():
+        raise CheckpointError(f"{path} has no state.json: not a complete agentrl checkpoint")
+    if not (path / weights).exists():
+        other = "model.safetensors" if weights == ADAPTER_WEIGHTS else ADAPTER_WEIGHTS
+        hint = (
+            f" (it holds {other}: it was saved with trainer.lora.rank "
+            f"{'0' if other == 'model.safetensors' else '> 0'}; resume with the same setting)"
+            if (path / other).exists()
+            else ": not a complete agentrl checkpoint"
+        )
+        raise CheckpointError(f"{path} has no {weights}{hint}")
     try:
-        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        if weights == ADAPTER_WEIGHTS:
+            missing, unexpected = _load_adapter(model, path)
+        else:
+            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(f"{path} does not match the model: {str(exc)[:400]}") from exc
     if missing or unexpected:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict
 
 from agentrl.algo import LossConfig
+from agentrl.train.lora import LoraConfig
 
 
 @dataclass
@@ -23,6 +24,7 @@ class TrainConfig:
     "auto" runs the fused kernel where it applies (CUDA, bf16/fp16 products) and the chunked torch
     passes elsewhere, "fused" and "chunked" force one; `logprob_chunk_size` is the chunked path's
     positions per chunk (None: all logits at once).
+    `lora` (rank > 0) trains low-rank adapters instead of every weight (`agentrl.train.lora`).
     """
 
     # Unknown keys in a run configuration are errors, not silently dropped settings.
@@ -43,10 +45,13 @@ class TrainConfig:
     dtype: str = "auto"
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = LossConfig(**self.loss)
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         problems = []
         if self.lr <= 0:

@@ -14,6 +14,7 @@ import torch
 from agentrl.algo import chunked_logprobs, full_logprobs, fused_logprobs
 from agentrl.algo.fused_logprobs import fused_kernel_applies
 from agentrl.algo.fused_loss import TokenLoss, fused_token_loss
+from agentrl.train.lora import causal_lm
 
 LogprobImpl = Literal["auto", "fused", "chunked"]
 
@@ -109,6 +110,7 @@ def _unfused_logprobs(
 def _head_inputs(
     model: Any, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any
 ) -> tuple[Any, Any, Any]:
+    model = causal_lm(model)  # under a LoRA wrapper: the transformers model, its adapters in place
     out = model.base_model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )

@@ -15,6 +15,7 @@ One `train_step(samples)`, on samples whose advantages were computed once per ep
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_st
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig
 from agentrl.train.forward import model_logprobs, model_token_loss
+from agentrl.train.lora import LoraError, adapter_config, adapter_weights, apply_lora, is_lora, merged_weights
 
 log = logging.getLogger("agentrl.train")
 
@@ -55,6 +57,8 @@ class TorchTrainer:
         # Weights and optimizer state stay fp32; bf16 is the compute dtype (autocast) on GPU.
         self.autocast_dtype = torch.bfloat16 if want_bf16 else None
         self.model = model.to(self.device, torch.float32)
+        if config.lora.enabled:  # adapters on the projections; every other weight frozen
+            self.model = apply_lora(self.model, config.lora)
         if config.loss.kl_coef and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs ref_model (a frozen copy of the initial policy)")
         self.ref_model = (
@@ -74,7 +78,7 @@ class TorchTrainer:
         )
         torch.manual_seed(config.seed)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
             betas=config.betas,
             eps=config.adam_eps,
@@ -205,7 +209,27 @@ class TorchTrainer:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy's weights under their Hugging Face names, in buckets of at most
         `bucket_bytes` (a tensor larger than that goes alone), floating tensors cast to `dtype`."""
-        return bucket_named_tensors(self.model.state_dict().items(), dtype=dtype, bucket_bytes=bucket_bytes)
+        named = merged_weights(self.model) if is_lora(self.model) else self.model.state_dict().items()
+        return bucket_named_tensors(named, dtype=dtype, bucket_bytes=bucket_bytes)
+
+    def export_adapter(self, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The trained adapters alone, under PEFT's names, in one bucket (`sync.transport=lora_adapter`)."""
+        if not is_lora(self.model):
+            raise LoraError("export_adapter needs trainer.lora.rank > 0")
+        return bucket_named_tensors(adapter_weights(self.model).items(), dtype=dtype, bucket_bytes=1 << 62)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The adapters' `adapter_config.json` (PEFT's own)."""
+        if not is_lora(self.model):
+            raise LoraError("adapter_config needs trainer.lora.rank > 0")
+        return adapter_config(self.model)
+
+    def engine_model(self) -> Any:
+        """A model an in-process engine can serve: the policy itself, or with LoRA a plain copy with
+        the adapters merged (its weight names are the Hugging Face ones `export_weights` gives)."""
+        if not is_lora(self.model):
+            return self.model
+        return copy.deepcopy(self.model).merge_and_unload()
 
     def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
         """Checkpoint model, optimizer, step and the caller's buffer position under `root`."""

@@ -19,6 +19,8 @@ half-loaded model passing as the new version.
   TensorTransport      per bucket, `TensorWeights` with one payload per TP rank of the servers,
                        each a serialized list of `(name, tensor)` pairs (SGLang
                        `/update_weights_from_tensor`; agentrl's safe encoding, `agentrl.engine.tensors`)
+  AdapterTransport     LoRA adapters alone: a PEFT adapter directory per version, loaded by name
+                       on every engine (`LoraAdapter`: SGLang `/load_lora_adapter`)
   DistributedTransport a process group joined once (the trainer is rank 0, each server TP rank one
                        more: SGLang `/init_weights_update_group`), then per bucket the HTTP
                        `DistributedWeights` call on every engine concurrently with the trainer's
@@ -40,7 +42,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from agentrl.engine.base import DiskWeights, DistributedWeights, Engine, TensorWeights
+from agentrl.engine.base import DiskWeights, DistributedWeights, Engine, LoraAdapter, TensorWeights
+from agentrl.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from agentrl.engine.tensors import serialize_named_tensors
 from agentrl.engine.weight_group import WeightGroup, rendezvous_store
 from agentrl.errors import InfraError
@@ -187,6 +190,60 @@ class DiskTransport(Transport):
         update = DiskWeights(str(path), load_format=self.load_format)
         await self._each(
             "update_weights(DiskWeights)", lambda e: e.update_weights(update, weight_version=version)
+        )
+
+
+class AdapterTransport(Transport):
+    """LoRA adapters alone (`sync.transport=lora_adapter`): the trainer's adapter tensors (its
+    `export_adapter`, PEFT's names) written as a PEFT adapter directory per version under
+    `directory` (`v00000007/`: `adapter_model.safetensors` + `adapter_config.json`), atomically,
+    the `keep` newest kept; then every engine loads it by name (`LoraAdapter`: SGLang's
+    `/load_lora_adapter` and `/update_weight_version`) and names it in its requests. The engines'
+    base weights never move, so a push costs the adapters' bytes, not the model's."""
+
+    exports = "adapter"
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        directory: str | Path,
+        adapter_config: dict[str, Any],
+        *,
+        keep: int = 2,
+        prefix: str = "agentrl-policy",
+        timeout: float = 600.0,
+    ) -> None:
+        super().__init__(engines, timeout=timeout)
+        self.directory = Path(directory)
+        self.config = dict(adapter_config)
+        self.keep = max(2, keep)  # the engines may still serve the previous version's adapter
+        self.prefix = prefix
+
+    def write(self, buckets: Iterable[Bucket], version: int) -> Path:
+        final = self.directory / f"v{version:08d}"
+
+        def fill(tmp: Path) -> None:
+            tmp.mkdir(parents=True, exist_ok=True)
+            tensors = {name: t.detach().contiguous().cpu() for bucket in buckets for name, t in bucket}
+            save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=1, sort_keys=True))
+
+        try:
+            atomic_dir(final, fill)
+        except OSError as exc:
+            raise WeightSyncError(
+                f"could not write the adapter of version {version} under {final}: {exc}"
+            ) from exc
+        old = sorted(p for p in self.directory.glob("v*") if p.is_dir() and p != final)
+        for stale in old[: max(0, len(old) - (self.keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+    async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        path = await asyncio.to_thread(self.write, buckets, version)
+        update = LoraAdapter(f"{self.prefix}-v{version}", str(path))
+        await self._each(
+            "update_weights(LoraAdapter)", lambda e: e.update_weights(update, weight_version=version)
         )
 
 

@@ -29,6 +29,12 @@ worker. What is served:
   (+ `/get_server_info`), `/v1/loads`; `/get_weight_version` answers 404 as 0.5.16 does.
 - `GET|POST /flush_cache` (text/plain; 400 while requests run), `POST /abort_request`,
   `/pause_generation`, `/continue_generation`, `/update_weight_version`.
+- LoRA (`--enable-lora`, as SGLang's; `agentrl.engine.lora`): `POST /load_lora_adapter`
+  (`lora_name`, `lora_path`: a PEFT adapter directory) and `/unload_lora_adapter` (`lora_name`)
+  answer `{"success", "error_message", "loaded_adapters": {name: path}}`, 400 on failure (LoRA not
+  enabled, a name already loaded, a rank above `--max-lora-rank`, a file that is not an adapter);
+  `/generate`'s `lora_path` (a name, or one per prompt) and chat's `model` "base:adapter" or
+  `lora_path` pick the adapter a request runs with; without `--enable-lora` they are refused.
 - `POST /update_weights_from_disk`: a directory of safetensors (see `LocalEngine.load_from_disk`).
 - `POST /update_weights_from_tensor`: one `serialized_named_tensors` entry per TP rank, each a
   serialized list of `(name, tensor)` pairs (SGLang: `managers/tp_worker.py`,
@@ -116,6 +122,7 @@ from agentrl.engine.server.common import (
     _ModelUpdateLock,
     _validation_error,
     log,
+    lora_not_enabled,
 )
 from agentrl.engine.server.control import ControlPlane
 from agentrl.engine.weight_group import WeightGroup
@@ -200,6 +207,8 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
@@ -310,8 +319,11 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
                     raise _BadRequest(f"{key} is not supported by agentrl's local engine server")
             rid = body.get("rid")
             rids = self._rids(rid, len(prompts), n)
-            jobs = [(p, r) for i, p in enumerate(prompts) for r in rids[i * n : (i + 1) * n]]
-            results = await asyncio.gather(*(self._one(p, sampling, r, body, sp, start) for p, r in jobs))
+            loras = self._loras(body.get("lora_path"), len(prompts))
+            jobs = [(p, r, loras[i]) for i, p in enumerate(prompts) for r in rids[i * n : (i + 1) * n]]
+            results = await asyncio.gather(
+                *(self._one(p, sampling, r, {**body, "lora_path": lora}, sp, start) for p, r, lora in jobs)
+            )
         except (_BadRequest, EngineBadRequest) as e:
             return _error(str(e))
         if batched or n > 1:
@@ -370,6 +382,20 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
             raise _BadRequest(f"sampling_params.n must be a positive integer, got {n!r}")
         return sampling, n
 
+    def _loras(self, value: Any, batch: int) -> list[str | None]:
+        """Each prompt's adapter (`lora_path`: one name, or one per prompt, null for the base)."""
+        if value is None:
+            return [None] * batch
+        names = [value] * batch if isinstance(value, str) else value
+        if not isinstance(names, list) or len(names) != batch:
+            raise _BadRequest("lora_path must be a string or a list with one entry per prompt")
+        if any(n is not None and not isinstance(n, str) for n in names):
+            raise _BadRequest("lora_path entries must be adapter names (strings) or null")
+        named = next((n for n in names if n), None)
+        if named and self.engine.lora is None:
+            raise _BadRequest(lora_not_enabled(named))
+        return [n or None for n in names]
+
     def _rids(self, rid: Any, batch: int, n: int) -> list[str]:
         total = batch * n
         if n > 1 or rid is None:
@@ -408,7 +434,7 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
                 f"logprob_start_len ({start_len}) is larger than the input length ({len(prompt)})."
             )
         async with self._lock.read():
-            gen = await self.engine.generate(prompt, sampling, rid=rid)
+            gen = await self.engine.generate(prompt, sampling, rid=rid, lora=body.get("lora_path"))
         meta: dict[str, Any] = {"id": rid, "finish_reason": self._finish(gen)}
         waiting_abort = gen.meta.get("message") == "Abort in waiting queue"
         if not waiting_abort:
@@ -562,6 +588,10 @@ async def serve(
     served_model_name: str | None = None,
     ready: asyncio.Event | None = None,
     api_key: str | None = None,
+    enable_lora: bool = False,
+    max_lora_rank: int | None = None,
+    max_loaded_loras: int | None = None,
+    lora_paths: dict[str, str] | None = None,
 ) -> str | None:
     """Load a model directory and serve it until cancelled (returns None) or until a fatal error
     kills it as it would kill SGLang (returns the reason)."""
@@ -573,7 +603,12 @@ async def serve(
         raise EngineBadRequest(f"--model {path} is not a directory (it must hold a transformers model)")
     model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
-    engine = LocalEngine(model, tokenizer, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads)
+    engine = LocalEngine(
+        model, tokenizer, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads,
+        enable_lora=enable_lora or bool(lora_paths), max_lora_rank=max_lora_rank, max_loaded_loras=max_loaded_loras,
+    )  # fmt: skip
+    for name, adapter in (lora_paths or {}).items():  # SGLang's --lora-paths NAME=PATH, loaded at start
+        await engine.load_lora_adapter(name, adapter)
     try:
         async with EngineServer(
             engine,

@@ -15,6 +15,7 @@ from agentrl.engine.base import EngineBadRequest, SamplingParams
 from agentrl.engine.server.common import (
     _BadRequest,
     _validation_error,
+    lora_not_enabled,
 )
 
 _GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
@@ -200,6 +201,7 @@ class OpenAIEndpoints:
             "logprob_start_len": -1,
             "return_text_in_logprobs": True,
             "return_prompt_token_ids": req.return_prompt_token_ids,
+            "lora_path": _chat_lora(req),
         }
         if isinstance(req.rid, list):
             return _openai_error("The rid should be a string for a single chat request", "BadRequest")
@@ -282,14 +284,9 @@ class OpenAIEndpoints:
             )
         if req.stream:
             return "stream is not supported by agentrl's local engine server: send stream=false"
-        adapter = req.model.split(":", 1)[1].strip() if ":" in req.model else None
-        lora = adapter or req.lora_path
-        if lora:
-            first = lora if isinstance(lora, str) else next((a for a in lora if a), None)
-            return (
-                f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server "
-                "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
-            )
+        lora = _chat_lora(req)
+        if lora and self.engine.lora is None:
+            return lora_not_enabled(lora)
         if req.return_hidden_states:
             return (
                 "The server is not configured to return the hidden states. "
@@ -435,3 +432,13 @@ class OpenAIEndpoints:
 
         rows = await asyncio.get_running_loop().run_in_executor(engine._executor, run)
         return [[[lp, tid, self._piece(tid)] for lp, tid in row] for row in rows]
+
+
+def _chat_lora(req: _ChatRequest) -> str | None:
+    """The adapter a chat request names: `model` "base:adapter" first (SGLang's
+    `serving_base._parse_model_parameter`), else `lora_path` (a list: its first name)."""
+    adapter = req.model.split(":", 1)[1].strip() if ":" in req.model else None
+    lora = adapter or req.lora_path
+    if isinstance(lora, list):
+        lora = next((a for a in lora if a), None)
+    return lora or None

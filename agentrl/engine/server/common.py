@@ -49,7 +49,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "return_hidden_states": False,
     "return_routed_experts": False,
     "return_indexer_topk": False,
-    "lora_path": None,
     "custom_logit_processor": None,
     "image_data": None,
     "video_data": None,
@@ -62,6 +61,14 @@ _DEFAULT_MAX_NEW_TOKENS = 128
 
 
 log = logging.getLogger("agentrl.engine.server")
+
+
+def lora_not_enabled(name: str) -> str:
+    """SGLang's refusal of a request naming an adapter on a server without --enable-lora."""
+    return (
+        f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
+        "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
 
 
 class _BadRequest(Exception):

@@ -96,6 +96,36 @@ class ControlPlane:
             {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
         )
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's `/load_lora_adapter` (`LoadLoRAAdapterReqInput`: lora_name, lora_path)."""
+        return await self._lora_call(request, load=True)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's `/unload_lora_adapter` (`UnloadLoRAAdapterReqInput`: lora_name)."""
+        return await self._lora_call(request, load=False)
+
+    async def _lora_call(self, request: web.Request, *, load: bool) -> web.Response:
+        try:
+            body = await self._json_body(request)
+        except _BadRequest as e:
+            return _validation_error(str(e))
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or (load and not isinstance(path, str)):
+            return _validation_error("lora_name (and for a load, lora_path) must be strings")
+        try:
+            if load:
+                await self.engine.load_lora_adapter(name, path)
+            else:
+                await self.engine.unload_lora_adapter(name)
+        except EngineBadRequest as e:
+            return web.json_response(
+                {"success": False, "error_message": str(e), "loaded_adapters": self.engine.lora_names()},
+                status=400,
+            )
+        return web.json_response(
+            {"success": True, "error_message": "", "loaded_adapters": self.engine.lora_names()}
+        )
+
     async def _apply_update(
         self, body: dict[str, Any], load: Callable[[int], Awaitable[None]], *, ok: str, fail: str
     ) -> web.Response:
