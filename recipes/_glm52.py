@@ -185,9 +185,26 @@ DAPO_MATH = RecipeSpec(
     **_COMMON,
 )
 
-SPECS = {"tbench2": TBENCH2, "dapo_math": DAPO_MATH}
+# The LoRA variant of the math recipe: rank-32 adapters on the attention and MLP projections
+# (routed experts frozen), alpha 32 (scale 1), lr 1e-5 (adapters take a larger step than full
+# fine-tuning). The reference gives no LoRA numbers: these are agentrl's. The plan shows, side by
+# side, what the same layout needs with every weight trained.
+LORA: dict[str, Any] = {"trainer.lora.rank": 32, "trainer.lora.alpha": 32.0, "trainer.lr": 1e-5}
+DAPO_MATH_LORA = RecipeSpec(
+    name="dapo_math_lora",
+    env="dapo_math",
+    title="GLM-5.2 dapo_math recipe with LoRA adapters.",
+    colocated=True,
+    sglang_config="low-latency",
+    fp8_rollout=False,
+    optimizer_offload=False,
+    reference_layouts=miles_layouts,
+    **{**_COMMON, "algorithm": {**ALGORITHM, **LORA}},
+)
+
+SPECS = {"tbench2": TBENCH2, "dapo_math": DAPO_MATH, "dapo_math_lora": DAPO_MATH_LORA}
 
 
 def app(name: str) -> Any:
-    """The Typer app of the recipe `name` (tbench2 or dapo_math)."""
+    """The Typer app of the recipe `name` (tbench2, dapo_math or dapo_math_lora)."""
     return make_app(SPECS[name])

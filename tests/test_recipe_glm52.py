@@ -29,7 +29,11 @@ def recipe_module(name: str):
     return module
 
 
-MODULES = {"tbench2": recipe_module("glm52_tbench2"), "dapo_math": recipe_module("glm52_dapo_math")}
+MODULES = {
+    "tbench2": recipe_module("glm52_tbench2"),
+    "dapo_math": recipe_module("glm52_dapo_math"),
+    "dapo_math_lora": recipe_module("glm52_dapo_math_lora"),
+}
 APPS = {name: m.app for name, m in MODULES.items()}
 SPECS = {name: m.spec for name, m in MODULES.items()}  # the RecipeSpec each launcher plans with
 
@@ -65,6 +69,13 @@ CASES = {
         "dapo_math",
         "--num-nodes 16 --hardware B200 --fp8-rollout --use-deepep",
     ),
+    # LoRA: the same branches, the memory with LoRA and with every weight trained side by side
+    "dapo_math_lora_16x4_gb300": ("dapo_math_lora", "--num-nodes 16"),
+    "dapo_math_lora_4x8_h200": ("dapo_math_lora", "--num-nodes 4 --hardware H200"),
+    "dapo_math_lora_1x8_h200_pruned": (
+        "dapo_math_lora",
+        "--model-name GLM-5.2_5layer --num-nodes 1 --hardware H200",
+    ),
 }
 
 
@@ -86,7 +97,9 @@ def test_dry_run_matches_its_snapshot(case: str) -> None:
     )
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", sorted(c for c in CASES if not CASES[c][0].endswith("_lora"))
+)  # writes scripts
 def test_each_process_loads_the_checkpoint_prepare_cp_put_on_its_node(case: str, tmp_path: Path) -> None:
     """The written plan's SGLang servers load `--model-path` and its trainer ranks
     `trainer.megatron.init_checkpoint` from node-local disk, each exactly what `prepare-cp` copies
@@ -233,3 +246,28 @@ def test_the_math_recipe_keeps_the_math_algorithm_and_no_terminal_settings() -> 
     out = dry_run("dapo_math", "--num-nodes 16").stdout
     assert "--set trainer.loss.tis_clip_low=0.5 " in out and "--set trainer.loss.tis_clip=2.0 " in out
     assert "rollout.max_in_flight" not in out and "env.agent" not in out
+
+
+def test_lora_fits_where_full_fine_tuning_does_not_and_its_training_is_refused_on_megatron(
+    tmp_path: Path,
+) -> None:
+    full = dry_run("dapo_math", "--num-nodes 4 --hardware H200")
+    assert full.exit_code != 0 and "no parallel layout of GLM-5.2 fits 32 H200" in full.output
+    lora = dry_run("dapo_math_lora", "--num-nodes 4 --hardware H200")
+    assert lora.exit_code == 0, lora.output
+    out = lora.stdout
+    assert "## LoRA rank 32" in out and "--set trainer.lora.rank=32" in out
+    rows = {
+        line[:42].strip(): line[42:].split()
+        for line in out.splitlines()
+        if line.startswith(("gradients", "optimizer state ", "total "))
+    }
+    lora_total, full_total = map(float, rows["total"])
+    assert lora_total < 141 < full_total  # fits an H200 with LoRA, not without
+    assert float(rows["gradients (fp32 main grads)"][0]) < 0.1 * float(rows["gradients (fp32 main grads)"][1])
+    refused = CliRunner().invoke(
+        APPS["dapo_math_lora"], ["train", "--root", str(tmp_path), "--write-scripts"]
+    )
+    assert (
+        refused.exit_code == 2 and "LoRA on agentrl's Megatron backend is not implemented" in refused.output
+    )

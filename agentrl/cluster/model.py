@@ -133,6 +133,29 @@ class ModelSpec:
         )
         return tp, dup
 
+    def lora_params(self, i: int, rank: int) -> int:
+        """Parameters of rank-`rank` LoRA adapters on layer `i`'s attention and MLP projections
+        (the dense MLP, or the shared experts of a MoE layer; routed experts, the DSA indexer,
+        embeddings and the LM head stay frozen): r (in + out) per projection."""
+        c = self.config
+        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        if self.mla:
+            qk = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
+            q, kv, v = int(c["q_lora_rank"]), int(c["kv_lora_rank"]), int(c["v_head_dim"])
+            shapes = [(h, q), (q, heads * qk), (h, kv + int(c["qk_rope_head_dim"])),
+                      (kv, heads * (int(c["qk_nope_head_dim"]) + v)), (heads * v, h)]  # fmt: skip
+        else:
+            hd, kvh = self.head_dim, int(c["num_key_value_heads"])
+            shapes = [(h, heads * hd), (h, kvh * hd), (h, kvh * hd), (heads * hd, h)]
+        ffn = (
+            int(c["moe_intermediate_size"]) * int(c.get("n_shared_experts", 0) or 0)
+            if self.moe_layers[i]
+            else int(c["intermediate_size"])
+        )
+        if ffn:
+            shapes += [(h, ffn), (h, ffn), (ffn, h)]
+        return sum(rank * (a + b) for a, b in shapes)
+
     @cached_property
     def moe_layers(self) -> list[bool]:
         k = int(self.config.get("first_k_dense_replace", 0))

@@ -236,14 +236,17 @@ def stages_of(model: ModelSpec, layout: Layout) -> list[list[int]]:
 
 
 def memory_estimate(
-    model: ModelSpec, layout: Layout, *, dp: int, hw: Hardware, offload: bool, logprob_chunk: int = 16384
-) -> MemoryEstimate:
+    model: ModelSpec, layout: Layout, *, dp: int, hw: Hardware, offload: bool, logprob_chunk: int = 16384,
+    lora_rank: int = 0,
+) -> MemoryEstimate:  # fmt: skip
     """Per-GPU bytes on the heaviest stage. Assumptions (the cluster docs): bf16 weights; fp32 main
     gradients; Megatron's distributed optimizer (fp32 master + Adam m, v = 12 bytes per parameter)
     sharded over the data-parallel ranks (dense: DP x CP; experts: the expert-DP ranks); full
     recompute of every layer keeping its input (sequence-parallel over TP), one layer's working set
     (forward and backward), `pp - stage` micro-batches in flight (1F1B); the log-prob head in chunks
-    of `logprob_chunk` tokens on the last stage."""
+    of `logprob_chunk` tokens on the last stage. With `lora_rank`, only the adapters
+    (`ModelSpec.lora_params`, split over TP) have gradients and optimizer state; the frozen weights
+    and the activations (the backward still runs through every layer) are as before."""
     c = model.config
     h, t = int(c["hidden_size"]), layout.max_tokens_per_gpu
     stages = stages_of(model, layout)
@@ -265,6 +268,10 @@ def memory_estimate(
             logits = 2 * min(logprob_chunk, t) * int(c["vocab_size"]) / layout.tp * 4
         params = dense + expert
         optimizer = 12 * (dense / (dp * layout.cp) + expert / expert_dp)
+        trained = params
+        if lora_rank:
+            trained = sum(model.lora_params(i, lora_rank) for i in layers) / layout.tp
+            optimizer = 12 * trained / (dp * layout.cp)
         in_flight = layout.pp - s
         kept = in_flight * len(layers) * t * h * 2 / layout.tp
         work = (
@@ -273,7 +280,7 @@ def memory_estimate(
         est = MemoryEstimate(
             stage=s,
             weights=2 * params,
-            grads=4 * params,
+            grads=4 * trained,
             optimizer_on_gpu=0.0 if offload else optimizer,
             optimizer_offloaded=optimizer,
             activations=kept + work + logits,
@@ -288,8 +295,9 @@ def memory_estimate(
 
 
 def check_layout(
-    model: ModelSpec, layout: Layout, *, gpus: int, hw: Hardware, offload: bool, headroom: float = 1.0
-) -> tuple[int, MemoryEstimate]:
+    model: ModelSpec, layout: Layout, *, gpus: int, hw: Hardware, offload: bool, headroom: float = 1.0,
+    lora_rank: int = 0,
+) -> tuple[int, MemoryEstimate]:  # fmt: skip
     """(data-parallel size, memory estimate) of a layout that can run, else a `LayoutError`.
     `headroom`: the share of the GPU's memory the estimate may use."""
     dp = check_world(model, layout, gpus)
@@ -298,7 +306,7 @@ def check_layout(
             f"{layout.short()}: TP{layout.tp} spans more than the {hw.gpus_per_node} GPUs of one {hw.name} "
             "node; tensor parallelism needs NVLink (only GB300's NVL72 racks reach across nodes)"
         )
-    est = memory_estimate(model, layout, dp=dp, hw=hw, offload=offload)
+    est = memory_estimate(model, layout, dp=dp, hw=hw, offload=offload, lora_rank=lora_rank)
     budget = est.capacity * headroom
     if est.total > budget:
         parts = " + ".join(f"{v:.1f}" for _, v in est.rows()[:5])
@@ -354,6 +362,7 @@ def choose_layout(
     offload: bool,
     references: Sequence[tuple[str, Layout]] = (),
     tokens: int = 8192,
+    lora_rank: int = 0,
 ) -> LayoutChoice:
     """The first reference layout that runs; else the searched layout with the most data
     parallelism (then the least memory) that fits in `SEARCH_HEADROOM` of the GPU. `LayoutError` naming every rejection (and the
@@ -361,7 +370,7 @@ def choose_layout(
     rejected: list[tuple[str, str]] = []
     for name, layout in references:
         try:
-            dp, est = check_layout(model, layout, gpus=gpus, hw=hw, offload=offload)
+            dp, est = check_layout(model, layout, gpus=gpus, hw=hw, offload=offload, lora_rank=lora_rank)
         except LayoutError as exc:
             rejected.append((f"reference {name} ({layout.short()})", str(exc)))
             continue
@@ -371,7 +380,15 @@ def choose_layout(
     reasons: dict[str, int] = {}
     for layout in candidate_layouts(model, gpus, tokens):
         try:
-            dp, est = check_layout(model, layout, gpus=gpus, hw=hw, offload=offload, headroom=SEARCH_HEADROOM)
+            dp, est = check_layout(
+                model,
+                layout,
+                gpus=gpus,
+                hw=hw,
+                offload=offload,
+                headroom=SEARCH_HEADROOM,
+                lora_rank=lora_rank,
+            )
         except MemoryBudgetError as exc:
             reasons[exc.reason] = reasons.get(exc.reason, 0) + 1
             if closest is None or exc.estimate.total < closest[0]:

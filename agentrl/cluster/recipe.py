@@ -30,6 +30,7 @@ from agentrl.cluster.planner import (
     LayoutError,
     choose_layout,
     hardware,
+    memory_estimate,
 )
 from agentrl.errors import AgentRLError
 from agentrl.overrides import ConfigError
@@ -132,6 +133,11 @@ class RecipeSpec:
     hardware_choices: tuple[str, ...] = ()  # the GPU kinds the recipe runs on (empty: every kind known)
     hardware_refusal: str = ""  # why the others are refused (said in the error)
     notes: tuple[str, ...] = ()  # said at the end of every plan (what the recipe does not do as upstream)
+
+    @property
+    def lora_rank(self) -> int:
+        """The run's `trainer.lora.rank` (0: every weight trains)."""
+        return int({**self.algorithm, **self.run_settings}.get("trainer.lora.rank", 0) or 0)
 
     def check_hardware(self, name: str) -> None:
         """`RecipeError` unless the recipe runs on GPU kind `name`."""
@@ -289,6 +295,7 @@ def plan_recipe(o: RecipeOptions, spec: RecipeSpec) -> ClusterPlan:
         offload=offload,
         references=refs,
         tokens=entry.tokens_per_gpu,
+        lora_rank=spec.lora_rank,
     )
     if offload:
         host = choice.memory.optimizer_offloaded * gpn / GiB
@@ -515,10 +522,37 @@ def _trainers(
     return out
 
 
+def _lora_lines(plan: ClusterPlan) -> list[str]:
+    """What LoRA saves on this layout: the same estimate with every weight trained, side by side."""
+    m, lay, rank = plan.model, plan.layout, plan.spec.lora_rank
+    o = plan.options
+    full = memory_estimate(m, lay, dp=plan.choice.dp, hw=hardware(o.hardware), offload=plan.offload)
+    lora = plan.choice.memory
+    adapters = sum(m.lora_params(i, rank) for i in range(m.num_layers))
+    out = [
+        "",
+        f"## LoRA rank {rank} (attention and MLP projections; routed experts, indexer, embeddings frozen)",
+        f"trainable parameters {adapters / 1e6:.1f}M of {m.total_params(with_mtp=False) / 1e9:.1f}B "
+        f"({100 * adapters / m.total_params(with_mtp=False):.3f}%)",
+        f"{'per GPU, GiB':42s} {'LoRA':>8s} {'full':>8s}",
+    ]
+    for (name, a), (_, b) in zip(lora.rows(), full.rows(), strict=True):
+        if name in ("capacity",):
+            continue
+        out.append(f"{name:42s} {a:8.2f} {b:8.2f}")
+    return out
+
+
 def check_trainable(spec: RecipeSpec, model_name: str) -> None:
     """`RecipeError` unless the Megatron backend builds this model (plans of other models print with
     --dry-run; their training needs the backend to support the architecture first)."""
     model_type = spec.model(model_name).config.get("model_type")
+    if spec.lora_rank:
+        raise RecipeError(
+            f"trainer.lora.rank={spec.lora_rank}: LoRA on agentrl's Megatron backend is not implemented "
+            "(LoRA trains on the torch backend: a single-process model); this plan prints with --dry-run "
+            "to show the layout and what LoRA would save"
+        )
     if model_type not in MODEL_TYPES:
         raise RecipeError(
             f"{model_name} is a {model_type!r} model and agentrl's Megatron backend builds "
@@ -590,6 +624,8 @@ def render(plan: ClusterPlan) -> str:
     lines.append("")
     lines.append(f"## memory per GPU (stage {mem.stage}, GiB)")
     lines += [f"{k:42s} {v:8.1f}" for k, v in mem.rows()]
+    if plan.spec.lora_rank:
+        lines += _lora_lines(plan)
     lines.append("")
     lines.append("## algorithm")
     lines += [f"{k} = {v}" for k, v in plan.spec.algorithm.items()]

@@ -94,6 +94,11 @@ def build_trainer(cfg: RunConfig, *, engine_policy: bool = True) -> tuple[Any, A
     model_dir = check_model_source(cfg.engine.model, "engine.model")
     tok_dir = check_model_source(cfg.engine.tokenizer or cfg.engine.model, "engine.tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if cfg.trainer.backend == "megatron" and cfg.trainer.lora.enabled:
+        raise AgentRLError(
+            "trainer.lora on the megatron backend is not implemented: LoRA trains on the torch backend "
+            "(trainer.backend=torch), or set trainer.lora.rank=0"
+        )
     if cfg.trainer.backend == "megatron":
         # Needs Python >= 3.12 and megatron-core (docs/megatron.md). The initial weights: the
         # torch_dist checkpoint of trainer.megatron.init_checkpoint (what `prepare` converted; the

@@ -216,11 +216,6 @@ class RunConfig(_Section):
     def _derived(self) -> RunConfig:
         if self.trainer.temperature != self.sampling.temperature:
             self.trainer.temperature = self.sampling.temperature
-        if self.trainer.lora.enabled and self.trainer.backend == "megatron":
-            raise ValueError(
-                "trainer.lora on the megatron backend is not implemented: LoRA trains on the torch "
-                "backend (trainer.backend=torch), or set trainer.lora.rank=0"
-            )
         if self.sync.transport == "lora_adapter" and not self.trainer.lora.enabled:
             raise ValueError(
                 "sync.transport=lora_adapter sends the trainer's LoRA adapters: set trainer.lora.rank > 0, "
