@@ -276,13 +276,29 @@ def test_stateless_http_episodes_and_mcp_are_refused_with_the_reason(server) -> 
         for path in ("/reset", "/step"):
             resp = http.post(path, json={"action": {"action_type": "exec", "command": "true"}})
             assert resp.status_code == 501 and "connect to /ws" in resp.json()["detail"]
-        assert (
-            "no MCP tools"
-            in http.post("/mcp", json={"jsonrpc": "2.0", "method": "tools/list", "id": 1}).json()["detail"]
-        )
+        # MCP: a JSON-RPC error, as upstream's servers without MCP tools answer (HTTP 200).
+        mcp = http.post("/mcp", json={"jsonrpc": "2.0", "method": "tools/list", "id": 1})
+        assert mcp.status_code == 200 and mcp.json()["jsonrpc"] == "2.0" and mcp.json()["id"] == 1
+        assert mcp.json()["error"]["code"] == -32601 and "no MCP tools" in mcp.json()["error"]["message"]
+        session = http.post("/mcp", json={"jsonrpc": "2.0", "method": "openenv/session/create", "id": 2})
+        assert session.json()["error"]["code"] == -32601  # no sandbox outside a WebSocket
+        assert http.post("/mcp", json={}).json()["error"]["code"] == -32600
+        bad = http.post("/mcp", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 200 and bad.json()["error"]["code"] == -32700
         big = http.post(
             "/tbench2/tasks", content=b"x" * (200 * 1024), headers={"content-type": "application/json"}
         )
         assert big.status_code == 413 and "limit" in big.json()["detail"]
         assert http.get("/health").json()["status"] == "healthy"
+    assert provider.live_sandboxes() == 0
+
+
+def test_upstreams_validator_passes_our_server(server) -> None:  # type: ignore[no-untyped-def]
+    """`openenv validate --url`, the installed package's own checks (`openenv/cli/_validation.py`)."""
+    validation = pytest.importorskip("openenv.cli._validation")
+    url, _, provider = server
+    report = validation.validate_running_environment(url, timeout_s=10.0)
+    failed = [c for c in report["criteria"] if not c["passed"]]
+    assert report["passed"], failed
+    assert {c["id"] for c in report["criteria"]} >= {"mcp_endpoint", "schema_endpoint", "health_endpoint"}
     assert provider.live_sandboxes() == 0

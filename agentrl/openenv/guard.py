@@ -12,7 +12,12 @@ can cost, and answers every refusal in words.
 - A client that disconnects in the middle of a step: the step is cancelled at once, so its sandbox
   is closed now rather than when a long command or the verifier would have finished.
 - HTTP: bodies over `max_http_body_bytes` get 413; the routes in `refused` get 501 with the reason
-  (stateless HTTP episodes and MCP, which a sandbox-per-session environment does not serve).
+  (stateless HTTP episodes, which a sandbox-per-session environment does not serve).
+- `POST /mcp` with `no_mcp` set: answered as upstream's non-MCP servers answer it, HTTP 200 with a
+  JSON-RPC 2.0 error (-32700 parse error, -32600 invalid request, else -32601 method not found with
+  the reason), never passed to the package's handler (its `openenv/session/create` would open a
+  sandbox outside any WebSocket's lifetime). `openenv validate` checks exactly this answer
+  (`openenv/cli/_validation.py`, criterion `mcp_endpoint`: status 200 and `"jsonrpc": "2.0"`).
 """
 
 from __future__ import annotations
@@ -42,8 +47,11 @@ class Guard:
         idle_timeout_s: float,
         max_http_body_bytes: int,
         refused: dict[str, str] | None = None,
+        no_mcp: str | None = None,
     ) -> None:
-        """`refused`: "METHOD /path" (or "WS /path") -> why that route is not served."""
+        """`refused`: "METHOD /path" (or "WS /path") -> why that route is not served; `no_mcp`: why
+        `POST /mcp` has no tools (a JSON-RPC error)."""
+        self.no_mcp = no_mcp
         self.app = app
         self.max_message_chars = max_message_chars
         self.idle_timeout_s = idle_timeout_s
@@ -69,6 +77,7 @@ class Guard:
             await _json_response(send, 501, {"detail": why})
             return
         limit = self.max_http_body_bytes
+        mcp = self.no_mcp is not None and scope["method"] == "POST" and scope["path"] == "/mcp"
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _json_response(
@@ -91,6 +100,9 @@ class Guard:
             chunks.append(body)
             if not message.get("more_body"):
                 break
+        if mcp:
+            await _json_response(send, 200, _jsonrpc_refusal(b"".join(chunks), str(self.no_mcp)))
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -225,6 +237,20 @@ def _deeper_than(value: Any, limit: int) -> bool:
                     return True
                 stack.append((child, depth + 1))
     return False
+
+
+def _jsonrpc_refusal(body: bytes, why: str) -> dict[str, Any]:
+    """The JSON-RPC 2.0 error a server without MCP tools answers (codes of the JSON-RPC spec)."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
+    rid = request.get("id") if isinstance(request, dict) else None
+    if not isinstance(request, dict) or not isinstance(request.get("method"), str):
+        error = {"code": -32600, "message": "Invalid Request: a JSON-RPC 2.0 request names its method"}
+    else:
+        error = {"code": -32601, "message": f"Method not found: {request['method']}: {why}"}
+    return {"jsonrpc": "2.0", "id": rid if isinstance(rid, (str, int)) else None, "error": error}
 
 
 def _rejection(why: str) -> Message:

@@ -93,7 +93,8 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
         max_message_chars=config.max_message_chars,
         idle_timeout_s=config.idle_timeout_s,
         max_http_body_bytes=config.max_http_body_bytes,
-        refused={"POST /reset": stateless, "POST /step": stateless, "POST /mcp": no_mcp, "WS /mcp": no_mcp},
+        refused={"POST /reset": stateless, "POST /step": stateless, "WS /mcp": no_mcp},
+        no_mcp=no_mcp,
     )
     server = Server(app=guarded, hub=hub, environment=environment)
     app.router.on_startup.append(hub.start)

@@ -17,6 +17,7 @@ What goes to the engines is the weight transport's choice (`sync.transport`):
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +102,9 @@ def apply_lora(model: Any, config: LoraConfig) -> Any:
     model_type = config.__dict__.get("model_type")
     config.model_type = "agentrl_lora_target"
     try:
-        return peft.get_peft_model(model, peft_config)
+        with warnings.catch_warnings():  # transformers' deprecation of a name peft still reads
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, peft_config)
     finally:
         if model_type is None:
             del config.model_type
