@@ -302,3 +302,25 @@ def test_upstreams_validator_passes_our_server(server) -> None:  # type: ignore[
     assert report["passed"], failed
     assert {c["id"] for c in report["criteria"]} >= {"mcp_endpoint", "schema_endpoint", "health_endpoint"}
     assert provider.live_sandboxes() == 0
+
+
+def test_serving_on_the_openenv_core_line_is_refused_with_the_way_back(monkeypatch) -> None:
+    """openenv-core 0.3.0 (installed over the shared `openenv` module by upstream environment
+    packages) has create_fastapi_app(env, action_cls, observation_cls, max_concurrent_envs,
+    concurrency_config) only: a clear refusal naming the installed line, not a TypeError."""
+    from openenv.core.env_server import http_server
+
+    from agentrl.openenv import server as server_module
+
+    def create_fastapi_app(
+        env, action_cls, observation_cls, max_concurrent_envs=None, concurrency_config=None
+    ):  # type: ignore[no-untyped-def]
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(http_server, "create_fastapi_app", create_fastapi_app)
+    config = ServeConfig(env={"name": "tbench2", "backend": "fake", "tasks": str(BUNDLED_TASKS)}, port=0)
+    with pytest.raises(server_module.OpenEnvVersionError) as refused:
+        server_module.build_server(config, provider=fake_provider())
+    message = str(refused.value)
+    assert "openenv 0.10" in message and "env_name" in message and "--force-reinstall" in message
+    assert server_module.openenv_line() in message  # which distribution is installed, with its version

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Iterator
@@ -55,6 +56,42 @@ def _require_openenv() -> None:
         ) from None
 
 
+def openenv_line() -> str:
+    """Which distribution provides the `openenv` module here, and its version: the `openenv` line
+    (0.10.x) or `openenv-core` (0.3.x, which upstream environment packages install over it)."""
+    from importlib import metadata
+
+    owners = metadata.packages_distributions().get("openenv", [])
+    found = []
+    for name in dict.fromkeys(owners):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found) or "an openenv module of unknown origin"
+
+
+class OpenEnvVersionError(EnvironmentPluginError):
+    """The installed `openenv` module is not the package line `agentrl env serve` is built on."""
+
+
+def _app_options(create: Any, **wanted: Any) -> dict[str, Any]:
+    """The options `create_fastapi_app` must take. openenv 0.10 names the app (`env_name`), types
+    its state (`state_cls`) and picks `mode`; openenv-core 0.3 (which every upstream environment
+    package installs over the shared `openenv` module) has none of them, and signals a full server
+    differently, so serving on it is refused with the way back instead of a TypeError."""
+    params = inspect.signature(create).parameters
+    missing = sorted(k for k in wanted if k not in params)
+    if missing:
+        raise OpenEnvVersionError(
+            f"agentrl env serve is built on openenv 0.10.x's server; the installed openenv module comes "
+            f"from {openenv_line()}, whose create_fastapi_app has no {', '.join(missing)} (an upstream "
+            "environment package that depends on openenv-core replaces the module). Restore it with "
+            "pip install --no-deps --force-reinstall 'openenv>=0.10,<0.11'"
+        )
+    return wanted
+
+
 def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None) -> Server:
     """The app for `config`; `provider` replaces the plugin's sandbox backend (tests)."""
     _require_openenv()
@@ -79,9 +116,9 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
         TerminalAction,
         TerminalObservation,
         max_concurrent_envs=config.max_sessions,
-        env_name=config.env["name"],
-        state_cls=TerminalState,
-        mode="simulation",
+        **_app_options(
+            create_fastapi_app, env_name=config.env["name"], state_cls=TerminalState, mode="simulation"
+        ),
     )
     stateless = (
         "stateless HTTP episodes are not served: a terminal episode keeps a sandbox, which lives as "
