@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from agentrl.algo import fused_logprobs, vocab_parallel_logprobs
+from agentrl.algo.fused_logprobs import fused_logprobs, vocab_parallel_logprobs
 from agentrl.train.config import TrainConfig
 from agentrl.train.forward import model_logprobs
 from tests.test_train_models import tiny_base  # noqa: F401

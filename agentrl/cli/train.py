@@ -14,9 +14,9 @@ from rich.console import Console
 from agentrl.cli.train_replay import app
 from agentrl.errors import AgentRLError
 from agentrl.overrides import ConfigError
-from agentrl.runtime import RunConfig, close_parts, resolve, train
-from agentrl.runtime.build import build_parts
-from agentrl.runtime.ranks import run_ranks, world_size
+from agentrl.runtime import RunConfig, resolve
+
+# The loop, its parts and torch (the `local` extra) load after --dry-run, which needs none of them.
 
 
 @app.command("run")
@@ -61,6 +61,10 @@ def run_cmd(
         typer.echo(json.dumps(cfg.dump(), indent=1))
         return
     import torch
+
+    from agentrl.runtime import close_parts, train
+    from agentrl.runtime.build import build_parts
+    from agentrl.runtime.ranks import run_ranks, world_size
 
     torch.set_num_threads(cfg.torch_threads)
     if world_size() > 1:  # torchrun: rank 0 drives, the others follow (agentrl.runtime.ranks)

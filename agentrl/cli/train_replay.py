@@ -13,10 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 from agentrl.episode.record import RecordError, load_samples
 from agentrl.episode.sample import Sample
 from agentrl.overrides import ConfigError, apply_overrides
-from agentrl.train.batch import with_advantages
-from agentrl.train.checkpoint import latest_checkpoint
 from agentrl.train.config import TrainConfig
-from agentrl.train.torch_backend import TorchTrainer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Trainer: train-only runs, checkpoints.")
 
@@ -69,7 +66,12 @@ def replay_cmd(
         return
     if model is None or output is None:
         raise typer.BadParameter("--model and --output are required (unless --dry-run)")
+    # torch and transformers (the `local` extra) load here: --dry-run runs without them.
     from transformers import AutoModelForCausalLM
+
+    from agentrl.train.batch import with_advantages
+    from agentrl.train.checkpoint import latest_checkpoint
+    from agentrl.train.torch_backend import TorchTrainer
 
     try:
         rows = [s for s in load_samples(samples) if s.trainable]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from agentrl.algo import grpo_advantages
+from agentrl.algo.advantages import grpo_advantages
 from agentrl.algo.losses import Aggregation
 from agentrl.episode.sample import Episode, Sample
 

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 import torch
 
-from agentrl.algo import chunked_logprobs, full_logprobs, fused_logprobs
-from agentrl.algo.fused_logprobs import fused_kernel_applies
+from agentrl.algo.fused_logprobs import fused_kernel_applies, fused_logprobs
 from agentrl.algo.fused_loss import TokenLoss, fused_token_loss
+from agentrl.algo.logprobs import chunked_logprobs, full_logprobs
 from agentrl.train.lora import causal_lm
 
 LogprobImpl = Literal["auto", "fused", "chunked"]

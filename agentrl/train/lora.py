@@ -19,58 +19,19 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ConfigDict
 
 from agentrl.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from agentrl.train.config import DEFAULT_TARGETS, LoraConfig
 
-# Linear projections of attention and MLP (dense layers and shared experts) in the model families
-# agentrl trains: grouped-query attention (q/k/v/o_proj) and MLA (q_a/q_b/kv_a/kv_b/o_proj). The
-# routed experts of transformers' MoE blocks are fused 3-D parameters, not Linear modules, and the
-# LM head and embeddings are never adapted. A name no module has is ignored; none matching is an error.
-DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj",
-    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-    "gate_proj", "up_proj", "down_proj",
-)  # fmt: skip
+__all__ = ["DEFAULT_TARGETS", "LoraConfig", "LoraError", "apply_lora", "merged_weights"]
 
 
 class LoraError(ValueError):
     """LoRA settings that cannot apply to this model."""
-
-
-@dataclass
-class LoraConfig:
-    """`rank` 0 trains every weight (no LoRA). `alpha` scales the update by alpha / rank."""
-
-    __pydantic_config__ = ConfigDict(extra="forbid")
-
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = field(default_factory=lambda: DEFAULT_TARGETS)
-
-    def __post_init__(self) -> None:
-        self.targets = tuple(self.targets)
-        problems = []
-        if self.rank < 0:
-            problems.append(f"rank must be >= 0 (0: no LoRA), got {self.rank}")
-        if self.alpha <= 0:
-            problems.append(f"alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        if not self.targets:
-            problems.append("targets is empty: name the projection modules to adapt")
-        if problems:
-            raise ValueError("trainer.lora: " + "; ".join(problems))
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
 
 
 def _peft() -> Any:

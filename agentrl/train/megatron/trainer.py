@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.algo import vocab_parallel_logprobs
+from agentrl.algo.fused_logprobs import vocab_parallel_logprobs
 from agentrl.algo.fused_loss import TokenLossResult, vocab_parallel_token_loss
 from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.episode.sample import Sample
