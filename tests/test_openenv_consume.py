@@ -275,3 +275,57 @@ def test_a_text_environment_that_does_not_match_the_settings_fails_at_build() ->
             text_env(url, tok, observation_field="question")
         with pytest.raises(EnvironmentPluginError, match="does not speak the tbench2_env schema"):
             OpenEnvEnvironment(OpenEnvConfig(url=url), context(tok))
+
+
+# -- an upstream-framework server that has no such task ----------------------------------------
+
+
+class MissingTasks(Environment):
+    """reset as upstream's tbench2_env does for a task it does not have (`_resolve_task_path`
+    raises FileNotFoundError("Task path not found: ...")), or an infrastructure failure."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Any:
+        task_id = kwargs.get("task_id")
+        if task_id == "broken-docker":
+            raise RuntimeError("docker daemon unavailable")
+        raise FileNotFoundError(f"Task path not found: /srv/tb2/tasks/{task_id}")
+
+    def step(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        raise AssertionError("never reached")
+
+    @property
+    def state(self) -> State:
+        return State()
+
+
+async def test_an_unknown_task_on_an_upstream_server_is_an_input_error_never_retried_as_infra() -> None:
+    from agentrl.errors import InputError
+    from agentrl.openenv.schema import TerminalAction, TerminalObservation
+
+    tok = byte_tokenizer()
+    app = create_fastapi_app(
+        MissingTasks, TerminalAction, TerminalObservation, max_concurrent_envs=2, env_name="tb2"
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        config = OpenEnvConfig(
+            url=url, task_ids=["no-such-task", "broken-docker"], action_format="fenced-bash", agent=AGENT
+        )
+        env = OpenEnvEnvironment(config, context(tok))
+        runner = env.runner(ScriptedEngine(["TASK_COMPLETE"], tok), run_id="missing")
+        rows = env.rows("train")
+        with pytest.raises(InputError, match=r"cannot run task 'no-such-task': Task path not found"):
+            await runner.run(rows[0], group_id="g", sample_index=0)
+        with pytest.raises(OpenEnvInfraError) as infra:  # a failure to start the task stays infrastructure
+            await runner.run(rows[1], group_id="g", sample_index=0)
+        assert infra.value.code == "EXECUTION_ERROR" and "docker daemon unavailable" in str(infra.value)
+    finally:
+        server.should_exit = True
+        thread.join(30)

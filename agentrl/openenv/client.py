@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -38,9 +39,30 @@ REFUSED_EXIT_CODE = 126  # "found but cannot execute": a command the server refu
 
 class OpenEnvInfraError(SandboxError):
     """The remote environment failed as infrastructure (connection, time limit, capacity, its own
-    sandbox or verifier): no reward; retried in a new session."""
+    sandbox or verifier): no reward; retried in a new session. `code`: the server's error frame
+    code when it sent one (EXECUTION_ERROR, SESSION_ERROR, ...)."""
 
     cause = "openenv_server_error"
+
+    def __init__(
+        self, message: str, *, cause: str | None = None, code: str | None = None, log_tail: str = ""
+    ) -> None:
+        super().__init__(message, cause=cause, log_tail=log_tail)
+        self.code = code
+        self.server_message = message
+
+
+# What an OpenEnv server says when a reset names a task it does not have. Upstream's tbench2_env
+# raises FileNotFoundError("Task path not found: <tasks_dir>/<task_id>") in `reset`, which the
+# package's WebSocket handler sends as an EXECUTION_ERROR frame (openenv/core/env_server/http_server.py).
+_MISSING = re.compile(r"not found|unknown|does not exist|no such|not a valid|invalid task", re.IGNORECASE)
+
+
+def names_missing_task(exc: OpenEnvInfraError, task_id: str) -> bool:
+    """Whether a failed reset is the server saying it has no task `task_id` (an input error: a
+    retry cannot fix it) rather than failing to start one (infrastructure, retried)."""
+    text = exc.server_message
+    return exc.code == "EXECUTION_ERROR" and bool(task_id) and task_id in text and bool(_MISSING.search(text))
 
 
 class OpenEnvRequestError(AgentRLError):
@@ -65,7 +87,11 @@ def _error_frame(data: dict[str, Any], url: str) -> Exception:
         return OpenEnvRequestError(
             f"{message}{' (' + '; '.join(details) + ')' if details else ''}", code=code
         )
-    return OpenEnvInfraError(f"{url}: server error {code}: {message}", cause="openenv_server_error")
+    error = OpenEnvInfraError(
+        f"{url}: server error {code}: {message}", cause="openenv_server_error", code=code
+    )
+    error.server_message = message
+    return error
 
 
 def _closed_reason(exc: ConnectionClosed) -> str:

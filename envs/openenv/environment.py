@@ -298,7 +298,7 @@ class RemoteTextRunner:
         eval: bool = False,
         seed: int | None = None,
     ) -> Episode:
-        from agentrl.openenv.client import RemoteSession, TextClient
+        from agentrl.openenv.client import OpenEnvInfraError, RemoteSession, TextClient, names_missing_task
 
         c = self.config
         meta = row.get("metadata") or {}
@@ -308,7 +308,12 @@ class RemoteTextRunner:
         async with RemoteSession(
             TextClient(**self.env.client_options()), url=c.url, connect_timeout_s=c.connect_timeout_s
         ) as session:
-            first = await session.reset(timeout_s=c.reset_timeout_s, **reset)
+            try:
+                first = await session.reset(timeout_s=c.reset_timeout_s, **reset)
+            except OpenEnvInfraError as exc:
+                if names_missing_task(exc, task_id):  # the server has no such task: not retried
+                    raise InputError(f"{c.url} cannot run task {task_id!r}: {exc.server_message}") from None
+                raise
             if first.done:
                 raise InputError(f"{c.url} ended the episode of {task_id} at reset: nothing to act on")
             actor = _StepActor(self, session)

@@ -25,6 +25,7 @@ from agentrl.openenv.client import (
     RemoteSandbox,
     RemoteSession,
     TerminalClient,
+    names_missing_task,
 )
 from agentrl.openenv.schema import TerminalAction
 
@@ -69,7 +70,12 @@ class RemoteTerminalRunner:
         t0 = time.monotonic()
         client = TerminalClient(**self.client_options)
         async with RemoteSession(client, url=c.url, connect_timeout_s=c.connect_timeout_s) as session:
-            first = await session.reset(task_id=task_id, timeout_s=c.reset_timeout_s)
+            try:
+                first = await session.reset(task_id=task_id, timeout_s=c.reset_timeout_s)
+            except OpenEnvInfraError as exc:
+                if names_missing_task(exc, task_id):  # the server has no such task: not retried
+                    raise InputError(f"{c.url} cannot run task {task_id!r}: {exc.server_message}") from None
+                raise
             obs = first.observation
             failure = obs.info.get("failure")
             if failure in ("request", "input"):

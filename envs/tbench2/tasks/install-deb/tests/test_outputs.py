@@ -3,7 +3,9 @@ import subprocess
 
 
 def test_dpkg_lists_greet_as_installed():
-    out = subprocess.run(["dpkg-query", "-W", "-f=${Status} ${Version}", "greet"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status} ${Version}", "greet"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "install ok installed 1.0"
 
