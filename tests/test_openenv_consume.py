@@ -153,19 +153,48 @@ async def test_a_server_that_is_full_or_down_is_infrastructure() -> None:
     tok = byte_tokenizer()
     engine = ScriptedEngine(["TASK_COMPLETE"] * 8, tok)
     with fake_server(max_sessions=1) as (url, _, _):
-        env = remote_env(url, tok, connect_timeout_s=5)
+        env = remote_env(url, tok, connect_timeout_s=5, capacity_wait_s=1.0)
         runner = env.runner(engine, run_id="full")
-        async with GenericEnvClient(base_url=url) as holder:
+        async with GenericEnvClient(base_url=url) as holder:  # another client holds the only session
             await holder.reset(task_id="hello-file")
             with pytest.raises(OpenEnvInfraError) as full:
                 await runner.run(env.rows("train")[0], group_id="g", sample_index=0)
             assert full.value.cause == "openenv_capacity" and "at capacity" in str(full.value)
+            assert "waited 1s for a session: the server is the bottleneck" in str(full.value)
+            assert env.gate.refusals >= 2 and env.gate.limit == 1
     with pytest.raises(OpenEnvInfraError) as down:
         await runner.run(env.rows("train")[0], group_id="g", sample_index=1)
     assert down.value.cause == "openenv_connect"
     assert isinstance(down.value, InfraError)
     with pytest.raises(EnvironmentPluginError, match="cannot reach the OpenEnv server"):
         remote_env(url, tok)
+
+
+async def test_a_rollout_against_a_one_session_server_waits_for_room_and_scores_every_episode() -> None:
+    """Four episodes in flight against a server that takes one session: the client learns the cap
+    from CAPACITY_REACHED, holds the others back, and every episode is scored; none is lost or
+    counted as an infrastructure attempt; the waits show in the step's metrics."""
+    from agentrl.rollout import MetricsTracker
+
+    tok = byte_tokenizer()
+    solve = [f"```bash\n{HELLO}\n```", "TASK_COMPLETE"]
+    with fake_server(max_sessions=1) as (url, server, provider):
+        env = remote_env(url, tok)
+        engine = ScriptedEngine(lambda sid, turn, ids: solve[min(turn, 1)], tok)
+        runner = env.runner(engine, run_id="cap1")
+        config = RolloutConfig(batch_size=4, n_samples_per_prompt=4, max_in_flight=4, max_staleness=0)
+        async with RolloutManager(runner, engine, env.rows("train"), config) as manager:
+            tracker = MetricsTracker(manager)
+            (group,) = await manager.get_batch(timeout=120)
+            metrics = tracker.step(1, [group])
+        assert group.complete and [e.reward for e in group.episodes] == [1.0] * 4
+        assert all(e.attempt == 0 for e in group.episodes)  # no episode spent an attempt on capacity
+        assert dict(manager.counters.failures) == {} and manager.counters.infra_scored == 0
+        assert env.gate.limit == 1 and env.gate.refusals >= 1
+        assert (
+            metrics.capacity_wait_s > 0 and sum(e.timings["capacity_wait_s"] > 0 for e in group.episodes) >= 1
+        )
+        assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0)
 
 
 # -- a generic OpenEnv environment whose actions are text -------------------------------------

@@ -16,8 +16,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -28,7 +30,7 @@ from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State as SocketState
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, InputError
 from agentrl.openenv.schema import TerminalAction, TerminalObservation, TerminalState
 from agentrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxPolicyError
 
@@ -169,6 +171,86 @@ class TextClient(_Sticky, GenericEnvClient):
 C = TypeVar("C", TerminalClient, TextClient)
 
 
+_CAPACITY = re.compile(r"(\d+)\s*/\s*(\d+)\s*sessions")  # "Server at capacity: 1/1 sessions active."
+
+
+class SessionGate:
+    """How many sessions this client opens on one server at once, and the waiting when it is full.
+
+    A server answers a session over its cap with CAPACITY_REACHED (openenv's `SessionCapacityError`:
+    "Server at capacity: A/M sessions active"). The gate then learns the room it has (at most M,
+    and fewer than the sessions it holds itself when other clients hold the rest), holds episodes
+    back until a session of its own closes, and tries again with a backoff: a full server costs
+    time, never an episode's infrastructure attempt. Only a wait longer than `wait_s` becomes an
+    infrastructure failure. `limit` None: learn it; `waited_s` and `refusals` are the metrics."""
+
+    def __init__(self, *, limit: int | None = None, wait_s: float = 900.0) -> None:
+        self.limit = limit
+        self.wait_s = wait_s
+        self.in_use = 0
+        self.refusals = 0
+        self.waited_s = 0.0
+        self._changed = asyncio.Condition()
+
+    async def _acquire(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.limit is None or self.in_use < self.limit)
+            self.in_use += 1
+
+    async def _release(self) -> None:
+        async with self._changed:
+            self.in_use -= 1
+            self._changed.notify_all()
+
+    def _learn(self, exc: OpenEnvInfraError) -> None:
+        found = _CAPACITY.search(exc.server_message)
+        published = int(found.group(2)) if found else None
+        mine = max(1, self.in_use - 1)  # what this client holds besides the refused one
+        room = min(published, mine) if published else mine
+        self.limit = room if self.limit is None else min(self.limit, room)
+
+    @contextlib.asynccontextmanager
+    async def opened(
+        self, open_: Callable[[contextlib.AsyncExitStack], Awaitable[T]]
+    ) -> AsyncIterator[tuple[T, float]]:
+        """Hold a slot and run `open_(stack)` (connect and reset, entering the session into the
+        stack) until the server has room; yields (what `open_` returned, seconds spent waiting for
+        room); the session closes and the slot frees at exit."""
+        start = time.monotonic()
+        delay = 0.1
+        while True:
+            await self._acquire()
+            stack = contextlib.AsyncExitStack()
+            try:
+                opened = await open_(stack)
+                break
+            except OpenEnvInfraError as exc:
+                await stack.aclose()
+                await self._release()
+                if exc.cause != "openenv_capacity":
+                    raise
+                self.refusals += 1
+                self._learn(exc)
+                if time.monotonic() - start > self.wait_s:
+                    raise OpenEnvInfraError(
+                        f"{exc} (waited {self.wait_s:g}s for a session: the server is the bottleneck)",
+                        cause="openenv_capacity",
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+            except BaseException:
+                await stack.aclose()
+                await self._release()
+                raise
+        waited = time.monotonic() - start
+        self.waited_s += waited
+        try:
+            async with stack:
+                yield opened, waited
+        finally:
+            await self._release()
+
+
 class RemoteSession(Generic[C]):
     """One OpenEnv session: `async with`, then `reset` and `step` with a time limit each. Leaving
     the block closes the session (on an agentrl server: its sandbox)."""
@@ -300,3 +382,33 @@ class RemoteSandbox(Sandbox):
 
     async def close(self) -> None:
         """The session's owner (`RemoteSession`) ends it."""
+
+
+@contextlib.asynccontextmanager
+async def episode_session(
+    gate: SessionGate,
+    make_client: Callable[[], C],
+    *,
+    url: str,
+    connect_timeout_s: float,
+    reset_timeout_s: float,
+    task: str,
+    **reset: Any,
+) -> AsyncIterator[tuple[RemoteSession[C], StepResult[Any], float]]:
+    """An episode's session: a slot of `gate` (waiting while the server is full), connect, reset
+    with `reset` (`task` names the episode's task in errors); yields (session, the reset's result, seconds waited for room). A reset the server fails
+    because it has no such task is an `InputError` (never retried); other failures stay infra."""
+
+    async def open_(stack: contextlib.AsyncExitStack) -> tuple[RemoteSession[C], StepResult[Any]]:
+        session = await stack.enter_async_context(
+            RemoteSession(make_client(), url=url, connect_timeout_s=connect_timeout_s)
+        )
+        try:
+            return session, await session.reset(timeout_s=reset_timeout_s, **reset)
+        except OpenEnvInfraError as exc:
+            if names_missing_task(exc, task):
+                raise InputError(f"{url} cannot run task {task!r}: {exc.server_message}") from None
+            raise
+
+    async with gate.opened(open_) as ((session, first), waited):
+        yield session, first, waited

@@ -50,6 +50,8 @@ class StepMetrics:
     response_tokens: int
     tokens_per_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # Episodes' waits for a session on a full environment server (OpenEnv's CAPACITY_REACHED).
+    capacity_wait_s: float = 0.0
     # Over every group finished since the previous step, kept by the dynamic filter or not.
     rollout_episodes: int = 0
     rollout_pass_rate: float = 0.0
@@ -144,6 +146,7 @@ class MetricsTracker:
             engine_s=sum(s.timings.get("engine_s", 0.0) for s in samples),
             sandbox_s=sum(s.timings.get("sandbox_s", 0.0) for s in samples),
             verifier_s=sum(s.timings.get("verifier_s", 0.0) for s in samples),
+            capacity_wait_s=sum(s.timings.get("capacity_wait_s", 0.0) for s in samples),
             response_tokens=tokens,
             tokens_per_s=tokens / wall,
             extra=dict(extra or {}),
@@ -192,6 +195,11 @@ def render(m: StepMetrics) -> Table:
             f"{m.in_flight} / {m.buffered_groups} / {m.unfinished_groups}",
         ),
         ("time engine / sandbox / verifier", split),
+        *(
+            [("waiting for environment sessions", f"{m.capacity_wait_s:.1f}s (the server is full)")]
+            if m.capacity_wait_s
+            else []
+        ),
         ("tokens/s", f"{m.tokens_per_s:,.0f} ({m.response_tokens} tokens in {m.wall_s:.2f}s)"),
     ]
     for k, v in rows:

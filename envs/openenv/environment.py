@@ -78,6 +78,18 @@ class OpenEnvConfig(BaseModel):
     )
     # time limits
     connect_timeout_s: float = Field(30.0, gt=0)
+    max_sessions: int | None = Field(
+        None,
+        ge=1,
+        description="Sessions this run opens on the server at once (None: learn the room "
+        "from the server's CAPACITY_REACHED answers).",
+    )
+    capacity_wait_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long an episode waits for a session on a full server before the "
+        "wait counts as an infrastructure failure.",
+    )
     reset_timeout_s: float = Field(900.0, gt=0, description="reset (a sandbox start, maybe an image build).")
     step_timeout_s: float = Field(300.0, gt=0, description="text: one step.")
     step_grace_s: float = Field(30.0, gt=0, description="tbench2: allowance over a command's own limit.")
@@ -109,6 +121,10 @@ class OpenEnvEnvironment:
         self.context = context
         self._rows: dict[str, list[dict[str, Any]]] = {}
         self._check_schema()
+        from agentrl.openenv.client import SessionGate  # needs the openenv package, checked above
+
+        # The sessions this run holds on the server: every runner of this environment shares them.
+        self.gate = SessionGate(limit=config.max_sessions, wait_s=config.capacity_wait_s)
 
     # -- the server --------------------------------------------------------------------------
 
@@ -229,6 +245,7 @@ class OpenEnvEnvironment:
                 sampling=self.sampling,
                 renderer=renderer,
                 run_id=run_id,
+                gate=self.gate,
             )
         if tok is None:
             raise EnvironmentPluginError(
@@ -298,22 +315,18 @@ class RemoteTextRunner:
         eval: bool = False,
         seed: int | None = None,
     ) -> Episode:
-        from agentrl.openenv.client import OpenEnvInfraError, RemoteSession, TextClient, names_missing_task
+        from agentrl.openenv.client import TextClient, episode_session
 
         c = self.config
         meta = row.get("metadata") or {}
         reset = row.get("reset", meta.get("reset", {}))
         task_id = str(meta.get("task_id") or row.get("id") or group_id)
         session_id = f"{self.run_id}:{group_id}:{sample_index}:{attempt}"
-        async with RemoteSession(
-            TextClient(**self.env.client_options()), url=c.url, connect_timeout_s=c.connect_timeout_s
-        ) as session:
-            try:
-                first = await session.reset(timeout_s=c.reset_timeout_s, **reset)
-            except OpenEnvInfraError as exc:
-                if names_missing_task(exc, task_id):  # the server has no such task: not retried
-                    raise InputError(f"{c.url} cannot run task {task_id!r}: {exc.server_message}") from None
-                raise
+        opened = episode_session(
+            self.env.gate, lambda: TextClient(**self.env.client_options()), url=c.url,
+            connect_timeout_s=c.connect_timeout_s, reset_timeout_s=c.reset_timeout_s, task=task_id, **reset,
+        )  # fmt: skip
+        async with opened as (session, first, waited):
             if first.done:
                 raise InputError(f"{c.url} ended the episode of {task_id} at reset: nothing to act on")
             actor = _StepActor(self, session)
@@ -339,7 +352,12 @@ class RemoteTextRunner:
             end = run.end_reason.value
             status = Status.COMPLETED if run.end_reason is EndReason.ENV_DONE else Status.TRUNCATED
         t = run.timings
-        timings = {"engine_s": t["engine_s"], "env_s": t["sandbox_s"], "total_s": t["agent_s"]}
+        timings = {
+            "engine_s": t["engine_s"],
+            "env_s": t["sandbox_s"],
+            "total_s": t["agent_s"],
+            "capacity_wait_s": waited,
+        }
         samples = segment_samples(
             run.segments,
             reward=reward,

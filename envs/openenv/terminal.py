@@ -24,8 +24,9 @@ from agentrl.openenv.client import (
     OpenEnvRequestError,
     RemoteSandbox,
     RemoteSession,
+    SessionGate,
     TerminalClient,
-    names_missing_task,
+    episode_session,
 )
 from agentrl.openenv.schema import TerminalAction
 
@@ -44,8 +45,11 @@ class RemoteTerminalRunner:
         sampling: Callable[[int, int | None], SamplingParams],
         renderer: ChatRenderer | None,
         run_id: str,
+        gate: SessionGate | None = None,
     ) -> None:
-        """`config`: the openenv plugin's settings; `sampling(max_new_tokens, seed)` its sampling."""
+        """`config`: the openenv plugin's settings; `sampling(max_new_tokens, seed)` its sampling;
+        `gate`: the sessions this run holds on the server (shared by the environment's runners)."""
+        self.gate = gate or SessionGate(limit=config.max_sessions, wait_s=config.capacity_wait_s)
         self.config = config
         self.engine = engine
         self.client_options = client_options
@@ -68,14 +72,13 @@ class RemoteTerminalRunner:
         session_id = f"{self.run_id}:{group_id}:{sample_index}:{attempt}"
         timings: dict[str, float] = {}
         t0 = time.monotonic()
-        client = TerminalClient(**self.client_options)
-        async with RemoteSession(client, url=c.url, connect_timeout_s=c.connect_timeout_s) as session:
-            try:
-                first = await session.reset(task_id=task_id, timeout_s=c.reset_timeout_s)
-            except OpenEnvInfraError as exc:
-                if names_missing_task(exc, task_id):  # the server has no such task: not retried
-                    raise InputError(f"{c.url} cannot run task {task_id!r}: {exc.server_message}") from None
-                raise
+        opened = episode_session(
+            self.gate, lambda: TerminalClient(**self.client_options), url=c.url,
+            connect_timeout_s=c.connect_timeout_s, reset_timeout_s=c.reset_timeout_s, task=task_id,
+            task_id=task_id,
+        )  # fmt: skip
+        async with opened as (session, first, waited):
+            timings["capacity_wait_s"] = waited
             obs = first.observation
             failure = obs.info.get("failure")
             if failure in ("request", "input"):
@@ -84,7 +87,7 @@ class RemoteTerminalRunner:
                 raise OpenEnvInfraError(
                     f"{c.url}: reset of {task_id}: {obs.error}", cause=str(obs.info.get("cause") or "openenv")
                 )
-            timings["create_s"] = time.monotonic() - t0
+            timings["create_s"] = time.monotonic() - t0 - waited
             agent = replace(c.agent, terminal="commands", wall_clock_s=self._agent_limit(obs.info))
             sandbox = RemoteSandbox(
                 session,
