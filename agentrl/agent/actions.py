@@ -24,6 +24,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_DURATION_S = 60.0
 TERMINAL_OUTPUT_LIMIT_BYTES = 10_000
@@ -452,6 +453,46 @@ _GLM = re.compile(
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
+def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(name, arguments) of every tool call in a reply, and what could not be read. Hermes /
+    Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, else GLM's
+    `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` (values as
+    written; JSON where they parse as a non-string, as GLM's template writes them)."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    errors: list[str] = []
+    hermes = list(_HERMES.finditer(text))
+    for m in hermes:
+        try:
+            call = json.loads(m.group(1))
+        except json.JSONDecodeError as exc:
+            errors.append(f"tool call is not valid JSON: {exc}")
+            continue
+        args = call.get("arguments") if isinstance(call, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            errors.append(f"a tool call names no tool: {m.group(1)[:80]}")
+        elif not isinstance(args, dict):
+            errors.append(f"{call['name']}: arguments must be an object")
+        else:
+            calls.append((call["name"], args))
+    if not hermes:
+        for m in _GLM.finditer(text):
+            calls.append((m.group(1), {k: _glm_value(v) for k, v in _GLM_ARG.findall(m.group(2))}))
+    return calls, errors
+
+
+def _glm_value(value: str) -> Any:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    return value if isinstance(parsed, str) else parsed
+
+
 class ToolCallFormat:
     name = "tool-call"
     observation_role = "tool"
@@ -466,36 +507,15 @@ class ToolCallFormat:
     )
 
     def parse(self, text: str) -> ParsedAction:
+        calls, errors = parse_tool_calls(text)
         commands: list[Command] = []
-        errors: list[str] = []
-        hermes = list(_HERMES.finditer(text))
-        for m in hermes:
-            try:
-                call = json.loads(m.group(1))
-            except json.JSONDecodeError as exc:
-                errors.append(f"tool call is not valid JSON: {exc}")
-                continue
-            args = call.get("arguments") if isinstance(call, dict) else None
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    args = None
-            if not isinstance(call, dict) or call.get("name") != "bash":
-                errors.append(f"unknown tool {call.get('name') if isinstance(call, dict) else call!r}")
-            elif not isinstance(args, dict) or not isinstance(args.get("command"), str):
+        for name, args in calls:
+            if name != "bash":
+                errors.append(f"unknown tool {name!r}")
+            elif not isinstance(args.get("command"), str):
                 errors.append("bash needs a string argument 'command'")
             else:
                 commands.append(Command(args["command"]))
-        if not hermes:
-            for m in _GLM.finditer(text):
-                args = dict(_GLM_ARG.findall(m.group(2)))
-                if m.group(1) != "bash":
-                    errors.append(f"unknown tool {m.group(1)!r}")
-                elif "command" not in args:
-                    errors.append("bash needs an argument 'command'")
-                else:
-                    commands.append(Command(args["command"]))
         if errors:
             return ParsedAction(commands=[], error="; ".join(errors))
         if not commands:
@@ -585,7 +605,55 @@ class TextFormat:
         return terminal_output
 
 
-ActionFormat = TerminusJSONFormat | ToolCallFormat | FencedBashFormat | TextFormat
+class ToolsFormat:
+    """Calls to the tools an environment lists (an MCP environment's `tools/list`): each reply's
+    tool calls (`parse_tool_calls`) are the actions, as `Command`s whose keystrokes are the call as
+    JSON (`{"name", "arguments"}`); a reply without a call ends the episode. The tool schemas go in
+    the system prompt here; a chat template that renders `tools` gets them as well
+    (`ChatRenderer.with_tools`)."""
+
+    name = "tools"
+    observation_role = "tool"
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        self.tools = {t["name"]: t for t in tools}
+        listing = "\n".join(
+            json.dumps({"name": t["name"], "description": t.get("description", ""),
+                        "parameters": t.get("input_schema") or t.get("inputSchema") or {}})
+            for t in tools
+        )  # fmt: skip
+        self.system_prompt = (
+            f"You have these tools:\n{listing}\n"
+            'Call one as <tool_call>{"name": "...", "arguments": {...}}</tool_call>. '
+            "You may make several calls in one reply. When you are done, reply without a tool call."
+        )
+
+    def parse(self, text: str) -> ParsedAction:
+        calls, errors = parse_tool_calls(text)
+        commands = []
+        for name, args in calls:
+            if name not in self.tools:
+                errors.append(f"unknown tool {name!r} (the tools are {', '.join(sorted(self.tools))})")
+            else:
+                commands.append(Command(json.dumps({"name": name, "arguments": args})))
+        if errors:
+            return ParsedAction(error="; ".join(errors))
+        if not commands:
+            if "<tool_call>" in text:
+                return ParsedAction(error="unterminated or malformed <tool_call> block")
+            return ParsedAction(task_complete=True)
+        return ParsedAction(commands=commands)
+
+    def error_observation(self, action: ParsedAction) -> str:
+        return f"Your tool call could not be used: {action.error}. {self.system_prompt.splitlines()[-1]}"
+
+    def observation(
+        self, action: ParsedAction, terminal_output: str, *, pending_completion: bool = False
+    ) -> str:
+        return self.error_observation(action) if action.malformed else terminal_output
+
+
+ActionFormat = TerminusJSONFormat | ToolCallFormat | FencedBashFormat | TextFormat | ToolsFormat
 
 FORMATS: dict[str, type[TerminusJSONFormat] | type[ToolCallFormat] | type[FencedBashFormat]] = {
     TerminusJSONFormat.name: TerminusJSONFormat,

@@ -34,10 +34,15 @@ class TemplateError(ValueError):
 class ChatRenderer:
     """Wraps a tokenizer with a chat template; computes the text between turns once."""
 
-    def __init__(self, tokenizer: Any, *, observation_role: str = "user") -> None:
+    def __init__(
+        self, tokenizer: Any, *, observation_role: str = "user", tools: list[dict[str, Any]] | None = None
+    ) -> None:
+        """`tools`: function schemas (`{"type": "function", "function": {...}}`) the template
+        renders into the prompt, as `apply_chat_template(..., tools=...)` does."""
         self.tokenizer = tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the tokenizer has no chat_template: set one before running agents")
+        self.tools = tools
         self._fast: Any = None
         # The Rust tokenizer directly: exact, and without the Python wrapper's per-call overhead.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -72,9 +77,22 @@ class ChatRenderer:
             self._siblings[role] = (
                 self
                 if supported == self.observation_role
-                else ChatRenderer(self.tokenizer, observation_role=role)
+                else ChatRenderer(self.tokenizer, observation_role=role, tools=self.tools)
             )
         return self._siblings[role]
+
+    def with_tools(self, tools: list[dict[str, Any]]) -> ChatRenderer:
+        """This renderer with `tools` in every rendered prompt."""
+        return ChatRenderer(self.tokenizer, observation_role=self.observation_role, tools=tools)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes `tools` into the prompt at all."""
+        if not self.tools:
+            return False
+        probe = [{"role": "user", "content": "u"}]
+        bare = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        return bool(self.render(probe, add_generation_prompt=True) != bare)
 
     @classmethod
     def for_format(cls, tokenizer: Any, action_format: str) -> ChatRenderer:
@@ -106,8 +124,9 @@ class ChatRenderer:
             return self._fast.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._template_vars
             )
+        extra = {"tools": self.tools} if self.tools is not None else {}
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
 
     def _compile_fast_render(self) -> None:
@@ -116,6 +135,8 @@ class ChatRenderer:
         only if it reproduces `apply_chat_template` exactly on a probe conversation."""
         self._fast = None
         self._template_vars = dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})
+        if self.tools is not None:  # the slow path renders tools exactly as transformers does
+            return
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 

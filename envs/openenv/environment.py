@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentrl.agent.acting import Batch
-from agentrl.agent.actions import Command, TextFormat
+from agentrl.agent.actions import Command, TextFormat, ToolsFormat
 from agentrl.agent.loop import AgentConfig, EndReason, run_turns
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.base import Engine, SamplingParams
@@ -52,8 +52,10 @@ class OpenEnvConfig(BaseModel):
 
     name: Literal["openenv"] = "openenv"
     url: str = Field("http://127.0.0.1:8000", description="The environment server (http:// or ws://).")
-    protocol: Literal["tbench2", "text"] = Field(
-        "tbench2", description="tbench2: the tbench2_env schema (terminal tasks); text: text actions."
+    protocol: Literal["tbench2", "text", "mcp"] = Field(
+        "tbench2",
+        description="tbench2: the tbench2_env schema (terminal tasks); text: text actions; mcp: the "
+        "server's MCP tools (list_tools / call_tool), called through the tool-call action format.",
     )
     task_ids: list[str] | None = Field(None, description="tbench2 rows (None: the server's Task API).")
     eval_task_ids: list[str] | None = Field(None, description="tbench2 eval rows (None: task_ids).")
@@ -169,6 +171,8 @@ class OpenEnvEnvironment:
                     "use env.protocol=text for other environments"
                 )
             return
+        if c.protocol == "mcp":  # MCP actions (list_tools / call_tool) are the package's own
+            return
         if c.action_field not in action:
             raise EnvironmentPluginError(
                 f"{c.url}'s actions have no field {c.action_field!r} (they have {', '.join(sorted(action)) or 'none'}): "
@@ -251,7 +255,8 @@ class OpenEnvEnvironment:
             raise EnvironmentPluginError(
                 "the text protocol generates token-in/token-out: it needs a tokenizer"
             )
-        return RemoteTextRunner(self, engine, renderer=ChatRenderer(tok), run_id=run_id)
+        renderer = ChatRenderer(tok, observation_role="tool" if self.config.protocol == "mcp" else "user")
+        return RemoteTextRunner(self, engine, renderer=renderer, run_id=run_id)
 
     def sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
         c = self.context
@@ -282,8 +287,10 @@ def _text_row(task_id: str, reset: dict[str, Any], spec: dict[str, Any]) -> dict
 
 
 class RemoteTextRunner:
-    """One row -> one multi-turn text episode on a remote OpenEnv server (the `EpisodeRunner`
-    protocol)."""
+    """One row -> one multi-turn episode on a remote OpenEnv server (the `EpisodeRunner`
+    protocol): each reply is one text action (`protocol` text), or the reply's tool calls are
+    `call_tool` actions on the server's MCP tools (`protocol` mcp: the tools come from its
+    `list_tools`, their schemas go into the prompt, a reply without a call ends the episode)."""
 
     def __init__(
         self, env: OpenEnvEnvironment, engine: Engine, *, renderer: ChatRenderer, run_id: str
@@ -329,13 +336,23 @@ class RemoteTextRunner:
         async with opened as (session, first, waited):
             if first.done:
                 raise InputError(f"{c.url} ended the episode of {task_id} at reset: nothing to act on")
-            actor = _StepActor(self, session)
+            actor: _StepActor | _ToolActor
+            renderer = self.renderer
+            if c.protocol == "mcp":
+                tools = await _list_tools(session, c)
+                action_format: Any = ToolsFormat(tools)
+                renderer = renderer.with_tools([_function_schema(t) for t in tools])
+                actor = _ToolActor(self, session)
+                instruction = _instruction(row, first.observation, c.observation_field, c.url)
+            else:
+                action_format, actor = TextFormat(), _StepActor(self, session)
+                instruction = self._text(first.observation)
             run = await run_turns(
                 engine=self.engine,
                 actor=actor,
-                renderer=self.renderer,
-                action_format=TextFormat(),
-                instruction=self._text(first.observation),
+                renderer=renderer,
+                action_format=action_format,
+                instruction=instruction,
                 config=c.agent,
                 sampling=self.env.sampling(c.agent.max_new_tokens, seed),
                 session_id=session_id,
@@ -350,7 +367,8 @@ class RemoteTextRunner:
         else:
             reward = (sum(rewards) if c.reward_mode == "sum" else rewards[-1]) if rewards else 0.0
             end = run.end_reason.value
-            status = Status.COMPLETED if run.end_reason is EndReason.ENV_DONE else Status.TRUNCATED
+            finished = (EndReason.ENV_DONE, EndReason.TASK_COMPLETE)  # the server ended it, or the agent
+            status = Status.COMPLETED if run.end_reason in finished else Status.TRUNCATED
         t = run.timings
         timings = {
             "engine_s": t["engine_s"],
@@ -419,6 +437,110 @@ class _StepActor:
             self.rewards.append(float(result.reward))
         text = "" if result.done else self.runner._text(result.observation)
         return Batch([], text, done=bool(result.done))
+
+    async def close(self) -> None:
+        return None
+
+
+async def _list_tools(session: Any, c: OpenEnvConfig) -> list[dict[str, Any]]:
+    """The server's MCP tools (`list_tools`): name, description, input schema each."""
+    from agentrl.openenv.client import OpenEnvInfraError
+
+    result = await session.step({"type": "list_tools"}, timeout_s=c.step_timeout_s)
+    tools = result.observation.get("tools") if isinstance(result.observation, dict) else None
+    if not tools:
+        raise OpenEnvInfraError(
+            f"{c.url} lists no MCP tools ({result.observation!r:.200}): use env.protocol=text or tbench2",
+            cause="openenv_protocol",
+        )
+    return [t for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str)]
+
+
+def _function_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """An MCP tool as the function schema chat templates render (`tools=`)."""
+    parameters = tool.get("input_schema") or tool.get("inputSchema") or {"type": "object", "properties": {}}
+    function = {"name": tool["name"], "description": tool.get("description", ""), "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def _instruction(row: dict[str, Any], observation: Any, field: str, url: str) -> str:
+    """What the agent is asked: the row's instruction (or prompt), else the reset observation's
+    `field`."""
+    task = (row.get("metadata") or {}).get("task") or {}
+    for value in (
+        row.get("instruction"),
+        task.get("instruction"),
+        row.get("prompt") or None,
+        task.get("prompt"),
+    ):
+        if isinstance(value, str) and value:
+            return value
+    value = observation.get(field) if isinstance(observation, dict) else None
+    if isinstance(value, str) and value:
+        return value
+    raise InputError(
+        f"{url}: the row gives no instruction and the reset observation has no {field!r}: give rows "
+        "with an `instruction` (env.rows_file) or set env.observation_field"
+    )
+
+
+def _tool_text(observation: dict[str, Any]) -> str:
+    """A `call_tool` observation as the model reads it: the result's text content (MCP
+    `CallToolResult.content`), its data, or the error."""
+    error = observation.get("error")
+    if error:
+        message = error.get("message") if isinstance(error, dict) else error
+        return f"error: {message}"
+    result = observation.get("result")
+    if isinstance(result, dict):
+        texts = [
+            c.get("text", "")
+            for c in result.get("content") or []
+            if isinstance(c, dict) and c.get("type") == "text"
+        ]
+        if texts:
+            return ("error: " if result.get("is_error") or result.get("isError") else "") + "\n".join(texts)
+        if result.get("data") is not None:
+            result = result["data"]
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+
+
+class _ToolActor:
+    """The agent loop's actor for an MCP environment: each tool call of a reply is one `call_tool`
+    step; the outputs are joined in order; the server's reward and done as for text steps."""
+
+    mode = "text"
+
+    def __init__(self, runner: RemoteTextRunner, session: Any) -> None:
+        self.runner = runner
+        self.session = session
+        self.rewards: list[float] = []
+
+    async def initial_state(self) -> str | None:
+        return None
+
+    async def alive(self) -> bool:
+        return True
+
+    async def act(self, commands: list[Command], deadline: float | None) -> Batch:
+        from agentrl.openenv.client import OpenEnvRequestError
+
+        c = self.runner.config
+        outputs = []
+        for command in commands:
+            call = json.loads(command.keystrokes)
+            action = {"type": "call_tool", "tool_name": call["name"], "arguments": call["arguments"]}
+            try:
+                result = await self.session.step(action, timeout_s=c.step_timeout_s)
+            except OpenEnvRequestError as exc:  # arguments the server's schema refuses: the model's
+                outputs.append(f"error: {c.url} refused the call: {exc}")
+                continue
+            if result.reward is not None:
+                self.rewards.append(float(result.reward))
+            outputs.append(_tool_text(result.observation) if isinstance(result.observation, dict) else "")
+            if result.done:
+                return Batch([], "\n".join(outputs), done=True)
+        return Batch([], "\n".join(outputs))
 
     async def close(self) -> None:
         return None
