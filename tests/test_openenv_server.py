@@ -279,7 +279,10 @@ def test_stateless_http_episodes_and_mcp_are_refused_with_the_reason(server) -> 
         # MCP: a JSON-RPC error, as upstream's servers without MCP tools answer (HTTP 200).
         mcp = http.post("/mcp", json={"jsonrpc": "2.0", "method": "tools/list", "id": 1})
         assert mcp.status_code == 200 and mcp.json()["jsonrpc"] == "2.0" and mcp.json()["id"] == 1
-        assert mcp.json()["error"]["code"] == -32601 and "no MCP tools" in mcp.json()["error"]["message"]
+        assert (
+            mcp.json()["error"]["code"] == -32601
+            and "call_tool steps over /ws" in mcp.json()["error"]["message"]
+        )
         session = http.post("/mcp", json={"jsonrpc": "2.0", "method": "openenv/session/create", "id": 2})
         assert session.json()["error"]["code"] == -32601  # no sandbox outside a WebSocket
         assert http.post("/mcp", json={}).json()["error"]["code"] == -32600
@@ -324,3 +327,53 @@ def test_serving_on_the_openenv_core_line_is_refused_with_the_way_back(monkeypat
     message = str(refused.value)
     assert "openenv 0.10" in message and "env_name" in message and "--force-reinstall" in message
     assert server_module.openenv_line() in message  # which distribution is installed, with its version
+
+
+async def test_the_terminal_is_served_as_mcp_tools_over_the_session(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The terminal's actions as MCP tools (exec, write_file, evaluate) over /ws: the `openenv`
+    plugin's own `protocol=mcp` solves hello-file through them (reward 1), and MCP's errors answer
+    an unknown tool or bad arguments. Upstream's MCPToolClient (0.10) speaks production-mode HTTP
+    MCP sessions only, which this server does not open (its sessions live as long as a WebSocket)."""
+    import json as _json
+
+    from openenv.core.generic_client import GenericEnvClient
+
+    from agentrl.agent.loop import AgentConfig
+    from agentrl.engine.scripted import ScriptedEngine
+    from agentrl.episode.sample import Status
+    from agentrl.rollout.environment import EnvContext
+    from envs.openenv import OpenEnvConfig, OpenEnvEnvironment
+    from tests.chat_tokenizer import byte_tokenizer
+
+    def call(name: str, **arguments: Any) -> str:
+        return "<tool_call>" + _json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+    with fake_server() as (url, server, provider):
+        async with GenericEnvClient(base_url=url) as raw:
+            await raw.reset(task_id="hello-file")
+            tools = (await raw.step({"type": "list_tools"})).observation["tools"]
+            assert [t["name"] for t in tools] == ["exec", "write_file", "evaluate"]
+            missing = (
+                await raw.step({"type": "call_tool", "tool_name": "rm_all", "arguments": {}})
+            ).observation
+            assert missing["error"]["error_type"] == "tool_not_found"
+            bad = {"type": "call_tool", "tool_name": "exec", "arguments": {"command": "true", "shell": "zsh"}}
+            assert (await raw.step(bad)).observation["error"]["error_type"] == "invalid_args"
+            echoed = (
+                await raw.step(
+                    {"type": "call_tool", "tool_name": "exec", "arguments": {"command": "echo hi"}}
+                )
+            ).observation
+            assert echoed["result"]["content"][0]["text"].startswith("hi")
+
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text(_json.dumps({"id": "hello-file", "reset": {"task_id": "hello-file"}}) + "\n")
+        tok = byte_tokenizer()
+        plays = [call("exec", command=HELLO), call("evaluate")]
+        config = OpenEnvConfig(url=url, protocol="mcp", rows_file=str(rows), observation_field="instruction",
+                               agent=AgentConfig(max_turns=4, max_new_tokens=256))  # fmt: skip
+        env = OpenEnvEnvironment(config, EnvContext(tokenizer=tok, seed=0, out_dir=tmp_path, temperature=1.0))
+        runner = env.runner(ScriptedEngine(lambda sid, turn, ids: plays[min(turn, 1)], tok), run_id="mcp")
+        episode = await runner.run(env.rows("train")[0], group_id="hello-file", sample_index=0)
+        assert (episode.reward, episode.status, episode.end_reason) == (1.0, Status.COMPLETED, "done")
+        assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0)

@@ -97,8 +97,8 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
     _require_openenv()
     from openenv.core.env_server.http_server import create_fastapi_app
 
-    from agentrl.openenv.schema import TerminalAction, TerminalObservation, TerminalState
-    from agentrl.openenv.terminal import TerminalEnvironment, TerminalHub
+    from agentrl.openenv.schema import TerminalObservation, TerminalState
+    from agentrl.openenv.terminal import ServedAction, TerminalEnvironment, TerminalHub
 
     plugin = get_plugin(config.env["name"])
     env_config = plugin.Config.model_validate(config.env)
@@ -113,7 +113,7 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
     )
     app = create_fastapi_app(
         functools.partial(TerminalEnvironment, hub),
-        TerminalAction,
+        ServedAction,
         TerminalObservation,
         max_concurrent_envs=config.max_sessions,
         **_app_options(
@@ -124,7 +124,10 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
         "stateless HTTP episodes are not served: a terminal episode keeps a sandbox, which lives as "
         "long as a WebSocket session; connect to /ws (openenv's EnvClient does)"
     )
-    no_mcp = "this environment has no MCP tools: use reset / step / state over /ws"
+    no_mcp = (
+        "MCP over HTTP is not served (a terminal session lives as long as its WebSocket): call the "
+        "tools (exec, write_file, evaluate) as list_tools / call_tool steps over /ws"
+    )
     guarded = Guard(
         app,
         max_message_chars=config.max_message_chars,

@@ -34,7 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_types import (
+    CallToolAction,
+    CallToolObservation,
+    ListToolsAction,
+    ListToolsObservation,
+    Tool,
+    ToolError,
+    ToolErrorType,
+)
 from openenv.core.env_server.types import EnvironmentMetadata
+from pydantic import ValidationError
 
 import agentrl
 from agentrl.episode.oracle import ensure_footprint
@@ -59,6 +69,57 @@ from agentrl.sandbox.base import (
 from agentrl.tasks.task import Task
 
 log = logging.getLogger("agentrl.openenv")
+
+
+class ServedAction(TerminalAction):
+    """The action class the server is built with: a `TerminalAction`, or an MCP `list_tools` /
+    `call_tool` action. The package recognises MCP payloads only for servers built on its base
+    `Action` (`serialization._deserialize_mcp_action`), so this class routes them itself; its
+    schema (`/schema`) is `TerminalAction`'s, the tbench2_env schema upstream clients expect."""
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind == "list_tools":
+            return ListToolsAction.model_validate(obj)
+        if kind == "call_tool":
+            return CallToolAction.model_validate(obj)
+        return TerminalAction.model_validate(obj, *args, **kwargs)
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return TerminalAction.model_json_schema(*args, **kwargs)
+
+
+# The terminal's actions as MCP tools, for clients that speak MCP over the session's /ws.
+MCP_TOOLS = (
+    Tool(
+        name="exec",
+        description="Run a shell command in the task's sandbox to completion; returns its output.",
+        input_schema={
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The shell command."},
+                "timeout_s": {"type": "number", "description": "Its time limit (capped by the server)."},
+            },
+            "required": ["command"],
+        },
+    ),
+    Tool(
+        name="write_file",
+        description="Write a file in the sandbox.",
+        input_schema={
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["file_path", "content"],
+        },
+    ),
+    Tool(
+        name="evaluate",
+        description="Run the task's tests: the reward, and the end of the episode.",
+        input_schema={"type": "object", "properties": {}},
+    ),
+)
 
 STATE_TEXT_LIMIT = 4096  # last_command / last_output kept in the state, characters
 UPLOAD_TIMEOUT_S = 120.0  # one write_file copy (at most max_file_bytes)
@@ -328,14 +389,51 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
     # -- step --------------------------------------------------------------------------------
 
     async def step_async(
-        self, action: TerminalAction, timeout_s: float | None = None, **kwargs: Any
-    ) -> TerminalObservation:
+        self,
+        action: TerminalAction | ListToolsAction | CallToolAction,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> TerminalObservation | ListToolsObservation | CallToolObservation:
+        # MCP clients (upstream's MCPToolClient over /ws, agentrl's env.protocol=mcp): the same
+        # actions as tools, each answered as MCP's CallToolResult.
+        if isinstance(action, ListToolsAction):
+            return ListToolsObservation(tools=list(MCP_TOOLS))
+        if isinstance(action, CallToolAction):
+            return await self._call_tool(action, timeout_s)
         self._state.step_count += 1
         self._state.last_action_type = action.action_type[:64]
         self._state.last_command = action.command[:STATE_TEXT_LIMIT]
         obs = self._check(action) or await self._run(action, timeout_s)
         self._state.last_output = (obs.output or obs.error)[-STATE_TEXT_LIMIT:]
         return obs
+
+    async def _call_tool(self, action: CallToolAction, timeout_s: float | None) -> CallToolObservation:
+        name, args = action.tool_name, dict(action.arguments)
+        if name not in {t.name for t in MCP_TOOLS}:
+            error = ToolError(error_type=ToolErrorType.TOOL_NOT_FOUND, message=f"no tool {name[:64]!r}: "
+                              f"the tools are {', '.join(t.name for t in MCP_TOOLS)}")  # fmt: skip
+            return CallToolObservation(tool_name=name[:64], error=error)
+        limit = args.pop("timeout_s", None)
+        try:
+            step = TerminalAction(
+                action_type=name, metadata={"timeout_s": limit} if limit is not None else {}, **args
+            )
+        except (ValidationError, TypeError) as exc:
+            error = ToolError(error_type=ToolErrorType.INVALID_ARGS, message=str(exc)[:2000])
+            return CallToolObservation(tool_name=name, error=error)
+        obs = await self.step_async(step, timeout_s)
+        text = obs.output + (f"\n{obs.error}" if obs.error else "")
+        result = {
+            "content": [{"type": "text", "text": text}],
+            "structured_content": {
+                "output": obs.output,
+                "error": obs.error,
+                "success": obs.success,
+                "info": obs.info,
+            },
+            "is_error": not obs.success,
+        }
+        return CallToolObservation(tool_name=name, result=result, reward=obs.reward, done=obs.done)
 
     async def _run(self, action: TerminalAction, timeout_s: float | None) -> TerminalObservation:
         self._busy = True
