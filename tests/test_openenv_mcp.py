@@ -163,3 +163,40 @@ async def test_an_mcp_environment_is_driven_through_its_tools_and_scored_by_its_
     lost = episodes["lost"]
     assert (lost.reward, lost.status, lost.end_reason) == (0.0, Status.COMPLETED, "task_complete")
     assert "unknown tool 'multiply'" in tok.decode(lost.segments[0].tokens)
+
+
+async def test_a_short_rollout_on_an_mcp_environment_scores_every_episode(tmp_path: Path) -> None:
+    """The rollout manager over the MCP runner: two groups of four, every episode scored by the
+    environment's reward, none lost or retried."""
+    from agentrl.rollout import RolloutConfig, RolloutManager
+
+    tok = byte_tokenizer(TOOLS_TEMPLATE)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(
+        json.dumps({"id": f"{a}+{b}", "instruction": f"Add {a} and {b}, then submit the sum.", "reset": {"a": a, "b": b}}) + "\n"
+        for a, b in ((2, 3), (4, 4))
+    ))  # fmt: skip
+
+    def player(session_id: str | None, turn: int, ids: list[int]) -> str:
+        import re
+
+        a, b = map(int, re.findall(r"Add (\d+) and (\d+)", tok.decode(ids))[-1])
+        right = int(str(session_id).split(":")[-2]) % 2 == 0  # even sample indices answer right
+        return call("submit", answer=a + b if right else a + b + 1)
+
+    with arithmetic_server() as url:
+        config = OpenEnvConfig(
+            url=url, protocol="mcp", rows_file=str(rows), agent=AgentConfig(max_turns=2, max_new_tokens=200)
+        )
+        env = OpenEnvEnvironment(config, EnvContext(tokenizer=tok, seed=0, out_dir=tmp_path, temperature=1.0))
+        engine = ScriptedEngine(player, tok)
+        rollout = RolloutConfig(batch_size=8, n_samples_per_prompt=4, max_in_flight=8, max_staleness=0)
+        async with RolloutManager(
+            env.runner(engine, run_id="mcp"), engine, env.rows("train"), rollout
+        ) as manager:
+            groups = await manager.get_batch(timeout=120)
+    assert len(groups) == 2 and all(g.complete for g in groups)
+    for group in groups:
+        assert sorted(e.reward for e in group.episodes) == [0.0, 0.0, 1.0, 1.0]
+        assert all(e.attempt == 0 for e in group.episodes)
+    assert dict(manager.counters.failures) == {}
