@@ -17,9 +17,10 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch (the `local` extra) loads with the first adapter: a plain install imports this
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,6 +56,8 @@ def adapter_updates(
 ) -> dict[str, torch.Tensor]:
     """module name -> its weight update scale B A, checked against `model` (every target a Linear
     module of matching shape)."""
+    import torch
+
     r = int(config["r"])
     if max_rank is not None and r > max_rank:
         raise AdapterFileError(f"LoRA rank {r} exceeds the server's --max-lora-rank {max_rank}")
@@ -134,20 +137,22 @@ class LoraPool:
             loaded = ", ".join(sorted(self.adapters)) or "none"
             raise AdapterFileError(f"LoRA adapter '{name}' is not loaded (loaded: {loaded})")
 
-    @torch.no_grad()
     def activate(self, name: str | None) -> None:
+        import torch
+
         if name == self.active:
             return
-        for module, base in self._base.items():  # back to the base weights
-            self.model.get_submodule(module).weight.copy_(base)
-        self._base.clear()
-        self.active = None
-        if name is None:
-            return
-        for module, update in self.adapters[name].items():
-            weight = self.model.get_submodule(module).weight
-            self._base[module] = weight.detach().clone()
-            weight.add_(update.to(weight.dtype))
+        with torch.no_grad():
+            for module, base in self._base.items():  # back to the base weights
+                self.model.get_submodule(module).weight.copy_(base)
+            self._base.clear()
+            self.active = None
+            if name is None:
+                return
+            for module, update in self.adapters[name].items():
+                weight = self.model.get_submodule(module).weight
+                self._base[module] = weight.detach().clone()
+                weight.add_(update.to(weight.dtype))
         self.active = name
 
     def without_adapter(self) -> str | None:
