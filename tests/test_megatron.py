@@ -410,3 +410,29 @@ def test_optimizer_offload_needs_megatrons_distributed_optimizer() -> None:
     with pytest.raises(ValueError, match="ddp='fsdp'"):
         MegatronSettings(ddp="fsdp")
     MegatronSettings(optimizer_cpu_offload=True, ddp="megatron")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_routing_replay_brings_the_trainers_log_probs_to_the_engines(tmp_path: Path) -> None:
+    """R3 on the proxy model: an engine whose routers compute a little differently (bf16, other
+    numerics) sends some tokens to other experts; replaying its routes in the trainer's routers
+    brings the trainer's log-probs closer to the engine's, and replaying the trainer's own routes
+    changes nothing (the routes land on the right tokens of the packed row)."""
+    from tests.megatron_venv import run_case
+
+    r = run_case("routing_replay", tmp_path)
+    assert r["flipped"] > 0 and r["flipped_tokens"] > 0  # the two really route differently
+    assert r["own_routes_replayed_max_abs"] == 0.0
+    assert r["replay"]["mean_abs"] < r["own_routing"]["mean_abs"]
+    assert r["replay"]["flipped_mean_abs"] < r["own_routing"]["flipped_mean_abs"]
+    assert r["train_step_skipped"] == 0.0
+
+
+def test_routing_replay_is_refused_where_it_is_not_implemented() -> None:
+    from agentrl.train.megatron.settings import MegatronSettings
+
+    MegatronSettings(routing_replay=True)
+    for layout in ({"tp": 2}, {"cp": 2}, {"recompute": "full"}):
+        with pytest.raises(ValueError, match=r"routing_replay \(R3\) is implemented for TP1 CP1"):
+            MegatronSettings(routing_replay=True, **layout)

@@ -47,6 +47,9 @@ class Sample:
     # Set by the runtime before training, identical on every segment of one episode.
     advantage: float | None = None
     episode_id: str | None = None
+    # Rollout routing replay (R3): the experts the engine routed each token to, per decoder layer
+    # ([len(tokens) - 1][num_layers][top_k], -1 on dense layers; SGLang's `routed_experts`), or None.
+    routed_experts: list[list[list[int]]] | None = None
 
     @property
     def response_length(self) -> int:

@@ -44,6 +44,9 @@ class MicroBatch:
     sample_indices: list[int]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    # [R, L, num_layers, top_k] int: the engine's experts for token t of row r (-1 where it routed
+    # none: padding, the row's last token, dense layers); None unless every sample carries them.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -68,6 +71,7 @@ class MicroBatch:
             sample_indices=self.sample_indices,
             old_logprobs=move(self.old_logprobs),
             ref_logprobs=move(self.ref_logprobs),
+            routed_experts=move(self.routed_experts),
         )
 
 
@@ -205,7 +209,16 @@ def _rows(samples: Sequence[Sample], weights: Sequence[float], indices: list[int
             roll[r, p:length] = torch.tensor(s.rollout_logprobs, dtype=torch.float32) * m
             adv[r, p:length] = float(s.advantage or 0.0) * m
             wts[r, p:length] = float(weights[i]) * m
-    return MicroBatch(ids, attn, pos, mask, roll, adv, wts, list(indices))
+    routes = None
+    if all(samples[i].routed_experts is not None for i in indices):
+        first = samples[indices[0]].routed_experts or [[[]]]
+        layers, k = len(first[0]), len(first[0][0])
+        routes = torch.full((n, width, layers, k), -1, dtype=torch.int32)
+        for r, i in enumerate(indices):
+            given = samples[i].routed_experts or []
+            if given:
+                routes[r, : len(given)] = torch.tensor(given, dtype=torch.int32)
+    return MicroBatch(ids, attn, pos, mask, roll, adv, wts, list(indices), routed_experts=routes)
 
 
 def build_batch(

@@ -1014,7 +1014,103 @@ def case_gpu_resume(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _engine_routes(model: Any, tokens: list[int]) -> tuple[list[list[list[int]]], torch.Tensor]:
+    """What an engine returns for one sequence: the experts each MoE router chose per token
+    ([len - 1][layers][top_k], -1 on dense layers: SGLang's `routed_experts` layout) and the
+    log-probs of tokens 1.. under its logits."""
+    cfg = model.config
+    k, layers = cfg.num_experts_per_tok, cfg.num_hidden_layers
+    seen: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[2])))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    routes = [
+        [seen[i][t].tolist() if i in seen else [-1] * k for i in range(layers)]
+        for t in range(len(tokens) - 1)
+    ]
+    logp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return routes, logp
+
+
+def case_routing_replay(args: argparse.Namespace) -> dict[str, Any]:
+    """R3 on one rank. The "engine" is the HF model in bf16 with its routers' weights off by a
+    little (an inference engine's own numerics: other kernels, bf16 scores), so some tokens go to
+    other experts there than in the fp32 trainer. The trainer's log-probs of the samples, against
+    the engine's, without and with the engine's routes replayed."""
+    import copy
+
+    hf = tiny_hf(**_shape(4))
+    engine = copy.deepcopy(hf)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in engine.named_parameters():
+            if name.endswith("gate.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    engine = engine.to(torch.bfloat16).eval()
+    rows = samples()
+    engine_logp = []
+    trainer_routes = []
+    for s in rows:
+        s.routed_experts, lp = _engine_routes(engine, s.tokens)
+        engine_logp.append(lp[s.prompt_length - 1 :])
+        trainer_routes.append(_engine_routes(hf, s.tokens)[0])
+    moe = [i for i in range(hf.config.num_hidden_layers) if i >= hf.config.first_k_dense_replace]
+    routed = [(set(a[i]), set(b[i])) for s, tr in zip(rows, trainer_routes, strict=True)
+              for a, b in zip(s.routed_experts, tr, strict=True) for i in moe]  # fmt: skip
+    out: dict[str, Any] = {"routed": len(routed), "flipped": sum(a != b for a, b in routed)}
+    # Predicted tokens whose position (the one before them) the engine routed elsewhere somewhere.
+    flip = torch.cat([
+        torch.tensor([any(set(a[i]) != set(b[i]) for i in moe) for a, b in zip(s.routed_experts, tr, strict=True)])[s.prompt_length - 1 :]
+        for s, tr in zip(rows, trainer_routes, strict=True)
+    ])  # fmt: skip
+
+    def trainer_logp(routes: list[Any] | None, replay: bool) -> torch.Tensor:
+        for s, r in zip(rows, routes or [None] * len(rows), strict=True):
+            s.routed_experts = r
+        tr = trainer(hf, mb_tokens=4096, routing_replay=replay)
+        got: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for mb in build_batch(rows, max_tokens_per_micro_batch=4096).micro_batches:
+                logp = tr.logprobs(mb)[0]
+                for r, i in enumerate(mb.sample_indices):
+                    got[i] = logp[r, rows[i].prompt_length : len(rows[i].tokens)]
+        return torch.cat([got[i] for i in range(len(rows))])
+
+    engine_routes = [s.routed_experts for s in rows]
+    target = torch.cat(engine_logp)
+    for name, logp in (
+        ("own_routing", trainer_logp(None, False)),
+        ("replay", trainer_logp(engine_routes, True)),
+    ):
+        d = (logp - target).abs()
+        out[name] = {
+            "mean_abs": float(d.mean()),
+            "max_abs": float(d.max()),
+            "flipped_mean_abs": float(d[flip].mean()),
+        }
+    # Replaying the trainer's own routes changes nothing: the routes land on the right tokens.
+    out["own_routes_replayed_max_abs"] = float(
+        (trainer_logp(trainer_routes, True) - trainer_logp(None, False)).abs().max()
+    )
+    out["flipped_tokens"] = int(flip.sum())
+    for s, r in zip(rows, engine_routes, strict=True):
+        s.routed_experts = r
+    # The samples' routes reach the optimizer step too: a GRPO step with replay on runs.
+    tr = trainer(hf, mb_tokens=4096, routing_replay=True)
+    out["train_step_skipped"] = tr.train_step(rows)["skipped"]
+    return out
+
+
 CASES = {
+    "routing_replay": case_routing_replay,
     "build": case_build,
     "hf_parity": case_hf_parity,
     "grads": case_grads,

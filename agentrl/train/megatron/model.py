@@ -183,6 +183,7 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
         moe_router_num_groups=n_group if n_group > 1 else None,
         moe_router_group_topk=int(hf_config.topk_group) if n_group > 1 else None,
         moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
+        moe_enable_routing_replay=settings.routing_replay,  # R3: megatron-core's RouterReplay per router
         moe_grouped_gemm=False,
         # DSA with index sharing; GLM-5's indexer: interleaved RoPE, LayerNorm eps 1e-6, no Hadamard
         experimental_attention_variant="dsa",

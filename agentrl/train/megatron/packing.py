@@ -115,6 +115,18 @@ class PackedRows:
             start += self.lengths[r]
         return out if self.cp == 1 else out[self.local]
 
+    def pack_tokens(self, values: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        """[rows, width, ...] values of the batch's tokens -> [T, ...] at each token's own packed
+        position (not shifted), `fill` (broadcast to the trailing shape) on padding; this CP
+        rank's positions under CP."""
+        out = fill.to(values.dtype).expand(self.total, *values.shape[2:]).clone()
+        start = 0
+        for r in range(self.num_rows):
+            n = self.real[r]
+            out[start : start + n] = values[r, :n]
+            start += self.lengths[r]
+        return out if self.cp == 1 else out[self.local]
+
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-position values [T] (for the next token) -> [rows, width] aligned with the batch:
         entry (r, t) is the value for token t of row r, predicted at position t - 1; column 0 is 0."""

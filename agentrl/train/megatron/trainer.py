@@ -102,6 +102,7 @@ class MegatronTrainer(CheckpointMixin):
         self.layout = layout_of(hf_config, self.settings)
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._routers: dict[int, list[Any]] = {}  # R3: each model chunk's RouterReplay instances
         self.chunks = self._build_chunks()
         self.model = self.chunks[0]
         if hf_state is not None and self.settings.init_checkpoint:
@@ -398,6 +399,8 @@ class MegatronTrainer(CheckpointMixin):
         def step_func(data: Iterator[int], model: Any) -> Any:
             i = next(data)
             rows = packed[i]
+            if self.settings.routing_replay:
+                self._replay_routes(model, rows, micro_batches[i])
             input_ids, position_ids = rows.model_inputs()
             out = model(
                 input_ids,
@@ -456,6 +459,36 @@ class MegatronTrainer(CheckpointMixin):
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
+
+    def _replay_routes(self, model: Any, rows: PackedRows, mb: MicroBatch) -> None:
+        """R3: every router of `model` takes the engine's experts for this micro-batch's tokens
+        (megatron-core's `RouterReplay`, REPLAY_FORWARD: its own scores of those experts weight
+        them). Padding, a row's last token and anything the engine did not route get experts
+        0..k-1 (they reach no loss)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        key = id(model)
+        routers = self._routers.get(key)
+        if routers is None:
+            routers = [
+                m.router_replay for m in _unwrap(model).modules() if getattr(m, "router_replay", None) is not None
+            ]
+            self._routers[key] = routers
+        if mb.routed_experts is None:
+            raise ConfigError(
+                "trainer.megatron.routing_replay is on but the samples carry no routed_experts: the "
+                "engine must return them (SGLang --enable-return-routed-experts)"
+            )
+        k = int(mb.routed_experts.shape[-1])
+        fallback = torch.arange(k, dtype=torch.int32)
+        packed = rows.pack_tokens(mb.routed_experts.cpu(), fallback)  # [T, layers, k]
+        for router in routers:
+            chosen = packed[:, router.layer_number - 1, :].long()
+            unrouted = (chosen < 0).any(-1)
+            chosen[unrouted] = fallback.long()
+            router.clear_indices()
+            router.set_target_indices(chosen.to(self.device))
+            router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def logprobs(
         self, mb: MicroBatch, *, model: Any = None, with_entropy: bool = False
