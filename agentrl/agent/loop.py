@@ -162,7 +162,7 @@ class _TokenSession:
         )
         self.version_mismatches += out.version_mismatches
         return (
-            self.traj.add_generation(out.output_ids, out.logprobs, out.versions),
+            self.traj.add_generation(out.output_ids, out.logprobs, out.versions, out.routed_experts),
             out.finish_reason,
             out.versions,
         )

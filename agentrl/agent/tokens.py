@@ -198,6 +198,7 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     text: str = ""  # what prompt + response spell, for the prefix check
+    routed_experts: list[list[list[int]]] | None = None  # R3: the last generation's routes
 
     @property
     def total_len(self) -> int:
@@ -233,10 +234,18 @@ class TokenTrajectory:
     def context_len(self) -> int:
         return self.current.total_len
 
-    def add_generation(self, ids: list[int], logprobs: list[float], weight_versions: list[int]) -> str:
+    def add_generation(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        weight_versions: list[int],
+        routed_experts: list[list[list[int]]] | None = None,
+    ) -> str:
         if len(ids) != len(logprobs):
             raise ValueError(f"engine returned {len(ids)} ids but {len(logprobs)} log-probs")
         seg = self.current
+        if routed_experts is not None:  # the engine routed the whole context and this reply
+            seg.routed_experts = routed_experts
         seg.response_ids.extend(ids)
         seg.loss_mask.extend([1] * len(ids))
         seg.logprobs.extend(float(x) for x in logprobs)

@@ -56,6 +56,9 @@ def serve_cmd(
     lora_paths: list[str] = typer.Option(
         None, "--lora-paths", help="NAME=PATH adapters loaded at start (implies --enable-lora), as SGLang's."
     ),
+    enable_return_routed_experts: bool = typer.Option(
+        False, "--enable-return-routed-experts", help="Answer return_routed_experts (R3), as SGLang's flag."
+    ),
     request_log: bool = typer.Option(
         True,
         "--request-log/--no-request-log",
@@ -98,6 +101,7 @@ def serve_cmd(
                 max_lora_rank=max_lora_rank,
                 max_loaded_loras=max_loaded_loras,
                 lora_paths=_lora_paths(lora_paths or []),
+                enable_return_routed_experts=enable_return_routed_experts,
             )
         )
     if dead is not None:

@@ -64,6 +64,9 @@ class Generation:
     text: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     version_mismatch: bool = False
+    # R3: the experts each token of input + output (all but the last output token) was routed to,
+    # [len(input) + len(output) - 1][num_layers][top_k] (-1 on dense layers), when asked for.
+    routed_experts: list[list[list[int]]] | None = None
 
 
 PauseMode = Literal["abort", "in_place", "retract"]
@@ -237,6 +240,7 @@ class Continued:
     versions: list[int]
     finish_reason: str
     version_mismatches: int = 0
+    routed_experts: list[list[list[int]]] | None = None  # the last piece's: it covers all before it
 
 
 async def generate_to_end(
@@ -260,6 +264,7 @@ async def generate_to_end(
     versions: list[int] = []
     mismatches = 0
     finish = "abort"
+    routes = None
     while finish == "abort":
         left = sampling.max_new_tokens - len(ids)
         if left <= 0:
@@ -288,4 +293,5 @@ async def generate_to_end(
         versions.append(gen.weight_version)
         mismatches += int(gen.version_mismatch)
         finish = gen.finish_reason
-    return Continued(ids, logps, versions, finish, mismatches)
+        routes = gen.routed_experts
+    return Continued(ids, logps, versions, finish, mismatches, routes)

@@ -48,6 +48,7 @@ class EngineSpec:
     max_batch: int = 16  # local: requests batched per forward pass
     logprob_mode: str = "processed"  # local
     enable_lora: bool = False  # local: serve LoRA adapters by name (SGLang's --enable-lora)
+    routed_experts: bool = False  # R3: every generation returns its routed experts
     # sglang HTTP behaviour (see `SGLangEngine`)
     request_timeout_s: float = 1800.0
     control_timeout_s: float = 120.0
@@ -92,6 +93,7 @@ def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None)
             api_key_file=spec.api_key_file,
             on_version_mismatch=spec.on_version_mismatch,  # type: ignore[arg-type]
             flush_wait_s=spec.flush_wait_s,
+            routed_layers=_num_layers(spec) if spec.routed_experts else None,
         )
         return engine, tokenizer or AutoTokenizer.from_pretrained(str(spec.tokenizer))
     if spec.kind not in KINDS:
@@ -104,6 +106,7 @@ def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None)
             max_batch=spec.max_batch,
             logprob_mode=spec.logprob_mode,
             enable_lora=spec.enable_lora,
+            return_routed_experts=spec.routed_experts,
         )
         return engine, tokenizer
 
@@ -118,6 +121,18 @@ def build_engine(spec: EngineSpec, *, policy: Any = None, tokenizer: Any = None)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     engine = LocalEngine(
         model, tok, device=spec.device, max_batch=spec.max_batch, logprob_mode=spec.logprob_mode,
-        enable_lora=spec.enable_lora,
+        enable_lora=spec.enable_lora, return_routed_experts=spec.routed_experts,
     )  # fmt: skip
     return engine, tok
+
+
+def _num_layers(spec: EngineSpec) -> int:
+    """The model's decoder layer count (its config.json), which splits SGLang's routed experts."""
+    import json
+
+    for where in (spec.model, spec.tokenizer):
+        if where is not None and (Path(where) / "config.json").is_file():
+            return int(json.loads((Path(where) / "config.json").read_text())["num_hidden_layers"])
+    raise EngineConfigError(
+        "return_routed_experts needs the model's config.json (engine.model) for its layer count"
+    )

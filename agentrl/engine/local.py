@@ -66,6 +66,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Generation]
     lora: str | None = None
+    routed_experts: bool = False
 
 
 @dataclass
@@ -79,6 +80,7 @@ class _Row:
     out_ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     done: bool = False
+    routes: list[list[list[int]]] | None = None  # R3: per processed token, each layer's experts
 
 
 class LocalEngine(Engine):
@@ -108,6 +110,7 @@ class LocalEngine(Engine):
         enable_lora: bool = False,
         max_lora_rank: int | None = None,
         max_loaded_loras: int | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         if logprob_mode not in ("processed", "original"):
             raise ValueError(f"logprob_mode={logprob_mode!r}: use 'processed' (SGLang default) or 'original'")
@@ -154,6 +157,9 @@ class LocalEngine(Engine):
             LoraPool(self.model, max_rank=max_lora_rank, max_loaded=max_loaded_loras) if enable_lora else None
         )
         self.active_lora: str | None = None  # what an in-process caller's requests use by default
+        # SGLang's --enable-return-routed-experts (R3): the experts each token was routed to.
+        self.return_routed_experts = return_routed_experts
+        self._routers: list[tuple[int, Any]] | None = None
 
     async def generate(
         self,
@@ -163,6 +169,7 @@ class LocalEngine(Engine):
         session_id: str | None = None,
         rid: str | None = None,
         lora: str | None = _ACTIVE,
+        routed_experts: bool | None = None,
     ) -> Generation:
         """Sample a continuation of `input_ids`. Returns finish_reason "stop", "length" or
         "abort" (with the tokens produced before the abort). Waits while the engine is paused.
@@ -170,6 +177,12 @@ class LocalEngine(Engine):
         `LoraAdapter` update made current (an in-process engine syncing LoRA adapters)."""
         self._check(input_ids, sampling)
         lora = self.active_lora if lora is _ACTIVE else lora
+        want_routes = self.return_routed_experts if routed_experts is None else routed_experts
+        if want_routes and not self.return_routed_experts:
+            raise EngineBadRequest(
+                "return_routed_experts needs the engine started with return_routed_experts "
+                "(agentrl engine serve --enable-return-routed-experts, as SGLang's flag)"
+            )
         if lora is not None:
             if self.lora is None:
                 raise EngineBadRequest(NOT_ENABLED)
@@ -189,7 +202,7 @@ class LocalEngine(Engine):
             await self._resumed.wait()
             request.submitted = True
             loop = asyncio.get_running_loop()
-            job = _Job(list(input_ids), sampling, request, loop, loop.create_future(), lora)
+            job = _Job(list(input_ids), sampling, request, loop, loop.create_future(), lora, want_routes)
             with self._queue_lock:
                 self._queue.append(job)
             # Each submission drains whatever is queued by then, so concurrent requests batch.
@@ -281,22 +294,33 @@ class LocalEngine(Engine):
                 device=self.device,
             )
             kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-        with torch.no_grad():
-            out = self.model(ids, use_cache=True, **kwargs)
-            cache = out.cache if "cache" in out else out.past_key_values
-            while True:
-                self._wait_gate(rows)
-                for i, row in enumerate(rows):
-                    if not row.done:
-                        self._step(row, out.logits[i, -1].float())
-                if all(r.done for r in rows):
-                    return
-                nxt = torch.tensor([[r.out_ids[-1] if r.out_ids else 0] for r in rows], device=self.device)
-                if padded:
-                    mask = torch.cat([kwargs["attention_mask"], torch.ones_like(nxt)], 1)
-                    kwargs = {"attention_mask": mask, "position_ids": kwargs["position_ids"][:, -1:] + 1}
-                out = self.model(nxt, cache=cache, use_cache=True, **kwargs)
+        capture = self._route_capture() if any(r.job.routed_experts for r in rows) else None
+        try:
+            with torch.no_grad():
+                out = self.model(ids, use_cache=True, **kwargs)
+                if capture is not None:
+                    capture.collect(rows, [len(r.job.input_ids) for r in rows], width)
                 cache = out.cache if "cache" in out else out.past_key_values
+                while True:
+                    self._wait_gate(rows)
+                    for i, row in enumerate(rows):
+                        if not row.done:
+                            self._step(row, out.logits[i, -1].float())
+                    if all(r.done for r in rows):
+                        return
+                    nxt = torch.tensor(
+                        [[r.out_ids[-1] if r.out_ids else 0] for r in rows], device=self.device
+                    )
+                    if padded:
+                        mask = torch.cat([kwargs["attention_mask"], torch.ones_like(nxt)], 1)
+                        kwargs = {"attention_mask": mask, "position_ids": kwargs["position_ids"][:, -1:] + 1}
+                    out = self.model(nxt, cache=cache, use_cache=True, **kwargs)
+                    if capture is not None:
+                        capture.collect(rows, [1] * len(rows), 1)
+                    cache = out.cache if "cache" in out else out.past_key_values
+        finally:
+            if capture is not None:
+                capture.close()
 
     def _step(self, row: _Row, logits: Any) -> None:
         sp = row.job.sampling
@@ -325,7 +349,18 @@ class LocalEngine(Engine):
             meta["matched"] = matched
         elif reason == "length":
             meta["length"] = row.budget
-        _deliver(row.job, Generation(row.out_ids, row.logps, reason, version, meta=meta))
+        routes = None
+        if row.job.routed_experts and row.routes is not None:
+            routes = row.routes[: len(row.job.input_ids) + len(row.out_ids) - 1]
+        _deliver(
+            row.job, Generation(row.out_ids, row.logps, reason, version, meta=meta, routed_experts=routes)
+        )
+
+    def _route_capture(self) -> _RouteCapture:
+        if self._routers is None:
+            self._routers = _moe_routers(self.model)
+        return _RouteCapture(self._routers, int(self.model.config.num_hidden_layers),
+                             int(self.model.config.num_experts_per_tok))  # fmt: skip
 
     def _wait_gate(self, rows: list[_Row]) -> None:
         """Hold the batch while paused in place; a row aborted meanwhile is ended at its next step."""
@@ -645,3 +680,49 @@ def _read_weights(path: Path, model: Any) -> dict[str, Any]:
     except Exception as e:  # any loader failure means the directory is not a usable checkpoint
         raise EngineBadRequest(f"cannot load weights from {path}: {e}") from e
     return fresh.state_dict()
+
+
+def _moe_routers(model: Any) -> list[tuple[int, Any]]:
+    """(layer index, router) of every MoE layer: DeepSeek-V3-style gates (`layers[i].mlp.gate`,
+    whose forward returns (logits, weights, indices): glm_moe_dsa, deepseek_v3, glm4_moe)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    found = [
+        (i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "gate")
+    ]
+    if not found:
+        raise EngineBadRequest(
+            "return_routed_experts: this model has no DeepSeek-V3-style MoE gates (layers[i].mlp.gate) "
+            "to read the routed experts from"
+        )
+    return found
+
+
+class _RouteCapture:
+    """Forward hooks on the MoE routers of one batch: after each forward, every row's processed
+    tokens get each layer's chosen experts (-1 on dense layers)."""
+
+    def __init__(self, routers: list[tuple[int, Any]], num_layers: int, top_k: int) -> None:
+        self.num_layers, self.top_k = num_layers, top_k
+        self.seen: dict[int, Any] = {}
+        self.hooks = [
+            gate.register_forward_hook(lambda m, args, out, i=i: self.seen.__setitem__(i, out[2]))
+            for i, gate in routers
+        ]
+
+    def collect(self, rows: list[_Row], lengths: list[int], width: int) -> None:
+        """The last forward covered `width` positions per row, of which each row's last
+        `lengths[r]` are its tokens (left padding before them)."""
+        per_layer = {i: t.reshape(len(rows), width, -1).tolist() for i, t in self.seen.items()}
+        dense = [-1] * self.top_k
+        for r, row in enumerate(rows):
+            if row.routes is None:
+                row.routes = []
+            for pos in range(width - lengths[r], width):
+                row.routes.append(
+                    [per_layer[i][r][pos] if i in per_layer else dense for i in range(self.num_layers)]
+                )
+        self.seen.clear()
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()

@@ -82,6 +82,7 @@ from agentrl.engine.base import (
     WeightUpdate,
 )
 from agentrl.engine.keys import EngineKeyError, read_key
+from agentrl.engine.routes import decode_routes
 
 log = logging.getLogger("agentrl.engine.sglang")
 
@@ -141,6 +142,7 @@ class SGLangEngine(Engine):
         extra_sampling: dict[str, Any] | None = None,
         on_version_mismatch: Literal["flag", "raise"] = "flag",
         flush_wait_s: float = 60.0,
+        routed_layers: int | None = None,
     ) -> None:
         if isinstance(base_urls, str):
             base_urls = [base_urls]
@@ -152,6 +154,9 @@ class SGLangEngine(Engine):
         # adapters loaded on the servers, oldest first.
         self.lora: str | None = None
         self._loras: list[str] = []
+        # R3: ask every generation for its routed experts (`return_routed_experts`; the servers
+        # run with --enable-return-routed-experts); the model's decoder layer count splits them.
+        self.routed_layers: int | None = routed_layers
         self._workers = [u.rstrip("/") for u in worker_urls] if worker_urls else list(self.base_urls)
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -345,6 +350,8 @@ class SGLangEngine(Engine):
         }
         if self.lora is not None:
             body["lora_path"] = self.lora
+        if self.routed_layers is not None:
+            body["return_routed_experts"] = True
         headers = {ROUTING_KEY_HEADER: session_id} if (self.router_url and session_id) else None
         try:
             status, reply = await self._request(
@@ -363,6 +370,10 @@ class SGLangEngine(Engine):
             raise
         self._raise_for(status, reply, "SGLang /generate")
         gen = self._parse(reply)
+        if self.routed_layers is not None:
+            gen = dataclasses.replace(
+                gen, routed_experts=self._routes(reply, len(input_ids) + len(gen.output_ids) - 1)
+            )
         expected = {sent_version, self._weight_version}
         if gen.weight_version in expected:
             return gen
@@ -415,6 +426,27 @@ class SGLangEngine(Engine):
                 "prompt_tokens": meta.get("prompt_tokens"),
             },
         )
+
+    def _routes(self, reply: dict[str, Any], tokens: int) -> list[list[list[int]]]:
+        """`meta_info.routed_experts` (base64 int32 [tokens, layers, top_k]) as nested lists."""
+        text = (reply.get("meta_info") or {}).get("routed_experts")
+        if not isinstance(text, str):
+            raise EngineError(
+                "SGLang /generate returned no routed_experts although asked: start the servers with "
+                "--enable-return-routed-experts",
+                cause="engine_config",
+            )
+        try:
+            flat = [t[0] for t in decode_routes(text, tokens)]
+        except ValueError as exc:
+            raise EngineError(f"SGLang /generate: {exc}", cause="engine_protocol") from None
+        layers = int(self.routed_layers or 1)
+        if any(len(row) % layers for row in flat):
+            raise EngineError(
+                f"SGLang routed_experts do not split over {layers} layers", cause="engine_protocol"
+            )
+        k = len(flat[0]) // layers if flat else 0
+        return [[row[i * k : (i + 1) * k] for i in range(layers)] for row in flat]
 
     async def _abort_quietly(self, url: str, rid: str) -> None:
         """Best-effort abort of one request on its worker (through a router: on every worker)."""

@@ -97,6 +97,7 @@ def segment_samples(
                 timings=dict(timings),
                 task_id=task_id,
                 metadata={"segment": k, "n_segments": len(trained)},
+                routed_experts=seg.routed_experts,
             )
         )
     return samples

@@ -41,6 +41,7 @@ def engine_spec(cfg: RunConfig) -> EngineSpec:
         on_version_mismatch=e.on_version_mismatch,
         flush_wait_s=e.flush_wait_s,
         enable_lora=cfg.sync.transport == "lora_adapter",
+        routed_experts=e.return_routed_experts,
     )
 
 

@@ -68,6 +68,11 @@ class EngineSettings(_Section):
         description="kind=sglang: a generation answered under an unexpected weight version (a replay on "
         "a server that missed an update) is counted (flag) or retried as an engine error (raise).",
     )
+    return_routed_experts: bool = Field(
+        False,
+        description="R3: every generation returns the experts each token was routed to (SGLang servers "
+        "need --enable-return-routed-experts); the samples carry them for trainer.megatron.routing_replay.",
+    )
     flush_wait_s: float = Field(
         60.0, description="kind=sglang: how long a busy server's cache flush is retried."
     )
@@ -216,6 +221,11 @@ class RunConfig(_Section):
     def _derived(self) -> RunConfig:
         if self.trainer.temperature != self.sampling.temperature:
             self.trainer.temperature = self.sampling.temperature
+        if self.trainer.megatron.routing_replay and not self.engine.return_routed_experts:
+            raise ValueError(
+                "trainer.megatron.routing_replay replays the engine's routes: set "
+                "engine.return_routed_experts=true (and start SGLang with --enable-return-routed-experts)"
+            )
         if self.sync.transport == "lora_adapter" and not self.trainer.lora.enabled:
             raise ValueError(
                 "sync.transport=lora_adapter sends the trainer's LoRA adapters: set trainer.lora.rank > 0, "

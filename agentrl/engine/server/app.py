@@ -109,6 +109,7 @@ from aiohttp import web
 
 from agentrl.engine.base import EngineBadRequest, Generation, SamplingParams
 from agentrl.engine.local import LocalEngine
+from agentrl.engine.routes import encode_routes
 from agentrl.engine.server.chat import OpenAIEndpoints
 from agentrl.engine.server.common import (
     _DEFAULT_MAX_NEW_TOKENS,
@@ -434,7 +435,10 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
                 f"logprob_start_len ({start_len}) is larger than the input length ({len(prompt)})."
             )
         async with self._lock.read():
-            gen = await self.engine.generate(prompt, sampling, rid=rid, lora=body.get("lora_path"))
+            gen = await self.engine.generate(
+                prompt, sampling, rid=rid, lora=body.get("lora_path"),
+                routed_experts=bool(body.get("return_routed_experts")),
+            )  # fmt: skip
         meta: dict[str, Any] = {"id": rid, "finish_reason": self._finish(gen)}
         waiting_abort = gen.meta.get("message") == "Abort in waiting queue"
         if not waiting_abort:
@@ -463,6 +467,8 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
         if not waiting_abort:
             meta["cached_tokens"] = 0
             meta["cached_tokens_details"] = None
+        if gen.routed_experts is not None:  # SGLang: base64 int32 [input + output - 1, layers, top_k]
+            meta["routed_experts"] = encode_routes(gen.routed_experts)
         meta["e2e_latency"] = time.time() - start
         meta["response_sent_to_client_ts"] = time.time()
         out: dict[str, Any] = {}
@@ -592,6 +598,7 @@ async def serve(
     max_lora_rank: int | None = None,
     max_loaded_loras: int | None = None,
     lora_paths: dict[str, str] | None = None,
+    enable_return_routed_experts: bool = False,
 ) -> str | None:
     """Load a model directory and serve it until cancelled (returns None) or until a fatal error
     kills it as it would kill SGLang (returns the reason)."""
@@ -606,6 +613,7 @@ async def serve(
     engine = LocalEngine(
         model, tokenizer, device=device, logprob_mode=logprob_mode, cpu_threads=cpu_threads,
         enable_lora=enable_lora or bool(lora_paths), max_lora_rank=max_lora_rank, max_loaded_loras=max_loaded_loras,
+        return_routed_experts=enable_return_routed_experts,
     )  # fmt: skip
     for name, adapter in (lora_paths or {}).items():  # SGLang's --lora-paths NAME=PATH, loaded at start
         await engine.load_lora_adapter(name, adapter)

@@ -47,7 +47,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "input_embeds": None,
     "stream": False,
     "return_hidden_states": False,
-    "return_routed_experts": False,
     "return_indexer_topk": False,
     "custom_logit_processor": None,
     "image_data": None,

@@ -471,7 +471,9 @@ class MegatronTrainer(CheckpointMixin):
         routers = self._routers.get(key)
         if routers is None:
             routers = [
-                m.router_replay for m in _unwrap(model).modules() if getattr(m, "router_replay", None) is not None
+                m.router_replay
+                for m in _unwrap(model).modules()
+                if getattr(m, "router_replay", None) is not None
             ]
             self._routers[key] = routers
         if mb.routed_experts is None:
