@@ -82,7 +82,6 @@ from agentrl.engine.base import (
     WeightUpdate,
 )
 from agentrl.engine.keys import EngineKeyError, read_key
-from agentrl.engine.routes import decode_routes
 
 log = logging.getLogger("agentrl.engine.sglang")
 
@@ -426,27 +425,6 @@ class SGLangEngine(Engine):
                 "prompt_tokens": meta.get("prompt_tokens"),
             },
         )
-
-    def _routes(self, reply: dict[str, Any], tokens: int) -> list[list[list[int]]]:
-        """`meta_info.routed_experts` (base64 int32 [tokens, layers, top_k]) as nested lists."""
-        text = (reply.get("meta_info") or {}).get("routed_experts")
-        if not isinstance(text, str):
-            raise EngineError(
-                "SGLang /generate returned no routed_experts although asked: start the servers with "
-                "--enable-return-routed-experts",
-                cause="engine_config",
-            )
-        try:
-            flat = [t[0] for t in decode_routes(text, tokens)]
-        except ValueError as exc:
-            raise EngineError(f"SGLang /generate: {exc}", cause="engine_protocol") from None
-        layers = int(self.routed_layers or 1)
-        if any(len(row) % layers for row in flat):
-            raise EngineError(
-                f"SGLang routed_experts do not split over {layers} layers", cause="engine_protocol"
-            )
-        k = len(flat[0]) // layers if flat else 0
-        return [[row[i * k : (i + 1) * k] for i in range(layers)] for row in flat]
 
     async def _abort_quietly(self, url: str, rid: str) -> None:
         """Best-effort abort of one request on its worker (through a router: on every worker)."""
