@@ -370,9 +370,8 @@ class SGLangEngine(Engine):
         self._raise_for(status, reply, "SGLang /generate")
         gen = self._parse(reply)
         if self.routed_layers is not None:
-            gen = dataclasses.replace(
-                gen, routed_experts=self._routes(reply, len(input_ids) + len(gen.output_ids) - 1)
-            )
+            tokens = len(input_ids) + len(gen.output_ids) - 1
+            gen = dataclasses.replace(gen, routed_experts=routes_of_reply(reply, tokens, self.routed_layers))
         expected = {sent_version, self._weight_version}
         if gen.weight_version in expected:
             return gen
