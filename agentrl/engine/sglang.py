@@ -82,6 +82,7 @@ from agentrl.engine.base import (
     WeightUpdate,
 )
 from agentrl.engine.keys import EngineKeyError, read_key
+from agentrl.engine.routes import routes_of_reply
 
 log = logging.getLogger("agentrl.engine.sglang")
 
