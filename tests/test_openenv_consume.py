@@ -240,7 +240,15 @@ class SayIt(Environment[SayAction, SayObservation, State]):
 
 @contextlib.contextmanager
 def say_it_server() -> Iterator[str]:
-    app = create_fastapi_app(SayIt, SayAction, SayObservation, max_concurrent_envs=4, env_name="say_it")
+    with serve_app(
+        create_fastapi_app(SayIt, SayAction, SayObservation, max_concurrent_envs=4, env_name="say_it")
+    ) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """An app built on upstream's server framework, on loopback in a thread of its own."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
@@ -337,13 +345,7 @@ async def test_an_unknown_task_on_an_upstream_server_is_an_input_error_never_ret
     app = create_fastapi_app(
         MissingTasks, TerminalAction, TerminalObservation, max_concurrent_envs=2, env_name="tb2"
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    while not server.started:
-        thread.join(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    try:
+    with serve_app(app) as url:
         config = OpenEnvConfig(
             url=url, task_ids=["no-such-task", "broken-docker"], action_format="fenced-bash", agent=AGENT
         )
@@ -355,6 +357,3 @@ async def test_an_unknown_task_on_an_upstream_server_is_an_input_error_never_ret
         with pytest.raises(OpenEnvInfraError) as infra:  # a failure to start the task stays infrastructure
             await runner.run(rows[1], group_id="g", sample_index=0)
         assert infra.value.code == "EXECUTION_ERROR" and "docker daemon unavailable" in str(infra.value)
-    finally:
-        server.should_exit = True
-        thread.join(30)

@@ -6,10 +6,8 @@ environment's reward as the episode's."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,6 @@ import pytest
 pytest.importorskip("openenv.core.env_server.mcp_environment")
 pytest.importorskip("fastmcp")
 
-import uvicorn
 from fastmcp import FastMCP
 from openenv.core.env_server.http_server import create_fastapi_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment
@@ -33,6 +30,7 @@ from agentrl.episode.sample import Status
 from agentrl.rollout.environment import EnvContext
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment
 from tests.chat_tokenizer import GLM_STYLE_TEMPLATE, byte_tokenizer
+from tests.test_openenv_consume import serve_app
 
 # The GLM-style test template, plus the `tools` block a tool-calling template renders.
 TOOLS_TEMPLATE = (
@@ -86,19 +84,12 @@ class Arithmetic(MCPEnvironment):
 
 @contextlib.contextmanager
 def arithmetic_server() -> Iterator[str]:
-    app = create_fastapi_app(
-        Arithmetic, CallToolAction, CallToolObservation, max_concurrent_envs=4, env_name="arith"
-    )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    while not server.started:
-        thread.join(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serve_app(
+        create_fastapi_app(
+            Arithmetic, CallToolAction, CallToolObservation, max_concurrent_envs=4, env_name="arith"
+        )
+    ) as url:
+        yield url
 
 
 def call(name: str, **arguments: Any) -> str:

@@ -6,14 +6,13 @@ hub ids of every cluster recipe, pinned against shared/reference/glm52.md and gl
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from tests.test_recipe_glm52 import ROOT, recipe_module
+from tests.test_recipe_glm52 import ROOT, check_snapshot, recipe_module
 
 SNAPSHOTS = ROOT / "tests" / "fixtures" / "glm45_dryrun"
 MODULES = {
@@ -40,15 +39,7 @@ def dry_run(recipe: str, args: str):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_dry_run_matches_its_snapshot(case: str) -> None:
     recipe, args = CASES[case]
-    result = dry_run(recipe, args)
-    assert result.exit_code == 0, result.output
-    path = SNAPSHOTS / f"{case}.txt"
-    if os.environ.get("AGENTRL_UPDATE_SNAPSHOTS") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(result.stdout)
-    assert result.stdout == path.read_text(), (
-        f"{case}: the plan changed (AGENTRL_UPDATE_SNAPSHOTS=1 to accept)"
-    )
+    check_snapshot(dry_run(recipe, args), SNAPSHOTS / f"{case}.txt")
 
 
 def test_the_model_shapes_give_the_published_sizes() -> None:

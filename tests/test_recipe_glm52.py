@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -86,14 +87,17 @@ def dry_run(recipe: str, args: str):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_dry_run_matches_its_snapshot(case: str) -> None:
     recipe, args = CASES[case]
-    result = dry_run(recipe, args)
+    check_snapshot(dry_run(recipe, args), SNAPSHOTS / f"{case}.txt")
+
+
+def check_snapshot(result: Any, path: Path) -> None:
+    """A `--dry-run`'s output equals its snapshot (AGENTRL_UPDATE_SNAPSHOTS=1 rewrites it)."""
     assert result.exit_code == 0, result.output
-    path = SNAPSHOTS / f"{case}.txt"
     if os.environ.get("AGENTRL_UPDATE_SNAPSHOTS") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(result.stdout)
     assert result.stdout == path.read_text(), (
-        f"{case}: the plan changed (AGENTRL_UPDATE_SNAPSHOTS=1 to accept)"
+        f"{path.stem}: the plan changed (AGENTRL_UPDATE_SNAPSHOTS=1 to accept)"
     )
 
 

@@ -85,15 +85,6 @@ class ChatRenderer:
         """This renderer with `tools` in every rendered prompt."""
         return ChatRenderer(self.tokenizer, observation_role=self.observation_role, tools=tools)
 
-    @property
-    def renders_tools(self) -> bool:
-        """Whether the chat template writes `tools` into the prompt at all."""
-        if not self.tools:
-            return False
-        probe = [{"role": "user", "content": "u"}]
-        bare = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        return bool(self.render(probe, add_generation_prompt=True) != bare)
-
     @classmethod
     def for_format(cls, tokenizer: Any, action_format: str) -> ChatRenderer:
         """The renderer of an action format: observations in the role the format defines (a

@@ -132,6 +132,22 @@ class InProcessTransport(Transport):
         )
 
 
+def write_version(
+    directory: Path, version: int, fill: Callable[[Path], None], *, keep: int, what: str
+) -> Path:
+    """`directory/v<version>` written atomically by `fill`, then all but the `keep` newest versions
+    removed; returns the version's directory (`WeightSyncError` when it cannot be written)."""
+    final = directory / f"v{version:08d}"
+    try:
+        atomic_dir(final, fill)
+    except OSError as exc:
+        raise WeightSyncError(f"could not write {what} for version {version} under {final}: {exc}") from exc
+    old = sorted(p for p in directory.glob("v*") if p.is_dir() and p != final)
+    for stale in old[: max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
 class DiskTransport(Transport):
     """A safetensors model directory per version under `directory` (`v00000007/`): one shard per
     bucket plus `model.safetensors.index.json`, and the config files of `model_files_from` (the
@@ -156,7 +172,6 @@ class DiskTransport(Transport):
 
     def write(self, buckets: Iterable[Bucket], version: int) -> Path:
         """The atomic write alone; returns the version's directory."""
-        final = self.directory / f"v{version:08d}"
 
         def fill(tmp: Path) -> None:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -174,16 +189,7 @@ class DiskTransport(Transport):
                     if (self.model_files_from / name).exists():
                         shutil.copyfile(self.model_files_from / name, tmp / name)
 
-        try:
-            atomic_dir(final, fill)
-        except OSError as exc:
-            raise WeightSyncError(
-                f"could not write weights for version {version} under {final}: {exc}"
-            ) from exc
-        old = sorted(p for p in self.directory.glob("v*") if p.is_dir() and p != final)
-        for stale in old[: max(0, len(old) - (self.keep - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
-        return final
+        return write_version(self.directory, version, fill, keep=self.keep, what="weights")
 
     async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
         path = await asyncio.to_thread(self.write, buckets, version)
@@ -220,24 +226,13 @@ class AdapterTransport(Transport):
         self.prefix = prefix
 
     def write(self, buckets: Iterable[Bucket], version: int) -> Path:
-        final = self.directory / f"v{version:08d}"
-
         def fill(tmp: Path) -> None:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = {name: t.detach().contiguous().cpu() for bucket in buckets for name, t in bucket}
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=1, sort_keys=True))
 
-        try:
-            atomic_dir(final, fill)
-        except OSError as exc:
-            raise WeightSyncError(
-                f"could not write the adapter of version {version} under {final}: {exc}"
-            ) from exc
-        old = sorted(p for p in self.directory.glob("v*") if p.is_dir() and p != final)
-        for stale in old[: max(0, len(old) - (self.keep - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
-        return final
+        return write_version(self.directory, version, fill, keep=self.keep, what="the adapter")
 
     async def push(self, buckets: Iterable[Bucket], *, version: int) -> None:
         path = await asyncio.to_thread(self.write, buckets, version)

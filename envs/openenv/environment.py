@@ -505,22 +505,9 @@ def _tool_text(observation: dict[str, Any]) -> str:
     return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
 
-class _ToolActor:
+class _ToolActor(_StepActor):
     """The agent loop's actor for an MCP environment: each tool call of a reply is one `call_tool`
     step; the outputs are joined in order; the server's reward and done as for text steps."""
-
-    mode = "text"
-
-    def __init__(self, runner: RemoteTextRunner, session: Any) -> None:
-        self.runner = runner
-        self.session = session
-        self.rewards: list[float] = []
-
-    async def initial_state(self) -> str | None:
-        return None
-
-    async def alive(self) -> bool:
-        return True
 
     async def act(self, commands: list[Command], deadline: float | None) -> Batch:
         from agentrl.openenv.client import OpenEnvRequestError
@@ -541,9 +528,6 @@ class _ToolActor:
             if result.done:
                 return Batch([], "\n".join(outputs), done=True)
         return Batch([], "\n".join(outputs))
-
-    async def close(self) -> None:
-        return None
 
 
 class _Plugin:
