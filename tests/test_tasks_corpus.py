@@ -52,7 +52,7 @@ def test_a_multi_step_task_resolves_each_step_as_harbor_does(tmp_path: Path) -> 
     (d / "instruction.md").unlink()  # multi-step tasks have per-step instructions
     (d / "task.toml").write_text('multi_step_reward_strategy = "final"\n' + (d / "task.toml").read_text())
     task = load_task(d)
-    with pytest.raises(TaskFormatError, match=r"step 'one' has no instruction\.md"):
+    with pytest.raises(TaskFormatError, match=r"steps/one/instruction\.md: instruction\.md is missing"):
         task.validate()
     for name in ("one", "two"):
         (d / "steps" / name).mkdir(parents=True)

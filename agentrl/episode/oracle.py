@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.episode.healthcheck import run_healthcheck
-from agentrl.episode.steps import CLEAR_VERIFIER, StepOutcome, combine, gate_met, prepare_step
+from agentrl.episode.steps import StepOutcome, StepSetupError, run_phases
 from agentrl.episode.verify import footprint_path, load_footprint, save_footprint, verify
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxProvider
@@ -61,14 +61,9 @@ async def oracle_one(
     try:
         async with await provider.create(task, run_id=run_id) as sandbox:
             await run_healthcheck(sandbox, task)
-            outcomes: list[StepOutcome] = []
-            for k, phase in enumerate(phases):
-                if isinstance(phase, TaskStep):
-                    problem = await prepare_step(sandbox, phase)
-                    if problem:
-                        return OracleResult(
-                            task.task_id, expected, None, time.monotonic() - start, "step_setup", problem
-                        )
+
+            async def act(k: int, phase: Task) -> StepOutcome:
+                nonlocal cause, detail
                 if solution:
                     detail = await _solve(sandbox, phase) or detail
                     if detail.startswith("solve.sh ran past"):
@@ -76,13 +71,12 @@ async def oracle_one(
                 step_v = await verify(sandbox, phase, reference=solution)
                 if solution and step_v.outcome == "pass" and step_v.agent_code is not None:
                     save_footprint(phase, step_v.agent_code)
-                outcomes.append(StepOutcome(getattr(phase, "step_name", task.task_id), None, step_v))
-                if not isinstance(phase, TaskStep) or step_v.infra_failure or step_v.policy_failure:
-                    break
-                if not gate_met(phase.step, step_v.rewards) or k == len(phases) - 1:
-                    break
-                await sandbox.exec(CLEAR_VERIFIER, timeout=60, cwd="/")
-            result = combine(outcomes, task.config.reward_strategy) if task.steps else outcomes[-1].verify
+                return StepOutcome(getattr(phase, "step_name", task.task_id), None, step_v)
+
+            # No agent ran: a step's failing setup is the task's defect, whichever step it is.
+            result = await run_phases(sandbox, task, act, later_setup_scores_zero=False)
+    except StepSetupError as exc:
+        return OracleResult(task.task_id, expected, None, time.monotonic() - start, "step_setup", str(exc))
     except InfraError as exc:
         if raise_infra:
             raise

@@ -25,19 +25,11 @@ from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.episode.oracle import ensure_footprint
 from agentrl.episode.record import RECORD_VERSION, Recorder, read_record
 from agentrl.episode.sample import Episode, Sample, Status
-from agentrl.episode.steps import (
-    CLEAR_VERIFIER,
-    StepOutcome,
-    StepSetupError,
-    combine,
-    gate_met,
-    merge_runs,
-    prepare_step,
-)
+from agentrl.episode.steps import StepOutcome, merge_runs, run_phases
 from agentrl.episode.verify import VerifyResult, verify
 from agentrl.errors import InfraError
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
-from agentrl.tasks.task import Task, TaskStep, load_task
+from agentrl.tasks.task import Task, load_task
 
 
 class VerifierInfraError(InfraError):
@@ -194,7 +186,7 @@ async def run_episode(
             },
         )
     timings: dict[str, float] = {}
-    run: AgentRun | None = None
+    runs: list[AgentRun] = []  # one per phase reached
     vres: VerifyResult | None = None
     t_start = time.monotonic()
     try:
@@ -208,24 +200,8 @@ async def run_episode(
         timings["create_s"] = time.monotonic() - t_start
         async with sandbox:
             await run_healthcheck(sandbox, task)
-            outcomes: list[StepOutcome] = []
-            runs: list[AgentRun] = []
-            for k, phase in enumerate(task.steps or [task]):
-                if isinstance(phase, TaskStep):
-                    problem = await prepare_step(sandbox, phase)
-                    if recorder is not None:
-                        recorder.write("step", {"index": k, "name": phase.step_name, "setup_error": problem})
-                    if problem and k == 0:
-                        raise StepSetupError(f"{task.task_id}: {problem}")
-                    if problem:  # after an agent phase: the agent could have caused it
-                        outcomes.append(
-                            StepOutcome(
-                                phase.step_name,
-                                None,
-                                VerifyResult("fail", 0.0, {"reward": 0.0}, cause="step_setup", error=problem),
-                            )
-                        )
-                        break
+
+            async def act(k: int, phase: Task) -> StepOutcome:
                 run = await _agent_phase(phase, sandbox, engine, renderer, fmt, config, session_id)
                 runs.append(run)
                 timings.update({f: timings.get(f, 0.0) + v for f, v in run.timings.items()})
@@ -251,31 +227,13 @@ async def run_episode(
                 else:
                     t_v = time.monotonic()
                     step_v = await verify(
-                        sandbox,
-                        phase,
-                        footprint=lambda phase=phase: ensure_footprint(provider, phase, run_id=run_id),
+                        sandbox, phase, footprint=lambda: ensure_footprint(provider, phase, run_id=run_id)
                     )
                     timings["verifier_s"] = timings.get("verifier_s", 0.0) + time.monotonic() - t_v
-                outcomes.append(StepOutcome(getattr(phase, "step_name", task.task_id), run, step_v))
-                if recorder is not None and isinstance(phase, TaskStep):
-                    recorder.write(
-                        "step_result",
-                        {
-                            "index": k,
-                            "rewards": step_v.rewards if not step_v.infra_failure else None,
-                            "outcome": step_v.outcome,
-                            "cause": step_v.cause,
-                            "agent_s": run.timings.get("agent_s"),
-                            "verifier_s": step_v.duration_s,
-                        },
-                    )
-                if step_v.policy_failure or step_v.infra_failure or not isinstance(phase, TaskStep):
-                    break
-                if not gate_met(phase.step, step_v.rewards):
-                    break
-                await sandbox.exec(CLEAR_VERIFIER, timeout=60, cwd="/")  # the next agent sees no tests
+                return StepOutcome(getattr(phase, "step_name", task.task_id), run, step_v)
+
+            vres = await run_phases(sandbox, task, act, record=recorder.write if recorder else None)
             run = merge_runs(runs) if len(runs) != 1 else runs[0]
-            vres = combine(outcomes, task.config.reward_strategy) if task.steps else outcomes[-1].verify
         if vres.infra_failure and not vres.policy_failure:
             raise VerifierInfraError(
                 f"verifier of {task.task_id}: {vres.outcome}: {vres.error or ''}",
@@ -323,7 +281,7 @@ async def run_episode(
                     "status": Status.FAILED_INFRA.value,
                     "failure_cause": exc.cause,
                     "error": str(exc),
-                    "end_reason": run.end_reason.value if run else None,
+                    "end_reason": runs[-1].end_reason.value if runs else None,
                     "reward": None,
                     "timings": timings,
                 },
@@ -418,21 +376,16 @@ async def replay_episode(
     task = load_task(task_path or header["task_path"])
     timeout = float(header["agent"].get("command_timeout_s", 60.0))
     reports: list[TurnReplay] = []
-    outcomes: list[StepOutcome] = []
+
+    async def act(k: int, phase: Task) -> StepOutcome | None:
+        step_turns = [t for t in turns if t.get("step", 0) == k]
+        if k > 0 and not step_turns:
+            return None  # the recorded run never reached this step (a min_reward gate)
+        reports.extend(await _replay_turns(sandbox, step_turns, header, timeout))
+        return StepOutcome(getattr(phase, "step_name", task.task_id), None, await verify(sandbox, phase))
+
     async with await provider.create(task, run_id=run_id) as sandbox:
-        for k, phase in enumerate(task.steps or [task]):
-            if isinstance(phase, TaskStep) and await prepare_step(sandbox, phase):
-                break  # the recorded run stopped here too (its step line says why)
-            step_turns = [t for t in turns if t.get("step", 0) == k]
-            if isinstance(phase, TaskStep) and not step_turns and k > 0:
-                break  # the recorded run never reached this step (a min_reward gate)
-            reports += await _replay_turns(sandbox, step_turns, header, timeout)
-            step_v = await verify(sandbox, phase)
-            outcomes.append(StepOutcome(getattr(phase, "step_name", task.task_id), None, step_v))
-            if not isinstance(phase, TaskStep) or not gate_met(phase.step, step_v.rewards):
-                break
-            await sandbox.exec(CLEAR_VERIFIER, timeout=60, cwd="/")
-        vres = combine(outcomes, task.config.reward_strategy) if task.steps else outcomes[-1].verify
+        vres = await run_phases(sandbox, task, act)
     return ReplayReport(
         record=record,
         task_id=task.task_id,

@@ -14,7 +14,9 @@ to drop a step it would fail). A first step's failing setup is the task's own de
 from __future__ import annotations
 
 import shlex
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from agentrl.agent.loop import AgentRun
 from agentrl.episode.healthcheck import HealthcheckError, run_healthcheck
@@ -22,7 +24,7 @@ from agentrl.episode.verify import PASS_THRESHOLD, VerifyResult
 from agentrl.errors import InfraError
 from agentrl.sandbox.base import Sandbox, printable, tail
 from agentrl.tasks.config import StepConfig
-from agentrl.tasks.task import TaskStep
+from agentrl.tasks.task import Task, TaskStep
 
 SETUP_TIMEOUT_S = 600.0
 # What the verification of one step leaves behind that the next step's agent must not read; run in
@@ -41,6 +43,65 @@ class StepOutcome:
     name: str
     run: AgentRun | None
     verify: VerifyResult
+
+
+# One phase acted on and verified (the agent's run, the oracle's solution, a replay's turns), or None
+# where nothing more of the task was reached.
+ActPhase = Callable[[int, Task], Awaitable[StepOutcome | None]]
+Record = Callable[[str, dict[str, Any]], None]
+
+
+async def run_phases(
+    sandbox: Sandbox,
+    task: Task,
+    act: ActPhase,
+    *,
+    later_setup_scores_zero: bool = True,
+    record: Record | None = None,
+) -> VerifyResult:
+    """The one loop over a task's phases (the task itself, or its steps in order), shared by
+    episodes, the oracle and replay: set a step up, `act` on it, stop at a failure or an unmet
+    gate, clear the verifier's files before the next step; the task's verification at the end.
+
+    A step whose setup fails raises `StepSetupError` when it is the first (the task's defect) or
+    when `later_setup_scores_zero` is off (the oracle, where no agent ran); otherwise the agent
+    could have caused it, and the step scores 0 (`step_setup`)."""
+    phases: list[Task] = list(task.steps) or [task]
+    outcomes: list[StepOutcome] = []
+    for k, phase in enumerate(phases):
+        if isinstance(phase, TaskStep):
+            problem = await prepare_step(sandbox, phase)
+            if record is not None:
+                record("step", {"index": k, "name": phase.step_name, "setup_error": problem})
+            if problem and (k == 0 or not later_setup_scores_zero):
+                raise StepSetupError(f"{task.task_id}: {problem}")
+            if problem:
+                failed = VerifyResult("fail", 0.0, {"reward": 0.0}, cause="step_setup", error=problem)
+                outcomes.append(StepOutcome(phase.step_name, None, failed))
+                break
+        outcome = await act(k, phase)
+        if outcome is None:
+            break
+        outcomes.append(outcome)
+        v = outcome.verify
+        if record is not None and isinstance(phase, TaskStep):
+            record(
+                "step_result",
+                {
+                    "index": k,
+                    "rewards": v.rewards if not v.infra_failure else None,
+                    "outcome": v.outcome,
+                    "cause": v.cause,
+                    "agent_s": outcome.run.timings.get("agent_s") if outcome.run else None,
+                    "verifier_s": v.duration_s,
+                },
+            )
+        if not isinstance(phase, TaskStep) or v.policy_failure or v.infra_failure:
+            break
+        if not gate_met(phase.step, v.rewards) or k == len(phases) - 1:
+            break
+        await sandbox.exec(CLEAR_VERIFIER, timeout=60, cwd="/")  # the next agent sees no tests
+    return combine(outcomes, task.config.reward_strategy) if task.steps else outcomes[-1].verify
 
 
 async def prepare_step(sandbox: Sandbox, step: TaskStep) -> str | None:

@@ -75,14 +75,19 @@ class Task:
             raise TaskFormatError(str(toml_path), None, "task.toml is not UTF-8 text") from None
         return parse_task_config(text, str(toml_path))
 
+    @property
+    def instruction_path(self) -> Path:
+        return self.path / "instruction.md"
+
     @functools.cached_property
     def instruction(self) -> str:
-        """The instruction, canary lines stripped. Raises `TaskFormatError` when it is missing,
-        not UTF-8, or over `MAX_INSTRUCTION_BYTES` (checked before anything is read)."""
-        path = self.path / "instruction.md"
+        """The instruction, canary lines stripped ("" for a multi-step task: its steps have theirs).
+        Raises `TaskFormatError` when it is missing, not UTF-8, or over `MAX_INSTRUCTION_BYTES`
+        (checked before anything is read)."""
+        path = self.instruction_path
         self.check_runnable()
-        if self.config.steps:
-            return ""  # Harbor: a multi-step task's instruction is its steps'
+        if self.steps:
+            return ""
         size = self.instruction_bytes
         if size is not None and size > MAX_INSTRUCTION_BYTES:
             raise TaskFormatError(
@@ -105,7 +110,7 @@ class Task:
     def instruction_bytes(self) -> int | None:
         """The size of instruction.md, None when it does not exist."""
         try:
-            return (self.path / "instruction.md").stat().st_size
+            return self.instruction_path.stat().st_size
         except FileNotFoundError:
             return None
 
@@ -157,7 +162,7 @@ class Task:
                 "refuse this task"
             )
         elif not config.steps and not self.instruction.strip():
-            raise TaskFormatError(str(self.path / "instruction.md"), None, "instruction.md is empty")
+            raise TaskFormatError(str(self.instruction_path), None, "instruction.md is empty")
         for step in self.steps:
             step.validate_step()
         if config.environment.docker_image is None:
@@ -269,27 +274,9 @@ class TaskStep(Task):
             ),
         )
 
-    @functools.cached_property
-    def instruction(self) -> str:
-        path = self.step_dir / "instruction.md"
-        size = self.instruction_bytes
-        if size is not None and size > MAX_INSTRUCTION_BYTES:
-            raise TaskFormatError(str(path), None, f"{size} bytes, over the {MAX_INSTRUCTION_BYTES} byte cap")
-        try:
-            return strip_canary(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise TaskFormatError(
-                str(path), None, f"step {self.step_name!r} has no instruction.md", "every step needs one"
-            ) from None
-        except UnicodeDecodeError:
-            raise TaskFormatError(str(path), None, "instruction.md is not UTF-8 text") from None
-
     @property
-    def instruction_bytes(self) -> int | None:
-        try:
-            return (self.step_dir / "instruction.md").stat().st_size
-        except FileNotFoundError:
-            return None
+    def instruction_path(self) -> Path:
+        return self.step_dir / "instruction.md"
 
     @property
     def tests_dir(self) -> Path:
@@ -311,9 +298,7 @@ class TaskStep(Task):
 
     def validate_step(self) -> None:
         if not self.instruction.strip():
-            raise TaskFormatError(
-                str(self.step_dir / "instruction.md"), None, "the step's instruction.md is empty"
-            )
+            raise TaskFormatError(str(self.instruction_path), None, "the step's instruction.md is empty")
         if not self.test_script.is_file():
             raise TaskFormatError(
                 str(self.step_dir / "tests" / "test.sh"),
