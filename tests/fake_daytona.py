@@ -46,7 +46,11 @@ from daytona import (
     SessionExecuteRequest,
     SessionExecuteResponse,
 )
-from daytona.common.errors import DaytonaProcessExecutionTimeoutError, DaytonaTimeoutError
+from daytona.common.errors import (
+    DaytonaProcessExecutionTimeoutError,
+    DaytonaTimeoutError,
+    DaytonaValidationError,
+)
 from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
 from daytona_toolbox_api_client_async import Command, FileInfo
 from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
@@ -98,9 +102,18 @@ class PodmanRuntime:
         image = params.image if isinstance(params.image, Image) else Image.base(params.image)
         tag = await self._build(image)
         name = f"fake-daytona-{sandbox_id}"
-        args = ["run", "-d", "--name", name, "--label", f"{FAKE_LABEL}={self.server_tag}"]
-        if params.network_block_all:
-            args += ["--network", "none"]
+        # Daytona's runner blocks the network from outside the sandbox, and can open it again
+        # (`update_network_settings`): a bridge with an nftables drop set from the host does both.
+        args = [
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--label",
+            f"{FAKE_LABEL}={self.server_tag}",
+            "--network",
+            "bridge",
+        ]
         if params.resources is not None and params.resources.memory:
             args += ["--memory", f"{params.resources.memory}g"]
         if params.os_user:
@@ -113,7 +126,26 @@ class PodmanRuntime:
         rc, _, err = await run_cli(self.cli, *args, timeout=120)
         if rc != 0:
             raise DaytonaError(f"Sandbox failed to start: {err[-500:]}")
+        await self.block_network(name, bool(params.network_block_all))
         return name
+
+    async def block_network(self, container: str, block: bool) -> None:
+        rc, out, err = await run_cli(self.cli, "inspect", "-f", "{{.State.Pid}}", container, timeout=60)
+        if rc != 0 or not out.strip().isdigit():
+            raise DaytonaError(f"sandbox is not running: {err.strip()}")
+        script = "table inet fake_daytona\ndelete table inet fake_daytona\n"
+        if block:
+            script += (
+                "table inet fake_daytona {\n chain out {\n  type filter hook output priority 0; policy drop;\n"
+                '  oifname "lo" accept\n }\n}\n'
+            )
+        proc = await asyncio.create_subprocess_exec(
+            "nsenter", "-t", out.strip(), "-n", "nft", "-f", "-",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, nft_err = await proc.communicate(script.encode())
+        if proc.returncode != 0:
+            raise DaytonaError(f"runner: network settings not applied: {nft_err.decode()[-300:]}")
 
     async def remove(self, container: str) -> None:
         await run_cli(self.cli, "rm", "-f", "-t", "0", container, timeout=120)
@@ -135,6 +167,7 @@ class FakeDaytonaServer:
     def __init__(self, runtime: PodmanRuntime | None = None) -> None:
         self.runtime = runtime
         self.sandboxes: dict[str, FakeAsyncSandbox] = {}
+        self.network_updates: list[tuple[str, bool | None, str | None]] = []
         self.create_params: list[CreateSandboxFromImageParams | CreateSandboxFromSnapshotParams] = []
         self.create_errors: list[BaseException] = []
         self.start_errors: list[BaseException] = []
@@ -244,6 +277,26 @@ class FakeAsyncSandbox:
         self.container: str | None = None
         self.process = FakeAsyncProcess(self)
         self.fs = FakeAsyncFileSystem(self)
+
+    async def update_network_settings(
+        self,
+        *,
+        network_block_all: bool | None = None,
+        network_allow_list: str | None = None,
+        domain_allow_list: str | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
+        """As the SDK's: one of the three must be set (`DaytonaValidationError`); an allow list
+        implies not blocking all (the fake enforces none: it opens the network)."""
+        if network_block_all is None and network_allow_list is None and domain_allow_list is None:
+            raise DaytonaValidationError(
+                "At least one of network_block_all, network_allow_list or domain_allow_list must be set"
+            )
+        self.server.network_updates.append((self.id, network_block_all, domain_allow_list))
+        block = bool(network_block_all) and network_allow_list is None and domain_allow_list is None
+        runtime, container = self.runtime()
+        await runtime.block_network(container, block)
+        self.network_block_all, self.domain_allow_list = block, domain_allow_list
 
     def runtime(self) -> tuple[PodmanRuntime, str]:
         if self.id not in self.server.sandboxes:
@@ -518,6 +571,30 @@ class FakeAsyncFileSystem:
             else:
                 responses.append(FileDownloadResponse(source=f.source, result=data))
         return responses
+
+    async def get_file_info(self, path: str, request_timeout: float | None = None) -> FileInfo:
+        """The daemon's `os.Stat` (links followed inside the sandbox)."""
+        self.sandbox.runtime()
+        resolved = _resolve_in_root(await self._root(), path)
+        try:
+            if resolved is None:
+                raise FileNotFoundError(path)
+            st = resolved.stat()
+        except OSError:
+            raise DaytonaNotFoundError(
+                f"Failed to get file info: {path} not found", status_code=404
+            ) from None
+        return FileInfo(
+            name=resolved.name,
+            path=path,
+            is_dir=resolved.is_dir(),
+            size=st.st_size,
+            mode=stat.filemode(st.st_mode),
+            permissions=oct(st.st_mode & 0o7777),
+            mod_time=datetime.fromtimestamp(st.st_mtime, UTC).isoformat(),
+            owner=str(st.st_uid),
+            group=str(st.st_gid),
+        )
 
     async def list_files(
         self, path: str, depth: int | None = None, request_timeout: float | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.episode.steps import StepOutcome, StepSetupError, run_phases
-from agentrl.episode.verify import footprint_path, load_footprint, save_footprint, verify
+from agentrl.episode.verify import footprint_path, load_footprint, save_footprint, verify_phase
 from agentrl.errors import AgentRLError, InfraError
 from agentrl.sandbox.base import SandboxProvider
 from agentrl.tasks.config import resolve_env_templates
@@ -68,7 +68,9 @@ async def oracle_one(
                     detail = await _solve(sandbox, phase) or detail
                     if detail.startswith("solve.sh ran past"):
                         cause = "solution_timeout"
-                step_v = await verify(sandbox, phase, reference=solution)
+                step_v = await verify_phase(
+                    sandbox, phase, provider=provider, run_id=run_id, reference=solution
+                )
                 if solution and step_v.outcome == "pass" and step_v.agent_code is not None:
                     save_footprint(phase, step_v.agent_code)
                 return StepOutcome(getattr(phase, "step_name", task.task_id), None, step_v)

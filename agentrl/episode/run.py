@@ -26,7 +26,7 @@ from agentrl.episode.oracle import ensure_footprint
 from agentrl.episode.record import RECORD_VERSION, Recorder, read_record
 from agentrl.episode.sample import Episode, Sample, Status
 from agentrl.episode.steps import StepOutcome, merge_runs, run_phases
-from agentrl.episode.verify import VerifyResult, verify
+from agentrl.episode.verify import VerifyResult, verify_phase
 from agentrl.errors import InfraError
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
 from agentrl.tasks.task import Task, load_task
@@ -226,8 +226,12 @@ async def run_episode(
                     )
                 else:
                     t_v = time.monotonic()
-                    step_v = await verify(
-                        sandbox, phase, footprint=lambda: ensure_footprint(provider, phase, run_id=run_id)
+                    step_v = await verify_phase(
+                        sandbox,
+                        phase,
+                        provider=provider,
+                        run_id=run_id,
+                        footprint=lambda: ensure_footprint(provider, phase, run_id=run_id),
                     )
                     timings["verifier_s"] = timings.get("verifier_s", 0.0) + time.monotonic() - t_v
                 return StepOutcome(getattr(phase, "step_name", task.task_id), run, step_v)
@@ -382,7 +386,8 @@ async def replay_episode(
         if k > 0 and not step_turns:
             return None  # the recorded run never reached this step (a min_reward gate)
         reports.extend(await _replay_turns(sandbox, step_turns, header, timeout))
-        return StepOutcome(getattr(phase, "step_name", task.task_id), None, await verify(sandbox, phase))
+        verified = await verify_phase(sandbox, phase, provider=provider, run_id=run_id)
+        return StepOutcome(getattr(phase, "step_name", task.task_id), None, verified)
 
     async with await provider.create(task, run_id=run_id) as sandbox:
         vres = await run_phases(sandbox, task, act)

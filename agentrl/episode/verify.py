@@ -28,11 +28,15 @@ reward 0 with its cause, never a re-roll); in an oracle sweep it is the task's.
 
 from __future__ import annotations
 
+import asyncio
+import fnmatch
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -40,12 +44,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.sandbox.base import REWARD_FILE_LIMIT, Sandbox, SandboxPolicyError, printable
+from agentrl.sandbox.base import (
+    REWARD_FILE_LIMIT,
+    Sandbox,
+    SandboxCreateError,
+    SandboxPolicyError,
+    SandboxProvider,
+    printable,
+)
 from agentrl.sandbox.provenance import agent_code
-from agentrl.tasks.config import resolve_env_templates
+from agentrl.tasks.config import ArtifactConfig, resolve_env_templates
 from agentrl.tasks.task import Task, scripts_with_lf
 
+log = logging.getLogger(__name__)
 PASS_THRESHOLD = 1.0
+# What a separate verifier environment may receive of the agent's artifacts, in all.
+ARTIFACTS_LIMIT = 256 * 2**20
 REWARD_RANGE = (0.0, 1.0)
 VERIFIER_PYTHON_ENV = {
     # Planted byte code is never read (the cache lives elsewhere, emptied first) and none is
@@ -138,6 +152,7 @@ async def verify(
     timeout: float | None = None,
     reference: bool = False,
     footprint: Callable[[], Awaitable[frozenset[str]]] | None = None,
+    tests_dir: Path | None = None,
 ) -> VerifyResult:
     """Run the task's verifier in `sandbox` after the agent phase and read its reward.
 
@@ -149,11 +164,13 @@ async def verify(
     `reference=True` (the oracle sweep: what is in the sandbox is the task's own solution) trusts
     the agent-made code the verification uses and reports it in `agent_code`, for
     `save_footprint`. `footprint` computes the reference solution's footprint when none is saved
-    yet and the agent's work needs it (`agentrl.episode.oracle.ensure_footprint`).
+    yet and the agent's work needs it (`agentrl.episode.oracle.ensure_footprint`). `tests_dir`
+    replaces the task's tests/ (a separate verifier's tests, bundled in its image).
     """
-    if not task.test_script.is_file():
+    tests_dir = tests_dir or task.tests_dir
+    if not (tests_dir / "test.sh").is_file():
         raise TaskFormatError(
-            str(task.test_script), None, "tests/test.sh is missing", "every task needs a verifier script"
+            str(tests_dir / "test.sh"), None, "tests/test.sh is missing", "every task needs a verifier script"
         )
     timeout = timeout or task.config.verifier.timeout_sec
     env = {
@@ -165,8 +182,8 @@ async def verify(
     used: list[str] | None = None
     try:
         await sandbox.stop_processes()
-        with scripts_with_lf(task.tests_dir) as tests_dir:
-            private = await sandbox.run_tests(tests_dir, timeout=timeout, env=env, user=user)
+        with scripts_with_lf(tests_dir) as lf_tests:
+            private = await sandbox.run_tests(lf_tests, timeout=timeout, env=env, user=user)
         if private is None:
             changed = await sandbox.tampered_paths()
             if changed:
@@ -175,7 +192,7 @@ async def verify(
                     "system_files",
                     f"the agent changed files the verifier relies on: {_shown(changed)}",
                 )
-            timed_out, files = await _verify_inside(sandbox, task, timeout, env, user)
+            timed_out, files = await _verify_inside(sandbox, tests_dir, timeout, env, user)
         else:
             timed_out, files = private.timed_out, private.files
             judge = functools.partial(
@@ -239,7 +256,7 @@ def _shown(paths: list[str]) -> str:
 
 
 async def _verify_inside(
-    sandbox: Sandbox, task: Task, timeout: float, env: dict[str, str], user: str | int | None
+    sandbox: Sandbox, tests: Path, timeout: float, env: dict[str, str], user: str | int | None
 ) -> tuple[bool, dict[str, str]]:
     """Where the backend has no private verification: recreate /tests and /logs/verifier inside the
     sandbox (the agent may have planted a conftest.py, made test.sh a directory or /logs a file),
@@ -250,8 +267,8 @@ async def _verify_inside(
             f"/tests and /logs/verifier could not be recreated: {printable(prepared.stderr.strip()[-300:])}",
             cause="verifier_inputs",
         )
-    with scripts_with_lf(task.tests_dir) as tests_dir:
-        await sandbox.upload(tests_dir, "/tests")
+    with scripts_with_lf(tests) as lf_tests:
+        await sandbox.upload(lf_tests, "/tests")
     await sandbox.exec("chmod +x /tests/test.sh", timeout=60)
     run = await sandbox.exec(
         "/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1", timeout=timeout, env=env, user=user
@@ -289,6 +306,117 @@ async def _read_verifier_logs(sandbox: Sandbox) -> dict[str, str]:
                 else:
                     files[name] = fh.read().decode(errors="replace")
     return files
+
+
+async def verify_phase(
+    sandbox: Sandbox,
+    task: Task,
+    *,
+    provider: SandboxProvider,
+    run_id: str,
+    reference: bool = False,
+    footprint: Callable[[], Awaitable[frozenset[str]]] | None = None,
+) -> VerifyResult:
+    """What follows an agent phase, as Harbor runs it: the `[[verifier.collect]]` hooks, then the
+    verifier, over the agent's sandbox ("shared") or in a fresh environment of its own
+    (`Task.verifier_task`, "separate") that gets nothing of the agent's but the artifacts, each
+    at its own path, copied out within `ARTIFACTS_LIMIT` (over it, a policy outcome)."""
+    await run_collect_hooks(sandbox, task)
+    vtask = task.verifier_task
+    if vtask is None:
+        config = task.config
+        agent_net, verifier_net = config.phase_network("agent"), config.phase_network("verifier")
+        if agent_net == verifier_net:
+            return await verify(sandbox, task, reference=reference, footprint=footprint)
+        # Harbor's phase switch, from outside the sandbox; back for a next step's agent.
+        hosts = config.environment.allowed_hosts
+        await sandbox.set_network(verifier_net, hosts)
+        try:
+            return await verify(sandbox, task, reference=reference, footprint=footprint)
+        finally:
+            if task.root.steps:
+                await sandbox.set_network(agent_net, hosts)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="agentrl-artifacts-") as tmp:
+        try:
+            artifacts = await collect_artifacts(sandbox, task, Path(tmp) / "artifacts")
+        except SandboxPolicyError as exc:
+            return _tampered(start, exc.cause or "artifact_too_large", str(exc))
+        build = vtask.config.environment.build_timeout_sec
+        try:
+            vbox = await asyncio.wait_for(provider.create(vtask, run_id=run_id), build)
+        except TimeoutError:
+            raise SandboxCreateError(
+                f"the verifier environment of {task.task_id} not ready after {build:.0f}s"
+            ) from None
+        async with vbox:
+            tests_dir = None
+            if vtask.bundled:  # before anything of the agent's is in it
+                tests_dir = Path(tmp) / "tests"
+                try:
+                    await vbox.download("/tests", tests_dir, limit_bytes=ARTIFACTS_LIMIT)
+                except FileNotFoundError:
+                    raise TaskFormatError(
+                        str(vtask.environment_dir),
+                        None,
+                        "the verifier image has no /tests",
+                        "COPY the tests to /tests",
+                    ) from None
+            for art, local in artifacts:
+                await vbox.upload(local, art.source)
+            return await verify(vbox, task, reference=reference, footprint=footprint, tests_dir=tests_dir)
+
+
+async def run_collect_hooks(sandbox: Sandbox, task: Task) -> None:
+    """`[[verifier.collect]]`, best effort (a failing hook is logged, as in Harbor), each in a
+    clean shell as its user under its timeout."""
+    for hook in task.config.verifier.collect:
+        try:
+            run = await sandbox.exec(hook.command, timeout=int(hook.timeout_sec), env={}, user=hook.user)
+        except SandboxPolicyError as exc:
+            log.warning("%s: collect hook %r: %s", task.task_id, hook.command[:80], exc)
+            continue
+        if not run.ok:
+            why = "timed out" if run.timed_out else f"exited {run.exit_code}"
+            log.warning(
+                "%s: collect hook %r %s: %s",
+                task.task_id,
+                hook.command[:80],
+                why,
+                printable(run.stderr[-300:]),
+            )
+
+
+async def collect_artifacts(sandbox: Sandbox, task: Task, dst: Path) -> list[tuple[ArtifactConfig, Path]]:
+    """The task's artifacts copied to `dst` (one folder each), bounded in all by `ARTIFACTS_LIMIT`;
+    a missing one is skipped (Harbor: best effort), `exclude` patterns applied to directories; a
+    later claim on a path already collected is skipped."""
+    got: list[tuple[ArtifactConfig, Path]] = []
+    budget = ARTIFACTS_LIMIT
+    seen: set[str] = set()
+    for i, art in enumerate(task.artifacts):
+        source = art.source.rstrip("/") or "/"
+        if any(source == s or source.startswith(s.rstrip("/") + "/") for s in seen):
+            continue
+        local = dst / str(i)
+        try:
+            await sandbox.download(source, local, limit_bytes=budget)
+        except FileNotFoundError:
+            log.info("%s: artifact %s is missing", task.task_id, source)
+            continue
+        if local.is_dir() and art.exclude:
+            for path in sorted(local.rglob("*"), reverse=True):
+                rel = path.relative_to(local).as_posix()
+                if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(path.name, pat) for pat in art.exclude):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        budget -= (
+            sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+            if local.is_dir()
+            else local.stat().st_size
+        )
+        seen.add(source)
+        got.append((art, local))
+    return got
 
 
 def footprint_path(task: Task) -> Path:

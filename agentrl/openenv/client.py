@@ -377,7 +377,7 @@ class RemoteSandbox(Sandbox):
     async def upload(self, src: Any, dst: str) -> None:
         raise AgentRLError("a remote OpenEnv session takes commands only (no upload)")
 
-    async def download(self, src: str, dst: Any) -> None:
+    async def download(self, src: str, dst: Any, *, limit_bytes: int | None = None) -> None:
         raise AgentRLError("a remote OpenEnv session takes commands only (no download)")
 
     async def close(self) -> None:

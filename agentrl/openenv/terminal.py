@@ -48,7 +48,7 @@ from pydantic import ValidationError
 
 import agentrl
 from agentrl.episode.oracle import ensure_footprint
-from agentrl.episode.verify import verify
+from agentrl.episode.verify import verify_phase
 from agentrl.errors import InfraError, InputError
 from agentrl.openenv.config import ServeConfig
 from agentrl.openenv.schema import (
@@ -567,9 +567,11 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
             return await self._policy_failure("evaluate", self._broken)
         try:
             task, hub = self._task, self.hub
-            vres = await verify(
+            vres = await verify_phase(
                 self._sandbox,
                 task,
+                provider=hub.provider,
+                run_id=hub.config.run_id,
                 footprint=lambda: ensure_footprint(hub.provider, task, run_id=hub.config.run_id),
             )
         except InputError as exc:

@@ -7,10 +7,12 @@ same contract suite in `tests/sandbox_contract.py`.
 from __future__ import annotations
 
 import abc
+import io
 import re
+import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -256,8 +258,12 @@ class Sandbox(abc.ABC):
         """Copy a host file or directory to `dst` inside the sandbox (directories: contents)."""
 
     @abc.abstractmethod
-    async def download(self, src: str, dst: Path) -> None:
-        """Copy a sandbox file or directory to `dst` on the host."""
+    async def download(self, src: str, dst: Path, *, limit_bytes: int | None = None) -> None:
+        """Copy a sandbox file or directory to `dst` on the host. With `limit_bytes` (for what the
+        agent made: artifacts), regular files and directories only (links, devices and paths
+        outside `src` are left out), no tool of the sandbox's taking part where the backend
+        allows, and more than `limit_bytes` of file content in all raises `SandboxPolicyError`
+        (`artifact_too_large`) before it is copied; a missing `src` raises `FileNotFoundError`."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -293,6 +299,16 @@ class Sandbox(abc.ABC):
         their own service processes override this."""
         await self.exec(KILL_ALL, timeout=60)
 
+    async def set_network(self, policy: str, allowed_hosts: tuple[str, ...] = ()) -> None:
+        """Switch the sandbox's outbound network to `policy` ("public", "no-network" or
+        "allowlist" with `allowed_hosts`) for the next phase: Harbor's phase switch, for a task
+        whose agent and verifier phases differ. Enforced from outside the sandbox (nothing the
+        agent's processes can undo). Backends that cannot refuse the task here."""
+        raise InputError(
+            f"{type(self).__name__} sandboxes cannot switch the network between phases ({policy!r} "
+            "asked): run the task on podman or Daytona, or give both phases one network_mode"
+        )
+
     async def run_tests(
         self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
     ) -> TestRun | None:
@@ -322,6 +338,42 @@ _MISSING = re.compile(r"could not be found on container|does not exist(?! on)|no
 # `kill -STOP -1` freezes every process but PID 1 and the caller in one atomic sweep (a fork loop
 # cannot outrun it), then they are killed. PID 1 is the sandbox's init, which ignores both.
 KILL_ALL = "kill -STOP -1 2>/dev/null; kill -KILL -1 2>/dev/null; true"
+
+
+def too_large(src: str, limit: int) -> SandboxPolicyError:
+    return SandboxPolicyError(
+        f"{src} holds more than {limit / 2**20:.0f} MiB: too large to copy out", cause="artifact_too_large"
+    )
+
+
+def untar_bounded(
+    fileobj: io.RawIOBase | io.BufferedIOBase, dst: Path, limit: int, src: str, *, single: bool = False
+) -> None:
+    """Extract a tar stream of `src` under `dst` (with `single`, a file's one member to `dst`
+    itself): regular files and directories only, no absolute or `..` names, at most `limit`
+    bytes of content, counted from the headers before anything is read (a sparse file counts at
+    its full size); over it, `too_large`."""
+    total = 0
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for m in tar:
+            parts = [p for p in PurePosixPath(m.name).parts if p != "."]
+            if m.name.startswith("/") or ".." in parts or not (m.isreg() or m.isdir()):
+                continue
+            out = dst if single else dst.joinpath(*parts)
+            if m.isdir():
+                if not single:
+                    out.mkdir(parents=True, exist_ok=True)
+                continue
+            total += m.size
+            if total > limit:
+                raise too_large(src, limit)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            reader = tar.extractfile(m)
+            assert reader is not None
+            with out.open("wb") as fh:
+                while chunk := reader.read(1 << 16):
+                    fh.write(chunk)
+            out.chmod(m.mode & 0o755 | 0o600)
 
 
 def tampered(changed: list[str], deleted: list[str], added: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 import unicodedata
 from dataclasses import dataclass, field
@@ -34,6 +35,28 @@ class Metadata:
 
 
 @dataclass(frozen=True)
+class CollectHook:
+    """A `[[verifier.collect]]` hook: run after the agent phase, before artifacts are collected
+    (best effort: a failing hook is logged, never fatal)."""
+
+    command: str
+    service: str = "main"
+    timeout_sec: float = 60.0
+    user: str | int | None = None
+
+
+@dataclass(frozen=True)
+class ArtifactConfig:
+    """An `[[artifacts]]` entry: a path in the sandbox collected after the agent phase (and, with a
+    separate verifier environment, uploaded into it at the same path)."""
+
+    source: str
+    destination: str | None = None
+    exclude: tuple[str, ...] = ()
+    service: str | None = None
+
+
+@dataclass(frozen=True)
 class VerifierConfig:
     timeout_sec: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
@@ -44,6 +67,10 @@ class VerifierConfig:
     # agentrl's extension: the rewards this verifier may write; anything else is a verifier error
     # (`reward_range = [0, 10]` in [verifier]; Harbor has no such key and accepts any number).
     reward_range: tuple[float, float] = (0.0, 1.0)
+    # "shared" | "separate" | None (Harbor: separate when `environment` is set, else shared).
+    environment_mode: str | None = None
+    environment: EnvironmentConfig | None = None  # `[verifier.environment]`: a separate verifier's
+    collect: tuple[CollectHook, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +141,9 @@ class StepConfig:
     min_reward: float | dict[str, float] | None = None
     # Run after the step's setup, before its agent (besides the environment's own healthcheck).
     healthcheck: HealthcheckConfig | None = None
+    verifier_environment_mode: str | None = None  # None: as the step's environment says, else the task's
+    verifier_environment: EnvironmentConfig | None = None
+    artifacts: tuple[ArtifactConfig, ...] = ()  # after the task's
 
 
 REWARD_STRATEGIES = ("mean", "final")
@@ -135,6 +165,7 @@ class TaskConfig:
     # How a multi-step task's step rewards make its reward: "mean" (Harbor's default when unset;
     # the per-key mean over the steps that were verified) or "final" (the last verified step's).
     reward_strategy: str = "mean"
+    artifacts: tuple[ArtifactConfig, ...] = ()
 
     def phase_network(self, phase: str) -> str:
         """The effective network policy of the "agent" or "verifier" phase (Harbor's phase
@@ -145,11 +176,12 @@ class TaskConfig:
 
 # Keys the format defines but that agentrl does not act on yet; kept quiet rather than warned.
 _KNOWN_PASSIVE = {
-    "": {"artifacts", "task"},
+    "": {"task"},
     "environment": {"gpu_types", "tpu", "mcp_servers", "skills_dir"},
-    "verifier": {"environment_mode", "environment", "collect"},
+    "verifier": set(),
     "agent": set(),
 }
+ENVIRONMENT_MODES = ("shared", "separate")
 
 
 class _Reader:
@@ -343,7 +375,7 @@ def _step_name_problem(name: Any) -> str | None:
     return None
 
 
-def _steps(file: str, top: _Reader, unknown: list[str]) -> tuple[StepConfig, ...]:
+def _steps(file: str, top: _Reader, unknown: list[str], deprecations: list[str]) -> tuple[StepConfig, ...]:
     steps = top.get("steps")
     if steps is None:
         return ()
@@ -386,11 +418,89 @@ def _steps(file: str, top: _Reader, unknown: list[str]) -> tuple[StepConfig, ...
                 verifier_user=ver.user("user"),
                 min_reward=min_reward,
                 healthcheck=_healthcheck(file, step, unknown, f"steps[{i}].healthcheck"),
+                **{f"verifier_{k}": v for k, v in _verifier_environment(file, ver, deprecations).items()},
+                artifacts=_artifacts(step),
             )
         )
         agent.finish()
-        ver.finish({"environment_mode", "environment", "collect"})
-        step.finish({"artifacts"})
+        ver.finish()
+        step.finish()
+    return tuple(out)
+
+
+_SERVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+
+
+def _verifier_environment(file: str, ver: _Reader, deprecations: list[str]) -> dict[str, Any]:
+    """`environment_mode` and `[verifier.environment]` (Harbor: `shared` with an environment is an
+    error)."""
+    mode = ver.string("environment_mode")
+    if mode is not None and mode not in ENVIRONMENT_MODES:
+        raise ver.err("environment_mode", f"unknown mode {mode!r}", f"use one of {ENVIRONMENT_MODES}")
+    table = ver.table("environment")
+    environment = None
+    if table:
+        if mode == "shared":
+            raise ver.err(
+                "environment_mode",
+                "'shared' with a [verifier.environment] table",
+                "drop environment_mode (a verifier environment means 'separate') or the table",
+            )
+        sub = _Reader(file, table, ver._field("environment"), ver.unknown)
+        environment = _environment(file, sub, deprecations)
+    return {"environment_mode": mode, "environment": environment}
+
+
+def _collect(file: str, ver: _Reader) -> tuple[CollectHook, ...]:
+    hooks = ver.get("collect")
+    if hooks is None:
+        return ()
+    if not isinstance(hooks, list) or not all(isinstance(h, dict) for h in hooks):
+        raise ver.err("collect", "expected an array of tables [[verifier.collect]]")
+    out = []
+    for i, table in enumerate(hooks):
+        hook = _Reader(file, table, f"{ver._field('collect')}[{i}]", ver.unknown)
+        command = hook.string("command")
+        if not command:
+            raise hook.err("command", "a collect hook needs a command")
+        service = hook.string("service") or "main"
+        if not _SERVICE.match(service):
+            raise hook.err("service", f"{service!r} is not a compose service name")
+        timeout = hook.number("timeout_sec", positive=True)
+        out.append(CollectHook(command, service, 60.0 if timeout is None else timeout, hook.user("user")))
+        hook.finish()
+    return tuple(out)
+
+
+def _artifacts(reader: _Reader) -> tuple[ArtifactConfig, ...]:
+    """`artifacts = [...]` entries: a path, or a table (Harbor `ArtifactConfig`)."""
+    entries = reader.get("artifacts")
+    if entries is None:
+        return ()
+    if not isinstance(entries, list):
+        raise reader.err("artifacts", "expected a list of paths or tables")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"artifacts[{i}]"
+        table = {"source": entry} if isinstance(entry, str) else entry
+        if not isinstance(table, dict):
+            raise reader.err(where, f"expected a path or a table, got {entry!r}")
+        art = _Reader(reader.file, table, reader._field(where), reader.unknown)
+        source = art.string("source")
+        if not source or ".." in source.split("/"):
+            raise art.err("source", f"{source!r}: a container path without '..' is needed")
+        service = art.string("service")
+        if service not in (None, "main") and not source.startswith("/"):
+            raise art.err("source", "a service's artifact needs an absolute path")
+        if service is not None and not _SERVICE.match(service):
+            raise art.err("service", f"{service!r} is not a compose service name")
+        dest = art.string("destination") or None
+        if dest is not None and (
+            dest.startswith("/") or "\\" in dest or ".." in dest.split("/") or dest == "manifest.json"
+        ):
+            raise art.err("destination", f"{dest!r}: a relative path under artifacts/, without '..'")
+        out.append(ArtifactConfig(source, dest, art.str_list("exclude"), service))
+        art.finish()
     return tuple(out)
 
 
@@ -425,6 +535,37 @@ def _size_field(reader: _Reader, mb_key: str, alias: str, deprecations: list[str
                 raise reader.err(alias, f"{alias_raw!r} disagrees with {mb_key} = {value}", "keep only one")
             value = parsed
     return value
+
+
+def _environment(file: str, env: _Reader, deprecations: list[str]) -> EnvironmentConfig:
+    """An `[environment]` table (or a verifier's `[verifier.environment]`, of the same schema)."""
+    os_name = (env.string("os") or "linux").lower()
+    if os_name not in ("linux", "windows"):
+        raise env.err("os", f"unknown os {os_name!r}", "use 'linux' or 'windows'")
+    network_mode = _phase_network(env)
+    allowed_hosts = env.str_list("allowed_hosts")
+    allow_internet = env.boolean("allow_internet")
+    if allow_internet is not None:
+        deprecations.append(f"{env._field('allow_internet')} is deprecated: use {env._field('network_mode')}")
+        if network_mode is None:
+            network_mode = "public" if allow_internet else "no-network"
+    gpus = env.integer("gpus")
+    config = EnvironmentConfig(
+        build_timeout_sec=env.number("build_timeout_sec", positive=True) or 600.0,
+        docker_image=env.string("docker_image"),
+        os=os_name,
+        cpus=env.number("cpus", positive=True),
+        memory_mb=_size_field(env, "memory_mb", "memory", deprecations),
+        storage_mb=_size_field(env, "storage_mb", "storage", deprecations),
+        gpus=gpus,
+        network_mode=network_mode,
+        allowed_hosts=allowed_hosts,
+        env=env.str_map("env"),
+        workdir=env.string("workdir"),
+        healthcheck=_healthcheck(file, env, env.unknown, f"{env.prefix}.healthcheck"),
+    )
+    env.finish(_KNOWN_PASSIVE["environment"])
+    return config
 
 
 def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
@@ -482,6 +623,8 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         user=ver.user("user"),
         reward_range=_reward_range(ver),
         network_mode=_phase_network(ver),
+        **_verifier_environment(file, ver, deprecations),
+        collect=_collect(file, ver),
     )
     ver.finish(_KNOWN_PASSIVE["verifier"])
 
@@ -493,45 +636,16 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
     )
     ag.finish(_KNOWN_PASSIVE["agent"])
 
-    env = _Reader(file, top.table("environment"), "environment", unknown)
-    os_name = (env.string("os") or "linux").lower()
-    if os_name not in ("linux", "windows"):
-        raise env.err("os", f"unknown os {os_name!r}", "use 'linux' or 'windows'")
-    network_mode = env.string("network_mode")
-    if network_mode is not None and network_mode not in NETWORK_MODES:
-        raise env.err("network_mode", f"unknown network mode {network_mode!r}", f"use one of {NETWORK_MODES}")
-    allowed_hosts = env.str_list("allowed_hosts")
-    if allowed_hosts and network_mode not in (None, "allowlist"):
-        raise env.err("allowed_hosts", "only valid with network_mode = 'allowlist'")
-    if allowed_hosts and network_mode is None:
-        network_mode = "allowlist"
-    allow_internet = env.boolean("allow_internet")
-    if allow_internet is not None:
-        deprecations.append("environment.allow_internet is deprecated: use environment.network_mode")
-        if network_mode is None:
-            network_mode = "public" if allow_internet else "no-network"
-    gpus = env.integer("gpus")
-    environment = EnvironmentConfig(
-        build_timeout_sec=env.number("build_timeout_sec", positive=True) or 600.0,
-        docker_image=env.string("docker_image"),
-        os=os_name,
-        cpus=env.number("cpus", positive=True),
-        memory_mb=_size_field(env, "memory_mb", "memory", deprecations),
-        storage_mb=_size_field(env, "storage_mb", "storage", deprecations),
-        gpus=gpus,
-        network_mode=network_mode,
-        allowed_hosts=allowed_hosts,
-        env=env.str_map("env"),
-        workdir=env.string("workdir"),
-        healthcheck=_healthcheck(file, env, unknown),
+    environment = _environment(
+        file, _Reader(file, top.table("environment"), "environment", unknown), deprecations
     )
-    env.finish(_KNOWN_PASSIVE["environment"])
 
     sol = _Reader(file, top.table("solution"), "solution", unknown)
     solution = SolutionConfig(env=sol.str_map("env"))
     sol.finish()
 
-    steps = _steps(file, top, unknown)
+    artifacts = _artifacts(top)
+    steps = _steps(file, top, unknown, deprecations)
     strategy = top.string("multi_step_reward_strategy") or "mean"
     if strategy not in REWARD_STRATEGIES:
         raise top.err(
@@ -551,6 +665,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         deprecations=tuple(deprecations),
         steps=steps,
         reward_strategy=strategy,
+        artifacts=artifacts,
     )
 
 

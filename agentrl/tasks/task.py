@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.tasks.config import StepConfig, TaskConfig, parse_task_config
+from agentrl.tasks.config import ArtifactConfig, EnvironmentConfig, StepConfig, TaskConfig, parse_task_config
 
 # An instruction is a prompt: 256 KiB is far above any real task's (terminal-bench's are a few KiB)
 # and far below what would stall tokenization or fill a context (a 48 MB one took 9.5 GB).
@@ -146,6 +146,62 @@ class Task:
         solution and timeouts as Harbor resolves them); empty for a single-step task."""
         return [TaskStep(self.path, parent=self, index=i) for i in range(len(self.config.steps))]
 
+    @property
+    def root(self) -> Task:
+        """The task directory's own task (a step's parent)."""
+        return self
+
+    @property
+    def verifier_mode(self) -> str:
+        """ "shared" (the tests run over the agent's sandbox) or "separate" (in an environment of
+        their own that gets only the artifacts), as Harbor resolves it."""
+        ver = self.config.verifier
+        return ver.environment_mode or ("separate" if ver.environment is not None else "shared")
+
+    @property
+    def artifacts(self) -> tuple[ArtifactConfig, ...]:
+        """What is collected after the agent phase: `/logs/artifacts` (always, unless named), then
+        the task's `artifacts` (and a step's)."""
+        own = self.config.artifacts
+        implicit = () if any(a.source.rstrip("/") == "/logs/artifacts" for a in own) else (
+            ArtifactConfig("/logs/artifacts"),
+        )  # fmt: skip
+        return implicit + own
+
+    @functools.cached_property
+    def verifier_task(self) -> VerifierEnvTask | None:
+        """The separate verifier's environment as a task a provider can start (None when shared).
+        Its image, as Harbor 0.25 picks it: the step's `[verifier.environment].docker_image`, a
+        `Dockerfile` in the step's tests/, the task's `[verifier.environment].docker_image`, a
+        `Dockerfile` in tests/ (each of these "bundles" its tests: /tests comes from the image),
+        else the task's own environment with the tests uploaded. Its resources and network: the
+        step's verifier environment, the task's, else a copy of `[environment]`; the verifier
+        phase's `network_mode` over that."""
+        if self.verifier_mode != "separate":
+            return None
+        root = self.root
+        step_env = self.step.verifier_environment if isinstance(self, TaskStep) else None
+        task_env = root.config.verifier.environment
+        env = step_env or task_env or root.config.environment
+        step_tests = self.step_dir / "tests" if isinstance(self, TaskStep) else None
+        context: Path | None
+        if step_env is not None and step_env.docker_image:
+            context, image = None, step_env.docker_image
+        elif step_tests is not None and (step_tests / "Dockerfile").is_file():
+            context, image = step_tests, None
+        elif task_env is not None and task_env.docker_image:
+            context, image = None, task_env.docker_image
+        elif (root.tests_dir / "Dockerfile").is_file():
+            context, image = root.tests_dir, None
+        else:
+            context, image = root.environment_dir, root.config.environment.docker_image
+        bundled = context != root.environment_dir
+        network = self.config.verifier.network_mode or env.network_mode
+        return VerifierEnvTask(
+            root.path, of=self, context=context, bundled=bundled,
+            environment=replace(env, docker_image=image, network_mode=network),
+        )  # fmt: skip
+
     def validate(self) -> list[str]:
         """Check the whole directory; raise the first real defect, return warnings.
 
@@ -208,19 +264,26 @@ class Task:
         return warnings
 
     def check_runnable(self) -> None:
-        """Refuse what agentrl would otherwise run wrongly: phase network policies that differ (a
-        sandbox keeps one policy for its lifetime)."""
+        """Refuse what agentrl would otherwise run wrongly: collect hooks and artifacts of compose
+        services other than the agent's (no compose yet)."""
         config = self.config
         where = str(self.path / "task.toml")
-        agent, verifier = config.phase_network("agent"), config.phase_network("verifier")
-        if agent != verifier:
-            raise TaskFormatError(
-                where,
-                "agent.network_mode" if config.agent.network_mode else "verifier.network_mode",
-                f"the agent phase's network ({agent!r}) differs from the verifier's ({verifier!r}): "
-                "agentrl keeps one network policy per sandbox",
-                "set [environment].network_mode and drop the phase overrides",
-            )
+        for hook in config.verifier.collect:
+            if hook.service != "main":
+                raise TaskFormatError(
+                    where,
+                    "verifier.collect.service",
+                    f"a collect hook runs in service {hook.service!r}: agentrl runs the agent's container only",
+                    "run the hook in the main service",
+                )
+        for art in self.artifacts:
+            if art.service not in (None, "main"):
+                raise TaskFormatError(
+                    where,
+                    "artifacts.service",
+                    f"an artifact of service {art.service!r}: agentrl runs the agent's container only",
+                    "collect it from the main service",
+                )
 
     def _script_warnings(self) -> list[str]:
         found = []
@@ -296,6 +359,24 @@ class TaskStep(Task):
     def steps(self) -> list[TaskStep]:  # type: ignore[override]
         return []
 
+    @property
+    def root(self) -> Task:
+        assert self.parent is not None
+        return self.parent
+
+    @property
+    def verifier_mode(self) -> str:
+        """The step's `environment_mode`, else "separate" when the step has a verifier
+        environment, else the task's mode."""
+        step = self.step
+        if step.verifier_environment_mode is not None:
+            return step.verifier_environment_mode
+        return "separate" if step.verifier_environment is not None else self.root.verifier_mode
+
+    @property
+    def artifacts(self) -> tuple[ArtifactConfig, ...]:
+        return self.root.artifacts + self.step.artifacts
+
     def validate_step(self) -> None:
         if not self.instruction.strip():
             raise TaskFormatError(str(self.instruction_path), None, "the step's instruction.md is empty")
@@ -306,6 +387,47 @@ class TaskStep(Task):
                 f"step {self.step_name!r} has no tests/test.sh and the task has no shared tests/test.sh",
                 "give the step its own tests/ or the task a shared one",
             )
+
+
+@dataclass
+class VerifierEnvTask(Task):
+    """A separate verifier's environment (`Task.verifier_task`) as a task: what a sandbox
+    provider needs to start it. Its image is `environment.docker_image`, else the Dockerfile in
+    `context`; with `bundled`, /tests comes from that image instead of the task's tests/."""
+
+    of: Task | None = field(default=None, repr=False)
+    context: Path | None = None
+    environment: EnvironmentConfig | None = None
+    bundled: bool = False
+
+    @property
+    def task_id(self) -> str:
+        assert self.of is not None
+        return f"{self.of.task_id}-verifier"
+
+    @functools.cached_property
+    def config(self) -> TaskConfig:
+        assert self.of is not None and self.environment is not None
+        base, network = self.of.config, self.environment.network_mode
+        return replace(
+            base,
+            environment=self.environment,
+            agent=replace(base.agent, network_mode=network),
+            verifier=replace(
+                base.verifier, network_mode=network, environment=None, environment_mode="shared"
+            ),
+            steps=(),
+            artifacts=(),
+        )
+
+    @property
+    def environment_dir(self) -> Path:
+        return self.context if self.context is not None else self.path / ".no-build-context"
+
+    @property
+    def tests_dir(self) -> Path:
+        assert self.of is not None
+        return self.of.tests_dir
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from agentrl.sandbox.base import (
     TerminalSession,
     bound_output,
     tampered,
+    too_large,
 )
 from agentrl.sandbox.terminal import check_size
 from agentrl.testing.terminal import FakeTerminal, ShellState, probe_port
@@ -441,11 +442,18 @@ class FakeSandbox(Sandbox):
         added = [p for p in self.files if p not in image]
         return tampered(changed, deleted, added)
 
-    async def download(self, src: str, dst: Path) -> None:
+    async def download(self, src: str, dst: Path, *, limit_bytes: int | None = None) -> None:
         if self.closed:
             raise SandboxError(f"fake sandbox {self.sandbox_id} is closed")
         self._run_background()
         dst = Path(dst)
+        if limit_bytes is not None:
+            prefix = src.rstrip("/") + "/"
+            size = sum(len(v) for k, v in self.files.items() if k == src or k.startswith(prefix))
+            if not any(k == src or k.startswith(prefix) for k in self.files):
+                raise FileNotFoundError(f"fake: {src} does not exist")
+            if size > limit_bytes:
+                raise too_large(src, limit_bytes)
         if src in self.files:
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(self.files[src])

@@ -149,7 +149,11 @@ class DaytonaProvider(SandboxProvider):
 
     def network_for(self, task: Task) -> dict[str, Any]:
         env = task.config.environment
-        allowed = env.internet_allowed if self.allow_network is None else self.allow_network
+        allowed = (
+            task.config.phase_network("agent") == "public"
+            if self.allow_network is None
+            else self.allow_network
+        )
         if allowed:
             return {"network_block_all": False}
         if env.allowed_hosts and self.allow_network is None:

@@ -40,6 +40,8 @@ from agentrl.sandbox.base import (
     TerminalSession,
     bound_output,
     tampered,
+    too_large,
+    untar_bounded,
 )
 from agentrl.sandbox.daytona.common import (
     _ENV_NAME,
@@ -432,6 +434,20 @@ class DaytonaSandbox(Sandbox):
         now = await self._digests(sorted(self._core))
         return sorted(p for p, digest in now.items() if digest != self._core[p])
 
+    async def set_network(self, policy: str, allowed_hosts: tuple[str, ...] = ()) -> None:
+        """The runner's network settings (`update_network_settings`): outside the sandbox."""
+        if self._closed:
+            raise SandboxError(f"daytona sandbox {self.sandbox_id} is closed")
+        settings: dict[str, Any] = {"network_block_all": policy != "public"}
+        if policy == "allowlist" and allowed_hosts:
+            settings = {"network_block_all": False, "domain_allow_list": ",".join(allowed_hosts)}
+        try:
+            await asyncio.wait_for(self.sdk.update_network_settings(**settings, request_timeout=60), 90)
+        except (DaytonaError, TimeoutError) as exc:
+            raise SandboxTransportError(
+                f"daytona sandbox {self.sandbox_id}: switching the network to {policy!r} failed: {exc}"
+            ) from exc
+
     async def stop_processes(self) -> None:
         """Kill what the agent started, then check from outside that it worked: the kill runs the
         sandbox's own shell, so core files changed since the start, or a process of the agent's
@@ -579,7 +595,7 @@ class DaytonaSandbox(Sandbox):
         if executable:
             await self._checked("chmod +x " + " ".join(shlex.quote(r) for r in executable), "chmod")
 
-    async def download(self, src: str, dst: Path) -> None:
+    async def download(self, src: str, dst: Path, *, limit_bytes: int | None = None) -> None:
         if self._closed:
             raise SandboxError(f"daytona sandbox {self.sandbox_id} is closed")
         dst = Path(dst)
@@ -590,6 +606,8 @@ class DaytonaSandbox(Sandbox):
             )
         ).stdout.strip()
         if kind not in ("dir", "file"):
+            if limit_bytes is not None:
+                raise FileNotFoundError(f"{src} does not exist in daytona sandbox {self.sandbox_id}")
             raise SandboxTransportError(f"daytona sandbox {self.sandbox_id}: {src} does not exist")
         remote = src
         if kind == "dir":
@@ -598,6 +616,12 @@ class DaytonaSandbox(Sandbox):
             remote = f"/tmp/.agentrl-download-{uuid.uuid4().hex}.tar"
             await self._checked(f"tar -C {q} -cf {shlex.quote(remote)} .", f"archiving {src}")
         try:
+            if limit_bytes is not None:
+                # Sized by the toolbox's file API before the transfer (the archive, made by the
+                # sandbox's own tar, is untrusted and re-filtered on the host).
+                info = await self.sdk.fs.get_file_info(remote)
+                if int(info.size) > limit_bytes + (1 << 20) * (kind == "dir"):
+                    raise too_large(src, limit_bytes)
             responses = await asyncio.wait_for(
                 self.sdk.fs.download_files(
                     [FileDownloadRequest(source=remote)], timeout=self.provider.transfer_timeout_s
@@ -622,6 +646,9 @@ class DaytonaSandbox(Sandbox):
             dst.write_bytes(data)
             return
         dst.mkdir(parents=True, exist_ok=True)
+        if limit_bytes is not None:
+            untar_bounded(io.BytesIO(data), dst, limit_bytes, src)
+            return
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             tar.extractall(dst, filter="data")
 

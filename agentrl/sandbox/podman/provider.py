@@ -321,10 +321,14 @@ class PodmanProvider(SandboxProvider):
 
     # -- containers -----------------------------------------------------------------------------
     def _network(self, task: Task) -> str:
-        allowed = (
-            task.config.environment.internet_allowed if self.allow_network is None else self.allow_network
-        )
-        return "bridge" if allowed else "none"
+        """"bridge" where a phase of the sandbox may reach the network (the agent's, or a shared
+        verifier's: the other phase is then closed by `set_network`), else "none"."""
+        if self.allow_network is not None:
+            return "bridge" if self.allow_network else "none"
+        phases = {task.config.phase_network("agent")}
+        if task.verifier_mode == "shared":
+            phases.add(task.config.phase_network("verifier"))
+        return "bridge" if "public" in phases else "none"
 
     def _limit_args(self, task: Task) -> list[str]:
         """The task's cpus and memory (else the defaults), the pids cap, no host proxy variables:
@@ -431,6 +435,10 @@ class PodmanProvider(SandboxProvider):
                 storage_limit_mb=storage,
             )
             sandbox._init_pid = int(pid) if pid.isdigit() else None
+            sandbox.network = self._network(task)
+            agent_phase = task.config.phase_network("agent")
+            if self.allow_network is None and sandbox.network == "bridge" and agent_phase != "public":
+                await sandbox.set_network(agent_phase)  # before the agent's first command
             res = await sandbox._exec_clean(
                 "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
             )

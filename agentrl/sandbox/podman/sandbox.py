@@ -9,7 +9,10 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import stat
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +31,7 @@ from agentrl.sandbox.base import (
     TerminalSession,
     TestRun,
     tail,
+    untar_bounded,
 )
 from agentrl.sandbox.podman import verifier
 from agentrl.sandbox.podman.cli import (
@@ -103,6 +107,15 @@ class PodmanHost(Protocol):
     async def _remove(self, name: str) -> None: ...
 
 
+def _untar_or_empty(reader: _StreamFile, staging: Path, limit: int, src: str) -> None:
+    """`untar_bounded`, where an empty stream (`cp` found nothing: its exit says why) is no tar."""
+    try:
+        untar_bounded(reader, staging, limit, src)
+    except tarfile.ReadError:
+        while reader.read(1 << 16):
+            pass
+
+
 class PodmanSandbox(Sandbox):
     def __init__(
         self,
@@ -134,6 +147,7 @@ class PodmanSandbox(Sandbox):
         self._storage_used: int | None = None  # bytes, set once the limit was exceeded
         self._monitor: asyncio.Task[None] | None = None
         self._init_pid: int | None = None  # host pid of the container's init, once looked up
+        self.network = "none"  # the container's podman network ("none" or "bridge")
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 
@@ -481,6 +495,8 @@ class PodmanSandbox(Sandbox):
         except BaseException:
             if proc.returncode is None:
                 proc.kill()
+                while await proc.stdout.read(1 << 16):  # a full, paused pipe never closes
+                    pass
                 await asyncio.shield(proc.wait())
             raise
         if proc.returncode != 0:
@@ -491,6 +507,33 @@ class PodmanSandbox(Sandbox):
                 f"copying {directory} out of {self.sandbox_id} failed: {tail(text, 300)}"
             )
         return found
+
+    async def set_network(self, policy: str, allowed_hosts: tuple[str, ...] = ()) -> None:
+        """An nftables table in the container's network namespace, set from the host (the
+        container has no CAP_NET_ADMIN to drop it): every packet out but loopback dropped, or
+        the table gone for "public". An allowlist cannot be enforced here: it blocks, as a
+        no-network policy would (the task's tests then see no network)."""
+        if policy == "public" and self.network == "none":
+            raise SandboxError(f"{self.sandbox_id} was started without a network: it cannot be opened")
+        if self.network == "none":
+            return  # already closed, for good
+        if not self._init_pid:
+            raise SandboxError(f"{self.sandbox_id}: its init's pid is unknown; cannot switch its network")
+        script = "table inet agentrl_phase\ndelete table inet agentrl_phase\n"
+        if policy != "public":
+            script += (
+                "table inet agentrl_phase {\n chain out {\n  type filter hook output priority 0; policy drop;\n"
+                '  oifname "lo" accept\n }\n}\n'
+            )
+        proc = await asyncio.create_subprocess_exec(
+            "nsenter", "-t", str(self._init_pid), "-n", "nft", "-f", "-",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(script.encode()), 60)
+        if proc.returncode != 0:
+            raise SandboxError(
+                f"switching the network of {self.sandbox_id} to {policy!r} failed: {tail(err.decode(errors='replace'), 300)}"
+            )
 
     async def run_tests(
         self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
@@ -529,6 +572,8 @@ class PodmanSandbox(Sandbox):
         except BaseException:
             if proc.returncode is None:
                 proc.kill()
+                while await proc.stdout.read(1 << 16):  # a full, paused pipe never closes
+                    pass
                 await asyncio.shield(proc.wait())
             raise
         if proc.returncode != 0:
@@ -585,7 +630,9 @@ class PodmanSandbox(Sandbox):
         if rc != 0:
             raise SandboxTransportError(f"upload {src} -> {dst} failed: {tail(err.strip(), 500)}")
 
-    async def download(self, src: str, dst: Path) -> None:
+    async def download(self, src: str, dst: Path, *, limit_bytes: int | None = None) -> None:
+        if limit_bytes is not None:
+            return await self._download_bounded(src, Path(dst), limit_bytes)
         # A directory's contents land in dst, like upload, whether or not dst exists yet (when it
         # does not, `cp` gives that for a directory and a file alike, with no exec inside).
         dst = Path(dst).resolve()  # the CLI runs in cli_cwd()
@@ -598,6 +645,54 @@ class PodmanSandbox(Sandbox):
         rc, _, err = await run_cli(self.cli, "cp", f"{self.sandbox_id}:{source}", str(dst), timeout=300)
         if rc != 0:
             raise SandboxTransportError(f"download {src} -> {dst} failed: {tail(err.strip(), 500)}")
+
+    async def _download_bounded(self, src: str, dst: Path, limit: int) -> None:
+        """`cp` to a tar stream read on the host (no tool inside the container takes part), cut
+        off once over `limit`."""
+        proc = await asyncio.create_subprocess_exec(
+            self.cli,
+            "cp",
+            f"{self.sandbox_id}:{src}",
+            "-",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cli_cwd(),
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        reader = _StreamFile(proc.stdout, asyncio.get_running_loop())
+        # A tar of a file holds it under its own name; of a directory, its name and what is below.
+        staging = Path(
+            tempfile.mkdtemp(prefix="agentrl-download-", dir=dst.parent if dst.parent.is_dir() else None)
+        )
+        try:
+            untar = asyncio.to_thread(_untar_or_empty, reader, staging, limit, src)
+            _, err = await asyncio.wait_for(asyncio.gather(untar, proc.stderr.read()), 300)
+            await asyncio.wait_for(proc.wait(), 60)
+            if proc.returncode != 0:
+                text = err.decode(errors="replace")
+                if "could not be found on container" in text or "no such file" in text.lower():
+                    raise FileNotFoundError(f"{src} does not exist in {self.sandbox_id}")
+                raise SandboxTransportError(
+                    f"copying {src} out of {self.sandbox_id} failed: {tail(text, 300)}"
+                )
+            (top,) = list(staging.iterdir()) or [None]
+            if top is None:
+                raise FileNotFoundError(f"{src} is neither a regular file nor a directory")
+            if dst.is_dir() and top.is_dir():
+                for child in top.iterdir():
+                    shutil.move(str(child), dst / child.name)
+            else:
+                shutil.move(str(top), dst)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                # What `cp` wrote before it died is read away: a full, paused pipe never closes,
+                # and the process is not reaped until it does.
+                while await proc.stdout.read(1 << 16):
+                    pass
+                await asyncio.shield(proc.wait())
+            shutil.rmtree(staging, ignore_errors=True)
 
     async def close(self) -> None:
         if self._closed:

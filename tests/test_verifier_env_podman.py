@@ -1,0 +1,177 @@
+"""A separate verifier environment on real podman: the agent's artifacts, and nothing else of its
+container, reach a fresh container built from the verifier's own image (tests bundled in it);
+collect hooks run first; what the agent leaves running or plants elsewhere cannot touch it; an
+artifact too large to copy is the agent's failure, found from the tar headers."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.agent.actions import get_format
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import SamplingParams
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.episode.run import EpisodeConfig, replay_episode, run_episode
+from agentrl.sandbox.podman import PodmanProvider
+from agentrl.tasks.task import load_task
+from tests.chat_tokenizer import byte_tokenizer
+from tests.test_daytona_contract import make_provider, server  # noqa: F401 - the fake Daytona's fixture
+
+pytestmark = [pytest.mark.container, pytest.mark.slow]
+
+TASK = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks" / "sales-total-artifact"
+FMT = get_format("terminus-json")
+SOLVE = "mkdir -p /app/out && echo 7967 > /app/out/total.txt && echo 37 > /app/out/count.txt"
+
+
+def _script(*cmds: str) -> list[str]:
+    return [
+        FMT.render([c + "\n" for c in cmds], task_complete=False, analysis="a", plan="p"),
+        FMT.render([], task_complete=True, analysis="done", plan="finish"),
+    ]
+
+
+async def _episode(task_dir: Path, tmp_path: Path, *cmds: str, provider=None):  # type: ignore[no-untyped-def]
+    tok = byte_tokenizer()
+    provider = provider or PodmanProvider()
+    try:
+        result = await run_episode(
+            load_task(task_dir),
+            provider=provider,
+            engine=ScriptedEngine(_script(*cmds), tok),
+            renderer=ChatRenderer(tok),
+            config=EpisodeConfig(
+                agent=AgentConfig(
+                    max_turns=3, max_new_tokens=4096, max_total_tokens=32768, terminal="commands"
+                ),
+                sampling=SamplingParams(max_new_tokens=4096),
+            ),
+            run_id="sepverify",
+            record_dir=tmp_path,
+        )
+    finally:
+        await provider.aclose()
+    assert provider.live_sandboxes() == 0  # the verifier's container is gone too
+    return result
+
+
+def _probe_task(tmp_path: Path) -> Path:
+    """The bundled task with tests that also check what the verifier's environment holds."""
+    d = tmp_path / "sales-probe"
+    shutil.copytree(TASK, d)
+    (d / "tests" / "test_outputs.py").write_text(
+        (d / "tests" / "test_outputs.py").read_text()
+        + """
+
+import os
+
+
+def test_only_the_artifacts_came_over():
+    assert not Path("/app/sales.csv").exists()  # the agent's image is not the verifier's
+    assert not Path("/app/planted.txt").exists()  # nor anything the agent wrote outside them
+    assert Path("/logs/artifacts/listing.txt").read_text().count("total.txt") == 1  # the hook ran first
+
+
+def test_no_process_of_the_agent_is_here():
+    names = [open(f"/proc/{p}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()]
+    assert not any(b"planted" in n for n in names)
+"""
+    )
+    return d
+
+
+@pytest.mark.parametrize("backend", ["podman", "daytona-fake"])
+async def test_only_artifacts_reach_a_verifier_built_from_its_own_image(
+    tmp_path: Path, backend: str, request
+) -> None:
+    task = _probe_task(tmp_path)
+    provider = make_provider(request.getfixturevalue("server")) if backend == "daytona-fake" else None
+    leftover = "nohup sh -c 'while true; do echo 1 > /logs/verifier/reward.txt; sleep 0.2; done # planted' >/dev/null 2>&1 &"
+    result = await _episode(task, tmp_path, SOLVE, "echo x > /app/planted.txt", leftover, provider=provider)
+    assert result.verify.outcome == "pass", result.verify.log_tail
+    assert "4 passed" in result.verify.log_tail
+
+
+async def test_wrong_artifacts_fail_whatever_the_agent_left_running(tmp_path: Path) -> None:
+    forge = (
+        "nohup sh -c 'while true; do mkdir -p /logs/verifier /tests; echo 1 > /logs/verifier/reward.txt;"
+        ' printf "#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n" > /tests/test.sh; sleep 0.1; done\' >/dev/null 2>&1 &'
+    )
+    result = await _episode(TASK, tmp_path, "mkdir -p /app/out && echo 1 > /app/out/total.txt", forge)
+    assert result.verify.outcome == "fail" and result.verify.reward == 0.0
+
+
+async def test_a_sparse_artifact_over_the_limit_is_the_agents_failure_found_fast(tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = await _episode(TASK, tmp_path, SOLVE, "truncate -s 300G /app/out/huge")
+    assert result.verify.outcome == "tampered" and result.verify.cause == "artifact_too_large"
+    assert result.episode.reward == 0.0 and "more than 256 MiB" in (result.verify.error or "")
+    assert time.monotonic() - start < 120  # nothing of the 300 GB is read
+
+
+async def test_a_separate_verification_replays(tmp_path: Path) -> None:
+    result = await _episode(TASK, tmp_path, SOLVE)
+    assert result.verify.reward == 1.0 and result.record_path is not None
+    provider = PodmanProvider()
+    try:
+        report = await replay_episode(result.record_path, provider=provider, run_id="sepreplay")
+    finally:
+        await provider.aclose()
+    assert report.reward_matches and report.replayed_reward == 1.0
+
+
+def _phase_task(tmp_path: Path, port: int, steps: bool = False) -> Path:
+    """Agent phase without network, verifier phase public (Harbor's per-phase `network_mode`): the
+    tests reach a listener on the host's bridge address only if the switch happened."""
+    d = tmp_path / "phases"
+    (d / "environment").mkdir(parents=True)
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (d / "tests").mkdir()
+    (d / "tests" / "test.sh").write_text(
+        "#!/bin/bash\n"
+        f"if timeout 5 bash -c 'echo verifier > /dev/tcp/10.88.0.1/{port}' && grep -q blocked /app/agent.txt; then\n"
+        "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n"
+    )
+    (d / "instruction.md").write_text("Try the network from /app.\n")
+    (d / "task.toml").write_text(
+        '[environment]\nnetwork_mode = "no-network"\n[verifier]\nnetwork_mode = "public"\ntimeout_sec = 60\n'
+    )
+    return d
+
+
+@pytest.mark.parametrize("backend", ["podman", "daytona-fake"])
+async def test_the_verifier_phase_gets_its_own_network_policy(tmp_path: Path, backend: str, request) -> None:
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen()
+    listener.settimeout(60)
+    port = listener.getsockname()[1]
+    seen: list[bytes] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                conn, _ = listener.accept()
+                seen.append(conn.recv(64))
+                conn.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        probe = f"(timeout 5 bash -c 'echo agent > /dev/tcp/10.88.0.1/{port}' && echo open || echo blocked) > /app/agent.txt"
+        provider = make_provider(request.getfixturevalue("server")) if backend == "daytona-fake" else None
+        result = await _episode(_phase_task(tmp_path, port), tmp_path, probe, provider=provider)
+    finally:
+        listener.close()
+    assert result.verify.reward == 1.0, result.verify.log_tail
+    assert seen == [b"verifier\n"]  # the agent's attempt never arrived
