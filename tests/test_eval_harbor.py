@@ -219,3 +219,40 @@ async def test_harbors_llm_client_talks_to_engine_serve() -> None:
     assert len(report["logprobs"]) == 8 and all(lp <= 0 for lp in report["logprobs"])
     # `return_token_ids` is vLLM's: SGLang 0.5.16 ignores it, and so does its stand-in
     assert report["token_ids"] == [None, None]
+
+
+async def test_compose_and_separate_verifier_tasks_evaluate_into_a_job_harbor_reads(tmp_path: Path) -> None:
+    def reply(cmd: str) -> str:
+        cmds = [{"keystrokes": cmd + "\n", "duration": 0.5}] if cmd else []
+        return json.dumps({"analysis": "a", "plan": "p", "commands": cmds, "task_complete": not cmd})
+
+    kv = Path(__file__).resolve().parents[1] / "envs/tbench2/tasks/kv-service-count/solution/solve.sh"
+    replies: dict[str, list[str | int]] = {
+        "`region,amount`": [
+            reply("mkdir -p /app/out && echo 7967 > /app/out/total.txt && echo 37 > /app/out/count.txt"),
+            reply(""),
+        ],
+        "key-value service": [reply(f"bash /dev/stdin <<'EOS'\n{kv.read_text()}EOS"), reply("")],
+    }
+    async with ScriptedChat(replies, context=131072) as server:
+        settings = _settings(
+            tmp_path,
+            server.url,
+            task_names=["sales-total-artifact", "kv-service-count"],
+            backend="podman",
+            max_turns=3,
+        )
+        summary = await run_harbor_eval(settings)
+    assert summary is not None and summary["unscored"] == 0
+    report = harbor_check(tmp_path / "jobs", "job")
+    rewards = {t["task"]: t["rewards"] for t in report["trials"].values()}
+    assert rewards == {"sales-total-artifact": {"reward": 1.0}, "kv-service-count": {"reward": 1.0}}
+    (sales,) = [d for d in (tmp_path / "jobs" / "job").iterdir() if d.name.startswith("sales-total")]
+    # Harbor's layout: the source path under artifacts/, and its manifest
+    assert (sales / "artifacts" / "app" / "out" / "total.txt").read_text() == "7967\n"
+    assert "total.txt" in (sales / "artifacts" / "logs" / "artifacts" / "listing.txt").read_text()
+    manifest = json.loads((sales / "artifacts" / "manifest.json").read_text())
+    assert [(m["source"], m["destination"], m["type"], m["status"]) for m in manifest] == [
+        ("/logs/artifacts", "artifacts/logs/artifacts", "directory", "ok"),
+        ("/app/out", "artifacts/app/out", "directory", "ok"),
+    ]

@@ -126,9 +126,9 @@ def test_artifacts_at_the_top_level() -> None:
     assert not c.unknown_keys
 
 
-def test_a_service_other_than_main_is_refused_until_compose(tmp_path: Path) -> None:
+def test_a_collect_hook_outside_main_is_refused(tmp_path: Path) -> None:
     task = load_task(_task(tmp_path, '[[verifier.collect]]\ncommand = "x"\nservice = "db"\n'))
-    with pytest.raises(TaskFormatError, match="agent's container only"):
+    with pytest.raises(TaskFormatError, match="hooks in `main` only"):
         task.check_runnable()
 
 

@@ -216,7 +216,7 @@ def test_tasks_lint_and_oracle_from_the_installed_wheel(installed: Path) -> None
     assert "site-packages" in str(tasks)
     lint = _run([str(installed / "agentrl"), "tasks", "lint", str(tasks)])
     assert lint.returncode == 0, lint.stdout + lint.stderr
-    assert "23 tasks: 0 with errors" in lint.stdout
+    assert "24 tasks: 0 with errors" in lint.stdout
     oracle = _run(
         [str(installed / "agentrl"), "tasks", "oracle", str(tasks / "hello-file"), "--backend", CLI]
     )

@@ -29,7 +29,7 @@ from agentrl.episode.steps import StepOutcome, merge_runs, run_phases
 from agentrl.episode.verify import VerifyResult, verify_phase
 from agentrl.errors import InfraError
 from agentrl.sandbox.base import SandboxCreateError, SandboxPolicyError, SandboxProvider
-from agentrl.tasks.task import Task, load_task
+from agentrl.tasks.task import Task, TaskStep, load_task
 
 
 class VerifierInfraError(InfraError):
@@ -157,8 +157,11 @@ async def run_episode(
     prompt_id: str | None = None,
     sample_index: int = 0,
     record_dir: Path | None = None,
+    artifacts_dir: Path | None = None,
 ) -> EpisodeResult:
-    """Run one episode. Raises `InfraError` (after recording) for infrastructure failures."""
+    """Run one episode. Raises `InfraError` (after recording) for infrastructure failures. With
+    `artifacts_dir`, the task's artifacts are collected there after the agent phase, with
+    Harbor's `manifest.json` (a step's under `<artifacts_dir>/../steps/<name>/artifacts`)."""
     prompt_id = prompt_id or task.task_id
     # A broken task (e.g. an instruction over the size cap) is refused before any sandbox starts.
     for phase in task.steps or [task]:
@@ -226,12 +229,16 @@ async def run_episode(
                     )
                 else:
                     t_v = time.monotonic()
+                    where = artifacts_dir
+                    if where is not None and isinstance(phase, TaskStep):
+                        where = where.parent / "steps" / phase.step_name / "artifacts"
                     step_v = await verify_phase(
                         sandbox,
                         phase,
                         provider=provider,
                         run_id=run_id,
                         footprint=lambda: ensure_footprint(provider, phase, run_id=run_id),
+                        artifacts_dir=where,
                     )
                     timings["verifier_s"] = timings.get("verifier_s", 0.0) + time.monotonic() - t_v
                 return StepOutcome(getattr(phase, "step_name", task.task_id), run, step_v)

@@ -29,6 +29,7 @@ reward 0 with its cause, never a re-roll); in an oracle sweep it is the task's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -316,32 +317,32 @@ async def verify_phase(
     run_id: str,
     reference: bool = False,
     footprint: Callable[[], Awaitable[frozenset[str]]] | None = None,
+    artifacts_dir: Path | None = None,
 ) -> VerifyResult:
-    """What follows an agent phase, as Harbor runs it: the `[[verifier.collect]]` hooks, then the
-    verifier, over the agent's sandbox ("shared") or in a fresh environment of its own
-    (`Task.verifier_task`, "separate") that gets nothing of the agent's but the artifacts, each
-    at its own path, copied out within `ARTIFACTS_LIMIT` (over it, a policy outcome)."""
+    """What follows an agent phase, as Harbor runs it: the `[[verifier.collect]]` hooks, the
+    artifacts (into `artifacts_dir` with Harbor's `manifest.json`, when given), then the
+    verifier, over the agent's sandbox ("shared", switching the network to the verifier phase's
+    policy where it differs) or in a fresh environment of its own (`Task.verifier_task`,
+    "separate") that gets nothing of the agent's but the artifacts, each at its own path, copied
+    out within `ARTIFACTS_LIMIT` (over it, a policy outcome there; elsewhere the artifact is only
+    marked failed, as Harbor's collection is best effort)."""
     await run_collect_hooks(sandbox, task)
     vtask = task.verifier_task
-    if vtask is None:
-        config = task.config
-        agent_net, verifier_net = config.phase_network("agent"), config.phase_network("verifier")
-        if agent_net == verifier_net:
-            return await verify(sandbox, task, reference=reference, footprint=footprint)
-        # Harbor's phase switch, from outside the sandbox; back for a next step's agent.
-        hosts = config.environment.allowed_hosts
-        await sandbox.set_network(verifier_net, hosts)
-        try:
-            return await verify(sandbox, task, reference=reference, footprint=footprint)
-        finally:
-            if task.root.steps:
-                await sandbox.set_network(agent_net, hosts)
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="agentrl-artifacts-") as tmp:
-        try:
-            artifacts = await collect_artifacts(sandbox, task, Path(tmp) / "artifacts")
-        except SandboxPolicyError as exc:
-            return _tampered(start, exc.cause or "artifact_too_large", str(exc))
+    with contextlib.ExitStack() as stack:
+        collected: list[Collected] = []
+        if artifacts_dir is not None or vtask is not None:
+            dst = artifacts_dir or Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="agentrl-artifacts-"))
+            )
+            try:
+                collected = await collect_artifacts(sandbox, task, dst, strict=vtask is not None)
+            except SandboxPolicyError as exc:
+                return _tampered(start, exc.cause or "artifact_too_large", str(exc))
+            if artifacts_dir is not None:
+                write_manifest(artifacts_dir, collected)
+        if vtask is None:
+            return await _verify_shared(sandbox, task, reference=reference, footprint=footprint)
         build = vtask.config.environment.build_timeout_sec
         try:
             vbox = await asyncio.wait_for(provider.create(vtask, run_id=run_id), build)
@@ -352,7 +353,7 @@ async def verify_phase(
         async with vbox:
             tests_dir = None
             if vtask.bundled:  # before anything of the agent's is in it
-                tests_dir = Path(tmp) / "tests"
+                tests_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentrl-tests-")))
                 try:
                     await vbox.download("/tests", tests_dir, limit_bytes=ARTIFACTS_LIMIT)
                 except FileNotFoundError:
@@ -362,9 +363,32 @@ async def verify_phase(
                         "the verifier image has no /tests",
                         "COPY the tests to /tests",
                     ) from None
-            for art, local in artifacts:
-                await vbox.upload(local, art.source)
+            for item in collected:
+                if item.path is not None:
+                    await vbox.upload(item.path, item.artifact.source)
             return await verify(vbox, task, reference=reference, footprint=footprint, tests_dir=tests_dir)
+    raise AssertionError("unreachable")
+
+
+async def _verify_shared(
+    sandbox: Sandbox,
+    task: Task,
+    *,
+    reference: bool,
+    footprint: Callable[[], Awaitable[frozenset[str]]] | None,
+) -> VerifyResult:
+    config = task.config
+    agent_net, verifier_net = config.phase_network("agent"), config.phase_network("verifier")
+    if agent_net == verifier_net:
+        return await verify(sandbox, task, reference=reference, footprint=footprint)
+    # Harbor's phase switch, from outside the sandbox; back for a next step's agent.
+    hosts = config.environment.allowed_hosts
+    await sandbox.set_network(verifier_net, hosts)
+    try:
+        return await verify(sandbox, task, reference=reference, footprint=footprint)
+    finally:
+        if task.root.steps:
+            await sandbox.set_network(agent_net, hosts)
 
 
 async def run_collect_hooks(sandbox: Sandbox, task: Task) -> None:
@@ -387,36 +411,82 @@ async def run_collect_hooks(sandbox: Sandbox, task: Task) -> None:
             )
 
 
-async def collect_artifacts(sandbox: Sandbox, task: Task, dst: Path) -> list[tuple[ArtifactConfig, Path]]:
-    """The task's artifacts copied to `dst` (one folder each), bounded in all by `ARTIFACTS_LIMIT`;
-    a missing one is skipped (Harbor: best effort), `exclude` patterns applied to directories; a
-    later claim on a path already collected is skipped."""
-    got: list[tuple[ArtifactConfig, Path]] = []
+@dataclass
+class Collected:
+    """One artifact as collected: its copy (None unless `ok` or `empty`) and Harbor's status."""
+
+    artifact: ArtifactConfig
+    path: Path | None
+    status: str  # "ok" | "empty" | "failed" | "skipped"
+    kind: str = "file"  # or "directory"
+
+    @property
+    def destination(self) -> str:
+        return self.artifact.destination or self.artifact.source.strip("/")
+
+
+async def collect_artifacts(
+    sandbox: Sandbox, task: Task, dst: Path, *, strict: bool = False
+) -> list[Collected]:
+    """The task's artifacts copied under `dst` as Harbor lays them out (`destination`, else the
+    source path without its root), bounded in all by `ARTIFACTS_LIMIT`; `exclude` patterns
+    applied to directories; a later claim on a path already collected is skipped; a missing one
+    is `failed`. Over the limit: `SandboxPolicyError` with `strict` (a separate verifier needs
+    them), else that artifact is `failed`."""
+    out: list[Collected] = []
     budget = ARTIFACTS_LIMIT
-    seen: set[str] = set()
-    for i, art in enumerate(task.artifacts):
-        source = art.source.rstrip("/") or "/"
-        if any(source == s or source.startswith(s.rstrip("/") + "/") for s in seen):
+    claimed: list[str] = []
+    for art in task.artifacts:
+        item = Collected(art, None, "failed")
+        rel = item.destination
+        if any(rel == c or rel.startswith(c + "/") or c.startswith(rel + "/") for c in claimed):
+            log.warning("%s: artifact %s overlaps one collected before: skipped", task.task_id, art.source)
+            out.append(Collected(art, None, "skipped"))
             continue
-        local = dst / str(i)
+        claimed.append(rel)
+        local = dst / rel
         try:
-            await sandbox.download(source, local, limit_bytes=budget)
+            await sandbox.download(art.source.rstrip("/") or "/", local, limit_bytes=budget)
         except FileNotFoundError:
-            log.info("%s: artifact %s is missing", task.task_id, source)
+            out.append(item)
             continue
-        if local.is_dir() and art.exclude:
+        except SandboxPolicyError:
+            if strict:
+                raise
+            shutil.rmtree(local, ignore_errors=True) if local.is_dir() else local.unlink(missing_ok=True)
+            out.append(item)
+            continue
+        if local.is_dir():
             for path in sorted(local.rglob("*"), reverse=True):
-                rel = path.relative_to(local).as_posix()
-                if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(path.name, pat) for pat in art.exclude):
+                rel_path = path.relative_to(local).as_posix()
+                if any(
+                    fnmatch.fnmatch(rel_path, pat) or fnmatch.fnmatch(path.name, pat) for pat in art.exclude
+                ):
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        budget -= (
-            sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
-            if local.is_dir()
-            else local.stat().st_size
-        )
-        seen.add(source)
-        got.append((art, local))
-    return got
+            files = [p for p in local.rglob("*") if p.is_file()]
+            budget -= sum(p.stat().st_size for p in files)
+            out.append(Collected(art, local, "ok" if files else "empty", "directory"))
+        else:
+            budget -= local.stat().st_size
+            out.append(Collected(art, local, "ok"))
+    return out
+
+
+def write_manifest(dst: Path, collected: list[Collected]) -> None:
+    """Harbor's `artifacts/manifest.json`: one entry per artifact, in order."""
+    dst.mkdir(parents=True, exist_ok=True)
+    entries = [
+        {
+            "source": c.artifact.source,
+            "destination": f"artifacts/{c.destination}" if c.destination else "artifacts",
+            "type": c.kind,
+            "status": c.status,
+            "service": c.artifact.service if c.artifact.service not in (None, "main") else None,
+            "exclude": list(c.artifact.exclude) if c.kind == "directory" else [],
+        }
+        for c in collected
+    ]
+    (dst / "manifest.json").write_text(json.dumps(entries, indent=2) + "\n")
 
 
 def footprint_path(task: Task) -> Path:

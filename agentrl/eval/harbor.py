@@ -438,6 +438,7 @@ class TrialRunner:
                 prompt_id=group_id,
                 sample_index=sample_index,
                 record_dir=trial.agent_dir,
+                artifacts_dir=trial.dir / "artifacts",
             )
         except BaseException as exc:
             trial.finish(info=info, error=exc, timeout_s=self._timeout(task))

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.tasks.config import ArtifactConfig, EnvironmentConfig, StepConfig, TaskConfig, parse_task_config
+from agentrl.tasks.compose import COMPOSE_FILE, ComposeSpec, load_compose
+from agentrl.tasks.config import (
+    ArtifactConfig,
+    EnvironmentConfig,
+    StepConfig,
+    TaskConfig,
+    parse_task_config,
+    resolve_env_templates,
+)
 
 # An instruction is a prompt: 256 KiB is far above any real task's (terminal-bench's are a few KiB)
 # and far below what would stall tokenization or fill a context (a 48 MB one took 9.5 GB).
@@ -123,6 +131,26 @@ class Task:
         path = self.environment_dir / "Dockerfile"
         return path if path.is_file() else None
 
+    @functools.cached_property
+    def compose(self) -> ComposeSpec | None:
+        """A multi-container task's services (`environment/docker-compose.yaml`), None for one
+        container. Raises `TaskFormatError` for a compose file agentrl cannot run as written."""
+        if not (self.environment_dir / COMPOSE_FILE).is_file():
+            return None
+        env = self.config.environment
+        infra = {"CONTEXT_DIR": str(self.environment_dir.resolve()), "MAIN_IMAGE_NAME": f"hb__{self.task_id}"}
+        if env.cpus:
+            infra["CPUS"] = f"{env.cpus:g}"
+        if env.memory_mb:
+            infra["MEMORY"] = f"{env.memory_mb}M"
+        values = {**resolve_env_templates(env.env, str(self.path / "task.toml")), **infra}
+        return load_compose(
+            self.environment_dir,
+            env=values,
+            main_image=env.docker_image,
+            main_has_dockerfile=self.dockerfile is not None,
+        )
+
     @property
     def tests_dir(self) -> Path:
         return self.path / "tests"
@@ -169,7 +197,7 @@ class Task:
         return implicit + own
 
     @functools.cached_property
-    def verifier_task(self) -> VerifierEnvTask | None:
+    def verifier_task(self) -> EnvironmentView | None:
         """The separate verifier's environment as a task a provider can start (None when shared).
         Its image, as Harbor 0.25 picks it: the step's `[verifier.environment].docker_image`, a
         `Dockerfile` in the step's tests/, the task's `[verifier.environment].docker_image`, a
@@ -197,7 +225,7 @@ class Task:
             context, image = root.environment_dir, root.config.environment.docker_image
         bundled = context != root.environment_dir
         network = self.config.verifier.network_mode or env.network_mode
-        return VerifierEnvTask(
+        return EnvironmentView(
             root.path, of=self, context=context, bundled=bundled,
             environment=replace(env, docker_image=image, network_mode=network),
         )  # fmt: skip
@@ -229,12 +257,12 @@ class Task:
                     "no environment/ directory and no docker_image",
                     "add environment/Dockerfile or set [environment].docker_image",
                 )
-            if self.dockerfile is None:
+            if self.dockerfile is None and self.compose is None:
                 raise TaskFormatError(
                     str(self.environment_dir / "Dockerfile"),
                     None,
                     "environment/Dockerfile is missing",
-                    "add a Dockerfile or set [environment].docker_image",
+                    "add a Dockerfile (or a docker-compose.yaml) or set [environment].docker_image",
                 )
         if config.environment.os != "linux":
             raise TaskFormatError(
@@ -265,15 +293,17 @@ class Task:
 
     def check_runnable(self) -> None:
         """Refuse what agentrl would otherwise run wrongly: collect hooks and artifacts of compose
-        services other than the agent's (no compose yet)."""
+        services other than the agent's; a compose file agentrl cannot run as written."""
         config = self.config
         where = str(self.path / "task.toml")
+        services = set(self.root.compose.services) if self.root.compose is not None else {"main"}
         for hook in config.verifier.collect:
             if hook.service != "main":
                 raise TaskFormatError(
                     where,
                     "verifier.collect.service",
-                    f"a collect hook runs in service {hook.service!r}: agentrl runs the agent's container only",
+                    f"a collect hook in service {hook.service!r}: agentrl runs hooks in `main` only"
+                    + ("" if hook.service in services else " (and the task has no such service)"),
                     "run the hook in the main service",
                 )
         for art in self.artifacts:
@@ -281,7 +311,7 @@ class Task:
                 raise TaskFormatError(
                     where,
                     "artifacts.service",
-                    f"an artifact of service {art.service!r}: agentrl runs the agent's container only",
+                    f"an artifact of service {art.service!r}: agentrl collects artifacts from `main` only",
                     "collect it from the main service",
                 )
 
@@ -390,20 +420,23 @@ class TaskStep(Task):
 
 
 @dataclass
-class VerifierEnvTask(Task):
-    """A separate verifier's environment (`Task.verifier_task`) as a task: what a sandbox
-    provider needs to start it. Its image is `environment.docker_image`, else the Dockerfile in
-    `context`; with `bundled`, /tests comes from that image instead of the task's tests/."""
+class EnvironmentView(Task):
+    """Another environment of a task, as a task a sandbox provider can build and start: a
+    separate verifier's (`Task.verifier_task`, with `bundled` when its image holds /tests) or a
+    compose service's. Its image is `environment.docker_image` when that is local or pullable,
+    else `dockerfile` in `context`."""
 
     of: Task | None = field(default=None, repr=False)
     context: Path | None = None
     environment: EnvironmentConfig | None = None
     bundled: bool = False
+    suffix: str = "verifier"
+    dockerfile_name: str = "Dockerfile"
 
     @property
     def task_id(self) -> str:
         assert self.of is not None
-        return f"{self.of.task_id}-verifier"
+        return f"{self.of.task_id}-{self.suffix}"
 
     @functools.cached_property
     def config(self) -> TaskConfig:
@@ -423,6 +456,15 @@ class VerifierEnvTask(Task):
     @property
     def environment_dir(self) -> Path:
         return self.context if self.context is not None else self.path / ".no-build-context"
+
+    @property
+    def dockerfile(self) -> Path | None:
+        path = self.environment_dir / self.dockerfile_name
+        return path if path.is_file() else None
+
+    @functools.cached_property
+    def compose(self) -> ComposeSpec | None:
+        return None
 
     @property
     def tests_dir(self) -> Path:

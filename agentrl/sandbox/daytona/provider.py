@@ -25,7 +25,7 @@ from daytona import (
 from daytona.common.errors import DaytonaConnectionError, DaytonaTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, InputError
 from agentrl.sandbox.base import (
     DEFAULT_OUTPUT_LIMIT,
     Sandbox,
@@ -207,6 +207,11 @@ class DaytonaProvider(SandboxProvider):
         return max(jitter, min(after, self.backoff_max_s)) if after else jitter
 
     async def create(self, task: Task, *, run_id: str) -> Sandbox:
+        if task.compose is not None:
+            raise InputError(
+                f"{task.task_id} is a multi-container task (environment/docker-compose.yaml): a Daytona "
+                "sandbox is one container and the SDK starts no compose services; run it on podman"
+            )
         timeout = self.create_timeout_for(task)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.create_attempts),

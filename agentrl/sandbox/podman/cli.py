@@ -102,10 +102,14 @@ _LIVE: dict[str, str] = {}
 
 
 def _remove_live_at_exit() -> None:
-    for name, cli in list(_LIVE.items()):
-        subprocess.run(
-            [cli, *rm_args(cli), name], capture_output=True, timeout=60, check=False, cwd=cli_cwd()
+    # containers first: a compose task's pod ("pod:NAME") goes with what is left in it
+    for name, cli in sorted(_LIVE.items(), key=lambda item: item[0].startswith("pod:")):
+        args = (
+            ["pod", "rm", "-f", name.removeprefix("pod:")]
+            if name.startswith("pod:")
+            else [*rm_args(cli), name]
         )
+        subprocess.run([cli, *args], capture_output=True, timeout=60, check=False, cwd=cli_cwd())
         _LIVE.pop(name, None)
 
 

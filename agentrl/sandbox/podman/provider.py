@@ -30,6 +30,7 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     tail,
 )
+from agentrl.sandbox.podman import compose
 from agentrl.sandbox.podman.cli import (
     _LIVE,
     _UNRESOLVED_FROM,
@@ -111,6 +112,7 @@ class PodmanProvider(SandboxProvider):
         self._failed_builds: dict[str, ImageBuildError] = {}
         self._standins_said: set[tuple[str, str]] = set()  # warned once per provider
         self._live: set[str] = set()
+        self._pods: dict[str, tuple[str, list[str]]] = {}  # a compose task's sandbox -> its pod, volumes
         self._pool: dict[str, list[PodmanSandbox]] = {}
         self._pool_tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[Any]] = set()
@@ -121,6 +123,8 @@ class PodmanProvider(SandboxProvider):
         default), else the image built from environment/Dockerfile. Resolved once per task and
         provider: every later episode of the task starts without asking the image store again
         (four or five CLI calls, about 0.2 s of CPU each episode on a 2-core machine)."""
+        if task.compose is not None:  # a multi-container task: the agent's is service `main`
+            task = compose.service_view(task, task.compose.services[compose.MAIN])
         key = _environment_key(task)
         if (failed := self._failed_builds.get(key)) is not None:
             raise copy.copy(failed)  # the same error, a fresh traceback
@@ -321,7 +325,7 @@ class PodmanProvider(SandboxProvider):
 
     # -- containers -----------------------------------------------------------------------------
     def _network(self, task: Task) -> str:
-        """"bridge" where a phase of the sandbox may reach the network (the agent's, or a shared
+        """ "bridge" where a phase of the sandbox may reach the network (the agent's, or a shared
         verifier's: the other phase is then closed by `set_network`), else "none"."""
         if self.allow_network is not None:
             return "bridge" if self.allow_network else "none"
@@ -343,16 +347,24 @@ class PodmanProvider(SandboxProvider):
             args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
         return args
 
-    def _run_args(self, task: Task, run_id: str, name: str) -> tuple[list[str], int | None]:
-        """`run` arguments without the storage cap, and the storage limit in MiB."""
+    def _labels(self, task: Task, run_id: str) -> list[str]:
+        return [
+            "--label", f"{LABEL_RUN}={run_id}", "--label", f"{LABEL_TASK}={task.task_id}",
+            "--label", f"{LABEL_CREATED}={int(time.time())}",
+        ]  # fmt: skip
+
+    def _run_args(
+        self, task: Task, run_id: str, name: str, network: list[str] | None = None
+    ) -> tuple[list[str], int | None]:
+        """`run` arguments without the storage cap, and the storage limit in MiB; `network`
+        replaces the network options (a compose task's pod)."""
         env = task.config.environment
         args = [
             "run",
             "-d",
             "--name",
             name,
-            "--network",
-            self._network(task),
+            *(network if network is not None else ["--network", self._network(task)]),
             "--label",
             f"{LABEL_RUN}={run_id}",
             "--label",
@@ -378,11 +390,20 @@ class PodmanProvider(SandboxProvider):
         # Container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]*; run ids and task ids may hold anything.
         safe = re.sub(r"[^a-z0-9_.-]+", "-", f"{run_id[:24]}-{task.task_id[:24]}".lower())
         name = f"agentrl-{safe}-{uuid.uuid4().hex[:8]}"
-        args, storage = self._run_args(task, run_id, name)
-        command = [image, "-P"] if self.init else [image, "infinity"]
+        spec = task.compose
+        pod: str | None = None
+        network: list[str] | None = None
         _LIVE[name] = self.cli
         self._live.add(name)
+        command = [image, "-P"] if self.init else [image, "infinity"]
         try:
+            if spec is not None:
+                pod = f"{name}-pod"
+                self._pods[name] = (pod, [f"{pod}-{v}" for v in spec.volumes])
+                _LIVE[f"pod:{pod}"] = self.cli
+                volumes = await compose.create_pod(self, spec, pod, self._labels(task, run_id))
+                network = compose.main_args(spec, pod, volumes)
+            args, storage = self._run_args(task, run_id, name, network)
             rc, err = 1, ""
             if storage and self._storage_opt is not False:
                 rc, _, err = await run_cli(
@@ -435,10 +456,19 @@ class PodmanProvider(SandboxProvider):
                 storage_limit_mb=storage,
             )
             sandbox._init_pid = int(pid) if pid.isdigit() else None
-            sandbox.network = self._network(task)
-            agent_phase = task.config.phase_network("agent")
-            if self.allow_network is None and sandbox.network == "bridge" and agent_phase != "public":
-                await sandbox.set_network(agent_phase)  # before the agent's first command
+            sandbox.network = "bridge" if pod else self._network(task)
+            sandbox.pod = pod
+            policy = task.config.phase_network("agent")
+            if self.allow_network is not None:
+                policy = "public" if self.allow_network else "no-network"
+            if sandbox.network == "bridge" and policy != "public":
+                # before the agent's first command, and before any other service starts
+                await sandbox.set_network(policy)
+            if spec is not None and pod is not None:
+                await compose.start_services(
+                    self, task, spec, pod, dict(zip(spec.volumes, self._pods[name][1], strict=True)),
+                    self._labels(task, run_id),
+                )  # fmt: skip
             res = await sandbox._exec_clean(
                 "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
             )
@@ -504,6 +534,9 @@ class PodmanProvider(SandboxProvider):
     async def _remove(self, name: str) -> None:
         try:
             await run_cli(self.cli, *rm_args(self.cli), name, timeout=120)
+            if (pod := self._pods.pop(name, None)) is not None:
+                await compose.remove_pod(self.cli, *pod)
+                _LIVE.pop(f"pod:{pod[0]}", None)
         finally:
             self._live.discard(name)
             _LIVE.pop(name, None)
@@ -555,6 +588,14 @@ async def reap(
         doomed.append(name)
     for name in doomed:
         await run_cli(cli, *rm_args(cli), name, timeout=120)
+    # A compose task's pod goes with its sandbox (its services and named volumes with it).
+    for pod in [f"{name}-pod" for name in doomed]:
+        rc, out, _ = await run_cli(cli, "pod", "exists", pod, timeout=60)
+        if rc == 0:
+            await run_cli(cli, "pod", "rm", "-f", pod, timeout=120)
+            rc, out, _ = await run_cli(cli, "volume", "ls", "-q", "--filter", f"name={pod}-", timeout=60)
+            if rc == 0 and out.split():
+                await run_cli(cli, "volume", "rm", "-f", *out.split(), timeout=120)
     return doomed
 
 

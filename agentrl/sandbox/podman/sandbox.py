@@ -148,6 +148,7 @@ class PodmanSandbox(Sandbox):
         self._monitor: asyncio.Task[None] | None = None
         self._init_pid: int | None = None  # host pid of the container's init, once looked up
         self.network = "none"  # the container's podman network ("none" or "bridge")
+        self.pod: str | None = None  # a compose task's pod (the network the services share)
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 

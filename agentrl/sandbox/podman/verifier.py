@@ -112,7 +112,9 @@ async def run_private_tests(
         await asyncio.to_thread(_plain_dirs, str(root), ["tests", "logs", "logs/verifier"])
         name = f"{sb.sandbox_id}-verifier"
         args = [
-            "run", "--rm", "--name", name, "--network", f"container:{sb.sandbox_id}",
+            "run", "--rm", "--name", name,
+            # the agent's network namespace (a compose task's pod: its services, network only)
+            *(["--pod", sb.pod] if sb.pod else ["--network", f"container:{sb.sandbox_id}"]),
             "--label", f"{LABEL_RUN}={config.get('Labels', {}).get(LABEL_RUN, '')}",
             "--label", f"{LABEL_CREATED}={int(time.time())}",
             "-v", f"{tests}:/tests", "-v", f"{logs}:/logs/verifier", "-w", workdir,

@@ -1,0 +1,173 @@
+"""Multi-container tasks: `environment/docker-compose.yaml` as agentrl reads it
+(`agentrl.tasks.compose`), and on real podman (a pod per sandbox; `agentrl.sandbox.podman.compose`)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agentrl.agent.actions import get_format
+from agentrl.agent.loop import AgentConfig
+from agentrl.agent.tokens import ChatRenderer
+from agentrl.engine.base import SamplingParams
+from agentrl.engine.scripted import ScriptedEngine
+from agentrl.episode.run import EpisodeConfig, run_episode
+from agentrl.errors import InputError, TaskFormatError
+from agentrl.sandbox.podman import PodmanProvider
+from agentrl.tasks.compose import MAIN, load_compose
+from agentrl.tasks.task import load_task
+from tests.chat_tokenizer import byte_tokenizer
+
+TASK = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks" / "kv-service-count"
+FMT = get_format("terminus-json")
+
+
+def _env(tmp_path: Path, compose: str) -> Path:
+    env = tmp_path / "environment"
+    (env / "svc").mkdir(parents=True)
+    (env / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+    (env / "svc" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+    (env / "docker-compose.yaml").write_text(compose)
+    return env
+
+
+def _load(env: Path, **values: str):  # type: ignore[no-untyped-def]
+    return load_compose(env, env=values, main_image=None, main_has_dockerfile=True)
+
+
+def test_the_bundled_task_has_main_then_its_service() -> None:
+    spec = load_task(TASK).compose
+    assert spec is not None and list(spec.services) == ["main", "db"]
+    main, db = spec.services["main"], spec.services["db"]
+    assert main.build_context == TASK / "environment"  # Harbor's base: main is built from environment/
+    assert main.depends_on == {"db": "service_healthy"}
+    assert db.build_context == TASK / "environment" / "service" and db.healthcheck is not None
+    assert db.healthcheck.command[0] == "python3" and db.healthcheck.interval_s == 1.0
+    assert load_task(TASK).validate() == []
+
+
+def test_services_start_after_what_they_depend_on_and_cycles_are_refused(tmp_path: Path) -> None:
+    spec = _load(
+        _env(
+            tmp_path,
+            "services:\n  web:\n    image: x\n    depends_on: [db, cache]\n  cache:\n    image: x\n"
+            "  db:\n    image: x\n    depends_on: {cache: {condition: service_started}}\n",
+        )
+    )
+    assert list(spec.services) == [MAIN, "cache", "db", "web"]
+    cyclic = _env(
+        tmp_path / "c",
+        "services:\n  a:\n    image: x\n    depends_on: [b]\n  b:\n    image: x\n    depends_on: [a]\n",
+    )
+    with pytest.raises(TaskFormatError, match="cycle"):
+        _load(cyclic)
+
+
+def test_interpolation_takes_the_tasks_values_never_the_hosts(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
+    env = _env(
+        tmp_path,
+        "services:\n  db:\n    image: 'x:${TAG:-1}'\n    environment:\n      A: $$literal\n      B: ${MINE}\n",
+    )
+    spec = _load(env, MINE="ok")
+    assert spec.services["db"].image == "x:1" and spec.services["db"].environment == {
+        "A": "$literal",
+        "B": "ok",
+    }
+    leak = _env(tmp_path / "l", "services:\n  db:\n    image: x\n    environment: [T=${SECRET_TOKEN}]\n")
+    with pytest.raises(TaskFormatError, match="SECRET_TOKEN"):
+        _load(leak)
+
+
+@pytest.mark.parametrize(
+    ("service", "match"),
+    [
+        ("image: x\n    privileged: true", "more than a container"),
+        ("image: x\n    cap_add: [NET_ADMIN]", "more than a container"),
+        ("image: x\n    network_mode: host", "more than a container"),
+        ("image: x\n    volumes: ['/etc:/host-etc']", "outside environment/"),
+        ("image: x\n    volumes: ['../..:/up']", "outside environment/"),
+        ("image: x\n    volumes: ['data:/data']", "not declared"),
+        ("build: ./nowhere", "no Dockerfile"),
+        ("command: run", "needs an `image` or a `build`"),
+        ("image: x\n    depends_on: [ghost]", "not a service"),
+        ("image: x\n    healthcheck: {test: 3}", "use a string"),
+        ("image: x\n    sysctls: {a: 1}", "not supported"),
+    ],
+)
+def test_what_a_compose_file_may_not_do(tmp_path: Path, service: str, match: str) -> None:
+    with pytest.raises(TaskFormatError, match=match):
+        _load(_env(tmp_path, f"services:\n  db:\n    {service}\n"))
+
+
+def test_named_volumes_bind_mounts_env_files_and_healthcheck_forms(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path,
+        "services:\n  db:\n    build: {context: svc}\n    env_file: vars.env\n"
+        "    volumes: ['data:/data', './svc:/seed:ro']\n"
+        "    healthcheck: {test: [CMD-SHELL, 'pg_isready -q'], interval: 1m30s, start_period: 500ms}\n"
+        "volumes:\n  data: {}\n",
+    )
+    (env / "vars.env").write_text("# a comment\nUSER_NAME=app\n")
+    db = _load(env).services["db"]
+    assert db.environment == {"USER_NAME": "app"}
+    assert db.volumes == (("data", "/data", False), (str(env / "svc"), "/seed", True))
+    assert db.healthcheck is not None and db.healthcheck.command == ["sh", "-c", "pg_isready -q"]
+    assert db.healthcheck.interval_s == 90.0 and db.healthcheck.start_period_s == 0.5
+
+
+def _script(*cmds: str) -> list[str]:
+    return [
+        FMT.render([c + "\n" for c in cmds], task_complete=False, analysis="a", plan="p"),
+        FMT.render([], task_complete=True, analysis="done", plan="finish"),
+    ]
+
+
+def _pods() -> list[str]:
+    out = subprocess.run(["podman", "pod", "ps", "--format", "{{.Name}}"], capture_output=True, text=True)
+    return [p for p in out.stdout.split() if p.startswith("agentrl-")]
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: Path) -> None:
+    solve = (TASK / "solution" / "solve.sh").read_text().split("\n", 1)[1]
+    tok = byte_tokenizer()
+    provider = PodmanProvider()
+    script = _script(
+        "bash /dev/stdin <<'EOS'\n" + solve + "EOS",
+        # the task has no network: the service answers, the host's bridge address does not
+        "(timeout 3 bash -c 'echo > /dev/tcp/10.88.0.1/22' && echo open || echo closed) > /tmp/outside.txt; cat /tmp/outside.txt",
+    )
+    try:
+        result = await run_episode(
+            load_task(TASK),
+            provider=provider,
+            engine=ScriptedEngine(script, tok),
+            renderer=ChatRenderer(tok),
+            config=EpisodeConfig(
+                agent=AgentConfig(
+                    max_turns=3, max_new_tokens=4096, max_total_tokens=32768, terminal="commands"
+                ),
+                sampling=SamplingParams(max_new_tokens=4096),
+            ),
+            run_id="compose",
+        )
+    finally:
+        await provider.aclose()
+    assert result.verify.reward == 1.0, result.verify.log_tail  # the tests asked the service too
+    assert result.run.turns[0].outputs[1].stdout.strip() == "closed"
+    assert provider.live_sandboxes() == 0 and _pods() == []
+
+
+async def test_daytona_refuses_a_compose_task_plainly() -> None:
+    from agentrl.sandbox.daytona import DaytonaProvider
+    from tests.fake_daytona import FakeDaytonaServer
+
+    provider = DaytonaProvider(client_factory=FakeDaytonaServer().client, keepalive_s=0)
+    with pytest.raises(InputError, match="multi-container task"):
+        await provider.create(load_task(TASK), run_id="x")
