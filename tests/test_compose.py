@@ -171,3 +171,22 @@ async def test_daytona_refuses_a_compose_task_plainly() -> None:
     provider = DaytonaProvider(client_factory=FakeDaytonaServer().client, keepalive_s=0)
     with pytest.raises(InputError, match="multi-container task"):
         await provider.create(load_task(TASK), run_id="x")
+
+
+def test_lint_checks_every_image_a_task_builds(tmp_path: Path) -> None:
+    from agentrl.sandbox.lint import lint_task
+
+    d = tmp_path / "t"
+    shutil.copytree(TASK, d)
+    (d / "environment" / "service" / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim\nCOPY missing.txt /srv/\n"
+    )
+    compose = (d / "environment" / "docker-compose.yaml").read_text()
+    (d / "environment" / "docker-compose.yaml").write_text(
+        compose + "  cache:\n    image: nowhere.example/cache:9\n"
+    )
+    result = lint_task(load_task(d))
+    assert result.errors == ["Dockerfile (service db): COPY source 'missing.txt' is not in environment/"]
+    assert any(
+        w.startswith("unservable base (service cache): FROM nowhere.example/cache:9") for w in result.warnings
+    )

@@ -55,7 +55,7 @@ def _joined_lines(text: str) -> list[str]:
 
 
 def missing_copy_sources(task: Task) -> list[str]:
-    """`COPY` / `ADD` sources that are not in environment/ (a build would fail on them)."""
+    """`COPY` / `ADD` sources that are not in the build context (a build would fail on them)."""
     if task.dockerfile is None:
         return []
     context = task.environment_dir.resolve()
@@ -159,9 +159,15 @@ def lint_task(task: Task) -> LintResult:
     result = LintResult(task)
     try:
         result.warnings = task.validate()
-        result.errors += missing_copy_sources(task)
-        result.warnings += unservable_bases(task)
-        result.warnings += toolchain_gaps(task)
+        for name, env in task.environments():
+            # the task's own environment keeps its plain messages; the others say which they are
+            def said(m: str, env: Task = env, name: str = name) -> str:
+                kind, _, rest = m.partition(":")
+                return m if env is task else f"{kind} ({name}):{rest}"
+
+            result.errors += [said(m) for m in missing_copy_sources(env)]
+            result.warnings += [said(m) for m in unservable_bases(env)]
+            result.warnings += [said(m) for m in toolchain_gaps(env)]
     except TaskFormatError as exc:
         result.errors.append(str(exc))
     except OSError as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agentrl.errors import TaskFormatError
-from agentrl.tasks.compose import COMPOSE_FILE, ComposeSpec, load_compose
+from agentrl.tasks.compose import COMPOSE_FILE, ComposeSpec, Service, load_compose
 from agentrl.tasks.config import (
     ArtifactConfig,
     EnvironmentConfig,
@@ -178,6 +179,41 @@ class Task:
     def root(self) -> Task:
         """The task directory's own task (a step's parent)."""
         return self
+
+    def service_task(self, service: Service) -> EnvironmentView:
+        """A compose service's image as a task a provider builds: its build context, or its
+        `image` (with a one-line Dockerfile beside it under `$AGENTRL_CACHE`, so an image neither
+        local nor pullable is served by an offline stand-in like any `FROM`)."""
+        context = service.build_context
+        if context is None:
+            assert service.image is not None
+            cache = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+            context = cache / "compose-images" / hashlib.sha256(service.image.encode()).hexdigest()[:16]
+            context.mkdir(parents=True, exist_ok=True)
+            (context / "Dockerfile").write_text(f"FROM {service.image}\n")
+        env = self.config.environment
+        return EnvironmentView(
+            self.path,
+            of=self,
+            context=context,
+            environment=replace(env, docker_image=service.image if service.build_context is None else None),
+            suffix=service.name,
+            dockerfile_name=service.dockerfile,
+        )
+
+    def environments(self) -> list[tuple[str, Task]]:
+        """Every image the task builds, named: its own, its compose services', its separate
+        verifiers' (the task's and each step's)."""
+        out: list[tuple[str, Task]] = [("environment", self)]
+        if self.compose is not None:
+            out += [(f"service {s.name}", self.service_task(s)) for s in self.compose.sidecars]
+        seen: set[Path | None] = set()
+        for phase in [self, *self.steps]:
+            view = phase.verifier_task
+            if view is not None and view.context not in seen:
+                seen.add(view.context)
+                out.append(("verifier", view))
+        return out
 
     @property
     def verifier_mode(self) -> str:

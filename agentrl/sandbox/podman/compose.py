@@ -16,19 +16,15 @@ alive itself, as Harbor's base file does).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-import os
 import time
-from dataclasses import replace
-from pathlib import Path
 from typing import Protocol
 
 from agentrl.sandbox.base import SandboxCreateError, tail
 from agentrl.sandbox.podman.cli import run_cli
 from agentrl.tasks.compose import MAIN, ComposeSpec, Service
-from agentrl.tasks.task import EnvironmentView, Task
+from agentrl.tasks.task import Task
 
 
 class PodmanProvider(Protocol):
@@ -43,28 +39,6 @@ class PodmanProvider(Protocol):
 
 
 log = logging.getLogger(__name__)
-
-
-def service_view(task: Task, service: Service) -> EnvironmentView:
-    """The service's image as a task the provider builds: its build context, or its `image`
-    (with a one-line Dockerfile beside it, so an image neither local nor pullable is served by
-    an offline stand-in like any `FROM`)."""
-    context = service.build_context
-    if context is None:
-        assert service.image is not None
-        cache = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
-        context = cache / "compose-images" / hashlib.sha256(service.image.encode()).hexdigest()[:16]
-        context.mkdir(parents=True, exist_ok=True)
-        (context / "Dockerfile").write_text(f"FROM {service.image}\n")
-    env = task.config.environment
-    return EnvironmentView(
-        task.path,
-        of=task,
-        context=context,
-        environment=replace(env, docker_image=service.image if service.build_context is None else None),
-        suffix=service.name,
-        dockerfile_name=service.dockerfile,
-    )
 
 
 def main_args(spec: ComposeSpec, pod: str, volumes: dict[str, str]) -> list[str]:
@@ -124,7 +98,7 @@ async def start_services(
             if rank[cond] >= rank.get(wanted.get(dep, ""), -1):
                 wanted[dep] = cond
     for svc in spec.sidecars:
-        image = await provider.image_for(service_view(task, svc))
+        image = await provider.image_for(task.service_task(svc))
         name = f"{pod}-{svc.name}"
         args = ["run", "-d", "--name", name, "--pod", pod, *labels, "--pids-limit", str(provider.pids_limit)]
         if provider._podman:

@@ -48,6 +48,7 @@ from agentrl.sandbox.podman.cli import (
 )
 from agentrl.sandbox.podman.sandbox import PodmanSandbox
 from agentrl.sandbox.terminal import INSTALL_TMUX, NO_TMUX
+from agentrl.tasks.compose import MAIN
 from agentrl.tasks.config import resolve_env_templates
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class PodmanProvider(SandboxProvider):
         provider: every later episode of the task starts without asking the image store again
         (four or five CLI calls, about 0.2 s of CPU each episode on a 2-core machine)."""
         if task.compose is not None:  # a multi-container task: the agent's is service `main`
-            task = compose.service_view(task, task.compose.services[compose.MAIN])
+            task = task.service_task(task.compose.services[MAIN])
         key = _environment_key(task)
         if (failed := self._failed_builds.get(key)) is not None:
             raise copy.copy(failed)  # the same error, a fresh traceback
