@@ -165,6 +165,15 @@ async def test_a_multi_step_task_evaluates_with_harbors_step_results(tmp_path: P
         "mode": None,
         "steps": [["write", {"reward": 1.0}], ["append", {"reward": 0.0}]],
     }
+    (trial_dir,) = [d for d in (tmp_path / "jobs" / "job").iterdir() if d.is_dir()]
+    steps = trial_dir / "steps"
+    assert (steps / "write" / "verifier" / "reward.txt").read_text() == "1\n"
+    assert (steps / "append" / "verifier" / "reward.txt").read_text() == "0\n"
+    assert "passed" in (steps / "write" / "verifier" / "test-stdout.txt").read_text()
+    assert (
+        json.loads((steps / "append" / "artifacts" / "manifest.json").read_text())[0]["source"]
+        == "/logs/artifacts"
+    )
 
 
 # Runs in the harbor venv: Harbor's own LLM client (LiteLLM, as Terminus-2 calls it with

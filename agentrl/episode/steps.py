@@ -94,6 +94,7 @@ async def run_phases(
                     "cause": v.cause,
                     "agent_s": outcome.run.timings.get("agent_s") if outcome.run else None,
                     "verifier_s": v.duration_s,
+                    "log_tail": v.log_tail,
                 },
             )
         if not isinstance(phase, TaskStep) or v.policy_failure or v.infra_failure:

@@ -15,6 +15,8 @@ Layout (Harbor 0.25's `harbor/job.py`, `harbor/models/trial/paths.py`)::
             agent/trajectory.json    ATIF-v1.6 (Harbor's `harbor/models/trajectories`)
             agent/<episode record>.jsonl   agentrl's episode record (replayable)
             verifier/test-stdout.txt, verifier/reward.txt | reward.json
+            artifacts/         the task's artifacts as collected, and manifest.json
+            steps/<name>/verifier/, steps/<name>/artifacts/   a multi-step task's, per step
 
 Semantics follow Harbor where they can: `result.json` of the job holds Harbor's statistics (its
 `Mean` metric and its pass@k, where a trial without a reward counts 0), while `agentrl-eval.json`
@@ -330,6 +332,18 @@ def _summary_steps(summary: dict[str, Any], done: int, clock: datetime) -> list[
 # --- job and trials ----------------------------------------------------------------------------
 
 
+def _write_verifier(where: Path, tail: str | None, rewards: dict[str, float] | None) -> None:
+    """A verifier directory as Harbor downloads it: the test output's tail and the reward file."""
+    where.mkdir(parents=True, exist_ok=True)
+    if tail:
+        (where / "test-stdout.txt").write_text(tail, encoding="utf-8")
+    if rewards is not None:
+        if list(rewards) == ["reward"]:
+            (where / "reward.txt").write_text(f"{rewards['reward']:g}\n", encoding="utf-8")
+        else:
+            _write_json(where / "reward.json", rewards)
+
+
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=4, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
@@ -583,14 +597,11 @@ class Trial:
             _write_json(self.agent_dir / "trajectory.json", trajectory)
             final = trajectory["final_metrics"]
             n_in, n_out = final.get("total_prompt_tokens"), final.get("total_completion_tokens")
-        tail = result_line.get("verifier_log_tail")
-        if tail:
-            (self.verifier_dir / "test-stdout.txt").write_text(tail, encoding="utf-8")
-        if rewards is not None:
-            if list(rewards) == ["reward"]:
-                (self.verifier_dir / "reward.txt").write_text(f"{rewards['reward']:g}\n", encoding="utf-8")
-            else:
-                _write_json(self.verifier_dir / "reward.json", rewards)
+        _write_verifier(self.verifier_dir, result_line.get("verifier_log_tail"), rewards)
+        for step in (record or {}).get("steps") or []:
+            if step.get("name"):  # Harbor's steps/<name>/verifier/ (artifacts/ is the episode's)
+                where = self.dir / "steps" / str(step["name"]) / "verifier"
+                _write_verifier(where, step.get("log_tail"), step.get("rewards"))
         t0 = self.started_at
         create_s = timings.get("create_s")
         agent_s = timings.get("agent_s")
