@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Host set-up for local sandboxes: podman + runc + the configuration this kernel needs.
+# Host set-up for local sandboxes: podman + runc + the configuration this kernel needs (nft and
+# nsenter: a sandbox's network phase switch is set from the host, `PodmanSandbox.set_network`).
 # Idempotent: installs only what is missing, writes the config only if it is not there yet.
 set -euo pipefail
 
 need=()
-for bin in podman buildah runc fuse-overlayfs newuidmap debootstrap; do
+for bin in podman buildah runc fuse-overlayfs newuidmap debootstrap nft nsenter; do
   command -v "$bin" >/dev/null 2>&1 || need+=("$bin")
 done
 if ((${#need[@]})); then
-  echo "setup_host: installing podman buildah runc fuse-overlayfs uidmap debootstrap (missing: ${need[*]})"
+  echo "setup_host: installing podman buildah runc fuse-overlayfs uidmap debootstrap nftables (missing: ${need[*]})"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq podman buildah runc fuse-overlayfs uidmap debootstrap >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq podman buildah runc fuse-overlayfs uidmap debootstrap nftables util-linux >/dev/null
 fi
 
 # Hybrid cgroups and a shell that cannot raise hard rlimits: crun fails on both, runc with lowered

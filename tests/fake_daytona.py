@@ -140,7 +140,8 @@ class PodmanRuntime:
                 '  oifname "lo" accept\n }\n}\n'
             )
         proc = await asyncio.create_subprocess_exec(
-            "nsenter", "-t", out.strip(), "-n", "nft", "-f", "-",
+            shutil.which("nsenter") or "/usr/bin/nsenter", "-t", out.strip(), "-n",
+            shutil.which("nft") or "/usr/sbin/nft", "-f", "-",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         _, nft_err = await proc.communicate(script.encode())

@@ -92,7 +92,7 @@ def provider_on(server: FakeDaytonaServer, **options) -> DaytonaProvider:
 # -- the fake cannot drift from the SDK -------------------------------------------------------------
 SURFACE = [
     (FakeAsyncDaytona, AsyncDaytona, ["create", "delete", "get", "list", "close"]),
-    (FakeAsyncSandbox, AsyncSandbox, ["delete", "refresh_activity"]),
+    (FakeAsyncSandbox, AsyncSandbox, ["delete", "refresh_activity", "update_network_settings"]),
     (
         FakeAsyncProcess,
         AsyncProcess,
@@ -105,7 +105,7 @@ SURFACE = [
             "delete_session",
         ],
     ),
-    (FakeAsyncFileSystem, AsyncFileSystem, ["upload_files", "download_files", "list_files"]),
+    (FakeAsyncFileSystem, AsyncFileSystem, ["upload_files", "download_files", "list_files", "get_file_info"]),
 ]
 
 

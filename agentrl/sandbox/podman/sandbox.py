@@ -526,8 +526,14 @@ class PodmanSandbox(Sandbox):
                 "table inet agentrl_phase {\n chain out {\n  type filter hook output priority 0; policy drop;\n"
                 '  oifname "lo" accept\n }\n}\n'
             )
+        nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
+        nft = shutil.which("nft") or "/usr/sbin/nft"
+        if not (os.path.exists(nsenter) and os.path.exists(nft)):
+            raise SandboxError(
+                f"switching the network of {self.sandbox_id} needs nft and nsenter on the host: run `make host`"
+            )
         proc = await asyncio.create_subprocess_exec(
-            "nsenter", "-t", str(self._init_pid), "-n", "nft", "-f", "-",
+            nsenter, "-t", str(self._init_pid), "-n", nft, "-f", "-",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         _, err = await asyncio.wait_for(proc.communicate(script.encode()), 60)
