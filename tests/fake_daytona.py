@@ -55,11 +55,21 @@ from daytona.common.process import ExecutionArtifacts, SessionCommandLogsRespons
 from daytona_toolbox_api_client_async import Command, FileInfo
 from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
 
+from agentrl.sandbox.base import SandboxError
 from agentrl.sandbox.images import serve_offline
-from agentrl.sandbox.podman import run_cli
+from agentrl.sandbox.podman import netns, run_cli
 
 FAKE_LABEL = "agentrl-fake-daytona"
 DAEMON_START = 'cp "$(command -v sleep)" /tmp/.daytona-daemon && exec /tmp/.daytona-daemon infinity'
+
+
+def firewall(block_all: bool | None, nets: str | None, domains: str | None) -> tuple[str, ...] | None:
+    """What the runner lets out: None everything; else these addresses and ranges (an allow list
+    implies not blocking all; no list and `block_all` blocks everything)."""
+    if nets or domains:
+        names = tuple(d for d in (domains or "").split(",") if d)
+        return tuple(n for n in (nets or "").split(",") if n) + netns.allowed_addresses(names)
+    return () if block_all else None
 
 
 class PodmanRuntime:
@@ -126,27 +136,24 @@ class PodmanRuntime:
         rc, _, err = await run_cli(self.cli, *args, timeout=120)
         if rc != 0:
             raise DaytonaError(f"Sandbox failed to start: {err[-500:]}")
-        await self.block_network(name, bool(params.network_block_all))
+        await self.block_network(
+            name, firewall(params.network_block_all, params.network_allow_list, params.domain_allow_list)
+        )
         return name
 
-    async def block_network(self, container: str, block: bool) -> None:
+    async def block_network(self, container: str, allow: tuple[str, ...] | None) -> None:
+        """The runner's firewall, from the host: `allow` None opens the network, else only the
+        addresses and ranges in it (the real runner matches domains by name; the fake resolves
+        them on the host, the podman backend's rules: `agentrl.sandbox.podman.netns`)."""
         rc, out, err = await run_cli(self.cli, "inspect", "-f", "{{.State.Pid}}", container, timeout=60)
         if rc != 0 or not out.strip().isdigit():
             raise DaytonaError(f"sandbox is not running: {err.strip()}")
-        script = "table inet fake_daytona\ndelete table inet fake_daytona\n"
-        if block:
-            script += (
-                "table inet fake_daytona {\n chain out {\n  type filter hook output priority 0; policy drop;\n"
-                '  oifname "lo" accept\n }\n}\n'
-            )
-        proc = await asyncio.create_subprocess_exec(
-            shutil.which("nsenter") or "/usr/bin/nsenter", "-t", out.strip(), "-n",
-            shutil.which("nft") or "/usr/sbin/nft", "-f", "-",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, nft_err = await proc.communicate(script.encode())
-        if proc.returncode != 0:
-            raise DaytonaError(f"runner: network settings not applied: {nft_err.decode()[-300:]}")
+        pid = int(out.strip())
+        script = netns.egress_script("fake_daytona", allow, netns.resolvers(pid) if allow else ())
+        try:
+            await netns.apply(pid, script, what=container)
+        except SandboxError as exc:
+            raise DaytonaError(f"runner: network settings not applied: {exc}") from exc
 
     async def remove(self, container: str) -> None:
         await run_cli(self.cli, "rm", "-f", "-t", "0", container, timeout=120)
@@ -288,7 +295,7 @@ class FakeAsyncSandbox:
         request_timeout: float | None = None,
     ) -> None:
         """As the SDK's: one of the three must be set (`DaytonaValidationError`); an allow list
-        implies not blocking all (the fake enforces none: it opens the network)."""
+        implies not blocking all; the fake enforces the lists by address."""
         if network_block_all is None and network_allow_list is None and domain_allow_list is None:
             raise DaytonaValidationError(
                 "At least one of network_block_all, network_allow_list or domain_allow_list must be set"
@@ -296,7 +303,9 @@ class FakeAsyncSandbox:
         self.server.network_updates.append((self.id, network_block_all, domain_allow_list))
         block = bool(network_block_all) and network_allow_list is None and domain_allow_list is None
         runtime, container = self.runtime()
-        await runtime.block_network(container, block)
+        await runtime.block_network(
+            container, firewall(network_block_all, network_allow_list, domain_allow_list)
+        )
         self.network_block_all, self.domain_allow_list = block, domain_allow_list
 
     def runtime(self) -> tuple[PodmanRuntime, str]:

@@ -121,6 +121,23 @@ class SandboxContract:
         assert (out / "top.txt").read_text() == "top\n"
         assert (out / "sub" / "deep.txt").read_text() == "deep\n"
 
+    async def test_bounded_download_lands_under_a_new_directory(
+        self, sandbox: Sandbox, tmp_path: Path
+    ) -> None:
+        """The artifacts' path: a file and a directory each copied to a host path whose parents do
+        not exist yet; a missing source is `FileNotFoundError`."""
+        src = tmp_path / "src"
+        (src / "d").mkdir(parents=True)
+        (src / "f.txt").write_text("f\n")
+        (src / "d" / "g.txt").write_text("g\n")
+        await sandbox.upload(src, "/tmp/art")
+        await sandbox.download("/tmp/art/f.txt", tmp_path / "a" / "b" / "f.txt", limit_bytes=1 << 20)
+        await sandbox.download("/tmp/art/d", tmp_path / "c" / "d", limit_bytes=1 << 20)
+        assert (tmp_path / "a" / "b" / "f.txt").read_text() == "f\n"
+        assert (tmp_path / "c" / "d" / "g.txt").read_text() == "g\n"
+        with pytest.raises(FileNotFoundError):
+            await sandbox.download("/tmp/art/none", tmp_path / "e" / "none", limit_bytes=1 << 20)
+
     async def test_close_is_idempotent_and_final(self, provider: SandboxProvider, task) -> None:
         sb = await provider.create(task, run_id="contract")
         assert provider.live_sandboxes() == 1

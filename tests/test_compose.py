@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -161,6 +162,56 @@ async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: 
         await provider.aclose()
     assert result.verify.reward == 1.0, result.verify.log_tail  # the tests asked the service too
     assert result.run.turns[0].outputs[1].stdout.strip() == "closed"
+    assert provider.live_sandboxes() == 0 and _pods() == []
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+async def test_collect_hooks_and_artifacts_of_another_service(tmp_path: Path) -> None:
+    """Harbor's sidecar pass: a hook runs in `db` (not in main), and `db`'s file lands in the
+    artifacts beside main's, each entry naming its service; a service's file too large is marked
+    failed, never copied."""
+    task_dir = tmp_path / "kv"
+    shutil.copytree(TASK, task_dir)
+    toml = (task_dir / "task.toml").read_text()
+    (task_dir / "task.toml").write_text(
+        'artifacts = [{source = "/srv/state.txt", service = "db"}, {source = "/srv/big", service = "db"},'
+        ' "/app/note.txt"]\n'
+        + toml
+        + '\n[[verifier.collect]]\ncommand = "hostname > /srv/state.txt; test -e /app || echo no-app >> /srv/state.txt;'
+        ' truncate -s 300G /srv/big"\nservice = "db"\n'
+    )
+    solve = (TASK / "solution" / "solve.sh").read_text().split("\n", 1)[1]
+    tok = byte_tokenizer()
+    provider = PodmanProvider()
+    out = tmp_path / "trial" / "artifacts"
+    try:
+        result = await run_episode(
+            load_task(task_dir),
+            provider=provider,
+            engine=ScriptedEngine(
+                _script("bash /dev/stdin <<'EOS'\n" + solve + "EOS", "echo mine > /app/note.txt"), tok
+            ),
+            renderer=ChatRenderer(tok),
+            config=EpisodeConfig(
+                agent=AgentConfig(
+                    max_turns=3, max_new_tokens=4096, max_total_tokens=32768, terminal="commands"
+                ),
+                sampling=SamplingParams(max_new_tokens=4096),
+            ),
+            run_id="compose-artifacts",
+            artifacts_dir=out,
+        )
+    finally:
+        await provider.aclose()
+    assert result.verify.reward == 1.0, result.verify.log_tail
+    assert "no-app" in (out / "srv" / "state.txt").read_text()  # the hook ran in db, which has no /app
+    assert (out / "app" / "note.txt").read_text() == "mine\n"
+    manifest = {e["source"]: e for e in json.loads((out / "manifest.json").read_text())}
+    assert manifest["/srv/state.txt"]["service"] == "db" and manifest["/srv/state.txt"]["status"] == "ok"
+    assert manifest["/srv/big"]["status"] == "failed" and not (out / "srv" / "big").exists()
+    assert manifest["/app/note.txt"]["service"] is None
     assert provider.live_sandboxes() == 0 and _pods() == []
 
 

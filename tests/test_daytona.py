@@ -30,6 +30,7 @@ from daytona.common.errors import DaytonaConnectionError
 from daytona_api_client_async.models import ListSandboxesResponse, SandboxListItem
 from daytona_api_client_async.models import Sandbox as SandboxDto
 
+from agentrl.errors import InputError
 from agentrl.sandbox.base import (
     ImageBuildError,
     SandboxCreateError,
@@ -174,9 +175,22 @@ def test_resources_round_up_and_network_follows_the_task(tmp_path) -> None:
     assert params.resources == Resources(cpu=3, memory=3, disk=11)
     assert params.network_block_all is False
     assert (params.auto_stop_interval, params.ttl_minutes) == (30, 90)
-    allow = make_task(tmp_path, "allow", 'allowed_hosts = ["pypi.org", "files.pythonhosted.org"]')
+    allow = make_task(
+        tmp_path,
+        "allow",
+        'network_mode = "allowlist"\nallowed_hosts = ["PyPI.org.", "*.pythonhosted.org", "10.1.2.3", "10.8.0.0/16"]',
+    )
     p = provider.params_for(allow, "r")
-    assert (p.network_block_all, p.domain_allow_list) == (False, "pypi.org,files.pythonhosted.org")
+    assert (p.network_block_all, p.domain_allow_list, p.network_allow_list) == (
+        False,
+        "pypi.org,*.pythonhosted.org",
+        "10.1.2.3/32,10.8.0.0/16",
+    )
+    nothing = make_task(tmp_path, "nothing", 'network_mode = "allowlist"')
+    assert provider.params_for(nothing, "r").network_block_all is True
+    v6 = make_task(tmp_path, "v6", 'network_mode = "allowlist"\nallowed_hosts = ["2001:db8::1"]')
+    with pytest.raises(InputError, match="IPv4 ranges only"):
+        provider.params_for(v6, "r")
     forced = provider_on(FakeDaytonaServer(), allow_network=False).params_for(big, "r")
     assert forced.network_block_all is True
 

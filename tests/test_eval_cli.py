@@ -278,3 +278,41 @@ def test_agentrl_help_lists_eval_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "eval" in out.stdout
+
+
+def test_a_steps_trajectory_takes_its_own_turns_and_their_tokens() -> None:
+    """A multi-step episode's turns number from 0 again in every step, while its samples run over
+    the whole episode: step 1's trajectory has step 1's turns with the tokens at their position."""
+    from agentrl.eval.harbor_job import TrajectoryInfo
+
+    def turn(step: int, index: int, text: str) -> dict[str, Any]:
+        return {
+            "index": index,
+            "step": step,
+            "model_text": text,
+            "action": {"commands": []},
+            "observation": "",
+        }
+
+    # one sample, three generated runs (turns): step 0 turn 0, step 1 turns 0 and 1
+    sample = {
+        "tokens": [1, 2, 10, 11, 3, 20, 4, 30, 31, 32],
+        "prompt_length": 2,
+        "loss_mask": [1, 1, 0, 1, 0, 1, 1, 1],
+        "rollout_logprobs": [-0.1] * 8,
+    }
+    record = {
+        "header": {"session_id": "s", "action_format": "terminus-json", "created_at": 0.0},
+        "turns": [turn(0, 0, "first"), turn(1, 0, "second"), turn(1, 1, "third")],
+        "summaries": [{"before_turn": 1, "step": 1, "prompt": "summed up", "index": 1}],
+        "result": {"samples": [sample]},
+    }
+    info = TrajectoryInfo("m", "0", lambda r: [{"role": "user", "content": r.get("step_name", "task")}])
+    one = build_trajectory({**record, "step_name": "b"}, info, step_index=1)
+    assert [s["source"] for s in one["steps"]] == ["user", "agent", "system", "user", "agent"]
+    assert [s["message"] for s in one["steps"] if s["source"] == "agent"] == ["second", "third"]
+    agents = [s for s in one["steps"] if s["source"] == "agent"]
+    assert [a["metrics"]["completion_token_ids"] for a in agents] == [[20], [30, 31, 32]]
+    assert one["final_metrics"]["total_completion_tokens"] == 4
+    whole = build_trajectory(record, info)
+    assert [s["message"] for s in whole["steps"] if s["source"] == "agent"] == ["first", "second", "third"]

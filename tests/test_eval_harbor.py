@@ -129,6 +129,7 @@ import json, sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
 from harbor.models.trial.result import TrialResult
+from harbor.models.trajectories.trajectory import Trajectory
 job = Path(sys.argv[1]) / sys.argv[2]
 out = []
 for d in sorted(p for p in job.iterdir() if p.is_dir()):
@@ -137,6 +138,15 @@ for d in sorted(p for p in job.iterdir() if p.is_dir()):
         "rewards": tr.verifier_result.rewards if tr.verifier_result else None,
         "mode": tr.verifier_environment_mode,
         "steps": [(s.step_name, s.verifier_result.rewards if s.verifier_result else None) for s in tr.step_results or []],
+        "agents": {
+            s.step_name: {
+                "sources": [x.source for x in t.steps],
+                "first": t.steps[1].message if len(t.steps) > 1 else t.steps[0].message,
+            }
+            for s in tr.step_results or []
+            for t in [Trajectory.model_validate_json((d / "steps" / s.step_name / "agent" / "trajectory.json").read_text())]
+        },
+        "root_trajectory": (d / "agent" / "trajectory.json").exists(),
     })
 print(json.dumps(out))
 """
@@ -160,11 +170,20 @@ async def test_a_multi_step_task_evaluates_with_harbors_step_results(tmp_path: P
         summary = await run_harbor_eval(settings)
     assert summary is not None and summary["unscored"] == 0
     (trial,) = harbor_check(tmp_path / "jobs", "job", HARBOR_STEPS_CHECK)
+    agents = trial.pop("agents")
     assert trial == {
         "rewards": {"reward": 0.5},
         "mode": None,
         "steps": [["write", {"reward": 1.0}], ["append", {"reward": 0.0}]],
+        "root_trajectory": False,  # Harbor's multi-step layout: a trajectory per step, none at the root
     }
+    # each step's own conversation, opened by its own instruction
+    assert agents["write"]["sources"][-2:] == ["agent", "agent"] and agents["append"]["sources"][-2:] == [
+        "agent",
+        "agent",
+    ]
+    assert "holding exactly one line" in agents["write"]["first"] and "inbox" in agents["append"]["first"]
+    assert "inbox" not in agents["write"]["first"]
     (trial_dir,) = [d for d in (tmp_path / "jobs" / "job").iterdir() if d.is_dir()]
     steps = trial_dir / "steps"
     assert (steps / "write" / "verifier" / "reward.txt").read_text() == "1\n"

@@ -247,6 +247,38 @@ async def test_build_failure_is_typed_with_the_log_tail() -> None:
     assert builds == [] and str(again.value) == str(err.value)
 
 
+async def test_a_failed_build_leaves_no_layers(tmp_path: Path) -> None:
+    """The layers of the steps that built before the failing one are pruned (they would pile up
+    with every failed build of every task); an image built on shared layers keeps them."""
+    task_dir = tmp_path / "fails-late"
+    shutil.copytree(FIXTURES / "build-fails", task_dir)
+    marker = uuid.uuid4().hex
+    (task_dir / "environment" / "Dockerfile").write_text(
+        f"FROM debian:bookworm-slim\nRUN echo {marker} > /one\nRUN echo two > /two\nRUN exit 3\n"
+    )
+
+    def layers(build_id: str) -> list[str]:
+        out = subprocess.run(
+            [CLI, "images", "-a", "-q", "--filter", f"label=agentrl.build={build_id}"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return out.stdout.split()
+
+    provider = PodmanProvider(cli=CLI)
+    seen: list[tuple[str, int]] = []
+    prune = provider._prune_build
+
+    async def watched(build_id: str) -> None:
+        seen.append((build_id, len(layers(build_id))))
+        await prune(build_id)
+
+    provider._prune_build = watched  # type: ignore[method-assign]
+    with pytest.raises(ImageBuildError):
+        await provider.create(load_task(task_dir), run_id="buildprune")
+    ((build_id, left),) = seen
+    assert left == 2 and layers(build_id) == []  # the two good steps' layers were there, and are gone
+
+
 async def test_docker_image_is_used_directly(tmp_path: Path) -> None:
     path = tmp_path / "prebuilt"
     shutil.copytree(FIXTURES / "write-hello", path)

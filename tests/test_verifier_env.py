@@ -126,10 +126,13 @@ def test_artifacts_at_the_top_level() -> None:
     assert not c.unknown_keys
 
 
-def test_a_collect_hook_outside_main_is_refused(tmp_path: Path) -> None:
+def test_a_hook_or_artifact_of_a_service_the_task_lacks_is_refused(tmp_path: Path) -> None:
     task = load_task(_task(tmp_path, '[[verifier.collect]]\ncommand = "x"\nservice = "db"\n'))
-    with pytest.raises(TaskFormatError, match="hooks in `main` only"):
+    with pytest.raises(TaskFormatError, match="'db' is not a service of the task"):
         task.check_runnable()
+    art = load_task(_task(tmp_path / "b", 'artifacts = [{source = "/x", service = "cache"}]\n'))
+    with pytest.raises(TaskFormatError, match=r"artifacts\.service"):
+        art.check_runnable()
 
 
 def _tar(entries: list[tuple[str, bytes | None, int]]) -> io.BytesIO:
@@ -162,3 +165,50 @@ def test_untar_bounded_keeps_files_and_dirs_inside_and_stops_at_the_limit(tmp_pa
     with pytest.raises(SandboxPolicyError, match="too large") as err:
         untar_bounded(_tar([("big", b"x" * 101, 0)]), tmp_path / "d2", 100, "/big", single=True)
     assert err.value.cause == "artifact_too_large"
+
+
+def test_allowed_hosts_are_normalised_and_refused_as_harbor_does() -> None:
+    from agentrl.tasks.config import host_kind
+
+    c = parse_task_config(
+        '[environment]\nnetwork_mode = "allowlist"\n'
+        'allowed_hosts = [" PyPI.org. ", "*.Example.com", "10.0.0.1", "2001:DB8:0:0::1", "10.8.0.0/16", "pypi.org"]\n'
+        '[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["api.example.com"]\n'
+    )
+    hosts = c.environment.allowed_hosts
+    assert hosts == ("pypi.org", "*.example.com", "10.0.0.1", "2001:db8::1", "10.8.0.0/16")
+    assert [host_kind(h) for h in hosts] == [
+        "hostname", "wildcard-hostname", "ipv4-address", "ipv6-address", "ipv4-cidr",
+    ]  # fmt: skip
+    assert c.phase_hosts("agent") == ("api.example.com",) and c.phase_hosts("verifier") == hosts
+    for bad in (
+        "https://pypi.org",
+        "pypi.org:443",
+        "10.0.0.1/8",
+        "a*.b.com",
+        "*.10.0.0.1",
+        "fe80::1%eth0",
+        "-x.com",
+    ):
+        with pytest.raises(TaskFormatError, match="allowed_hosts"):
+            parse_task_config(f'[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["{bad}"]\n')
+    with pytest.raises(TaskFormatError, match="only valid with network_mode = 'allowlist'"):
+        parse_task_config('[environment]\nallowed_hosts = ["pypi.org"]\n')
+    # an allowlist of nothing is valid, and reaches nothing
+    assert parse_task_config('[verifier]\nnetwork_mode = "allowlist"\n').phase_hosts("verifier") == ()
+
+
+def test_the_allowlist_rules_name_loopback_the_resolvers_and_the_addresses() -> None:
+    from agentrl.errors import InputError
+    from agentrl.sandbox.podman import netns
+
+    script = netns.egress_script("t", ("10.0.0.1", "10.8.0.0/16", "2001:db8::1"), ("10.255.255.53",))
+    assert "policy drop" in script and 'oifname "lo" accept' in script
+    assert "ip daddr 10.255.255.53 udp dport 53 accept" in script
+    assert "ip daddr 10.8.0.0/16 accept" in script and "ip6 daddr 2001:db8::1 accept" in script
+    assert "policy drop" not in netns.egress_script("t", None)  # public: the table only deleted
+    assert "accept" not in netns.egress_script("t", ()).replace('oifname "lo" accept', "")
+    assert "127.0.0.1" in netns.allowed_addresses(("localhost",))  # resolved on the host
+    assert netns.allowed_addresses(("no-such-host.invalid", "10.0.0.1")) == ("10.0.0.1",)
+    with pytest.raises(InputError, match="wildcard"):
+        netns.allowed_addresses(("*.example.com",))

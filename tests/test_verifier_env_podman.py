@@ -175,3 +175,111 @@ async def test_the_verifier_phase_gets_its_own_network_policy(tmp_path: Path, ba
         listener.close()
     assert result.verify.reward == 1.0, result.verify.log_tail
     assert seen == [b"verifier\n"]  # the agent's attempt never arrived
+
+
+def _other_host_address() -> str | None:
+    """An address of this host other than podman's bridge (reached through the bridge too)."""
+    import subprocess
+
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=False).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[1] != "lo" and not parts[3].startswith("10.88."):
+            return parts[3].split("/")[0]
+    return None
+
+
+@pytest.mark.parametrize("phase", ["agent", "verifier"])
+async def test_an_allowlist_reaches_its_addresses_and_nothing_else(tmp_path: Path, phase: str) -> None:
+    """Harbor's `allowlist` on podman: the phase reaches the allowed address (the bridge's), and
+    not another address of the same host; the other phase, closed, reaches neither."""
+    import socket
+    import threading
+
+    other = _other_host_address()
+    if other is None:
+        pytest.skip("this host has no address besides loopback and podman's bridge")
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    seen: list[bytes] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                conn, _ = listener.accept()
+                seen.append(conn.recv(64))
+                conn.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def probe(who: str) -> str:
+        return " ; ".join(
+            f"(timeout 5 bash -c 'echo {who}-{addr} > /dev/tcp/{addr}/{port}' && echo {addr} open || echo {addr} blocked)"
+            for addr in ("10.88.0.1", other)
+        )
+
+    d = tmp_path / "allow"
+    (d / "environment").mkdir(parents=True)
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (d / "tests").mkdir()
+    (d / "tests" / "test.sh").write_text(
+        f"#!/bin/bash\n{{ {probe('verifier')} ; }} > /logs/verifier/seen.txt\necho 1 > /logs/verifier/reward.txt\n"
+    )
+    (d / "instruction.md").write_text("Try the network.\n")
+    allow = 'network_mode = "allowlist"\nallowed_hosts = ["10.88.0.1"]\n'
+    (d / "task.toml").write_text(
+        f'[environment]\n{allow}[verifier]\nnetwork_mode = "no-network"\n'
+        if phase == "agent"
+        else f'[environment]\nnetwork_mode = "no-network"\n[verifier]\n{allow}'
+    )
+    try:
+        result = await _episode(d, tmp_path, f"{{ {probe('agent')} ; }} > /app/agent.txt")
+    finally:
+        listener.close()
+    assert result.verify.reward == 1.0, result.verify.log_tail
+    assert sorted(seen) == [f"{phase}-10.88.0.1\n".encode()]
+
+
+async def test_a_wildcard_allowlist_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from agentrl.errors import InputError
+
+    d = tmp_path / "wild"
+    shutil.copytree(TASK, d)
+    toml = (d / "task.toml").read_text()
+    (d / "task.toml").write_text(
+        toml.replace("[agent]\n", '[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["*.pypi.org"]\n')
+    )
+    provider = PodmanProvider()
+    with pytest.raises(InputError, match="wildcard"):
+        await provider.create(load_task(d), run_id="wild")
+    assert provider.live_sandboxes() == 0
+
+
+@pytest.mark.parametrize("command", ["test -f /tests/test.sh", "test -f /app/sales.csv"])
+async def test_the_verifier_environments_own_healthcheck_runs_before_the_artifacts(
+    tmp_path: Path, command: str
+) -> None:
+    """`[verifier.environment.healthcheck]` runs in the verifier's environment (its image has the
+    tests, not the agent's files), before anything of the agent's is in it: a failing one is the
+    environment's failure, never a reward."""
+    from agentrl.episode.healthcheck import HealthcheckError
+
+    d = tmp_path / "hc"
+    shutil.copytree(TASK, d)
+    toml = (d / "task.toml").read_text()
+    (d / "task.toml").write_text(
+        toml.replace(
+            "[[verifier.collect]]",
+            f'[verifier.environment.healthcheck]\ncommand = "{command}"\nretries = 1\ninterval_sec = 0.1\n\n[[verifier.collect]]',
+        )
+    )
+    if command.endswith("test.sh"):
+        assert (await _episode(d, tmp_path, SOLVE)).verify.reward == 1.0
+        return
+    with pytest.raises(HealthcheckError, match=r"sales\.csv"):
+        await _episode(d, tmp_path, SOLVE)

@@ -1,9 +1,9 @@
 """Episode records: one JSONL file per episode, written while it runs and read by everything after.
 
 A record is a `header` line (task, session, formats, `version`), optionally a `terminal` line (the
-initial screen), one `turn` line per turn (a `summary` line before a turn whose prompt a context
-summary replaced; a multi-step task's turns carry their `step`, each step opened by a `step` line
-and closed by a `step_result` line), then one `result` line with the reward, the outcome and
+initial screen; a multi-step task has one per step), one `turn` line per turn (a `summary` line
+before a turn whose prompt a context summary replaced; a multi-step task's turns and summaries
+carry their `step`, each step opened by a `step` line and closed by a `step_result` line), then one `result` line with the reward, the outcome and
 the training samples (`Sample.to_dict()`). `Recorder` writes it; `read_record` is the one reader
 (replay, the dashboard, Harbor trajectories); `load_samples` turns records, or plain sample rows,
 into training samples (SFT on good episodes, train-only replays).
@@ -91,6 +91,10 @@ def read_record(path: Path, *, tolerant: bool = False) -> EpisodeRecord:
                 record.steps[-1].update({k: v for k, v in row.items() if k != "index"})
             elif kind == "result":
                 record.result = row
+            elif kind == "terminal":  # the first is the episode's; each step's is its step's too
+                if record.steps:
+                    record.steps[-1]["initial_state"] = row.get("initial_state")
+                record.other.setdefault("terminal", row)
             else:
                 record.other[str(kind)] = row
     if not seen_header and not tolerant:

@@ -209,12 +209,13 @@ async def run_episode(
                 runs.append(run)
                 timings.update({f: timings.get(f, 0.0) + v for f, v in run.timings.items()})
                 if recorder is not None:
-                    if run.initial_state is not None and k == 0:
-                        recorder.write("terminal", {"initial_state": run.initial_state})
+                    mark = {"step": k} if isinstance(phase, TaskStep) else {}
+                    if run.initial_state is not None:  # each step's agent starts on its own screen
+                        recorder.write("terminal", {"initial_state": run.initial_state, **mark})
                     for turn in run.turns:
                         for summary in run.summaries:  # where a summary replaced the history
                             if summary.before_turn == turn.index:
-                                recorder.write("summary", summary.to_dict())
+                                recorder.write("summary", {**summary.to_dict(), **mark})
                         recorder.write("turn", {**asdict(turn), "step": k})
                 if run.infra_error is not None:
                     raise run.infra_error

@@ -29,7 +29,6 @@ reward 0 with its cause, never a re-roll); in an oracle sweep it is the task's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -44,6 +43,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox.base import (
     REWARD_FILE_LIMIT,
@@ -319,41 +319,77 @@ async def verify_phase(
     footprint: Callable[[], Awaitable[frozenset[str]]] | None = None,
     artifacts_dir: Path | None = None,
 ) -> VerifyResult:
-    """What follows an agent phase, as Harbor runs it: the `[[verifier.collect]]` hooks, the
-    artifacts (into `artifacts_dir` with Harbor's `manifest.json`, when given), then the
-    verifier, over the agent's sandbox ("shared", switching the network to the verifier phase's
-    policy where it differs) or in a fresh environment of its own (`Task.verifier_task`,
-    "separate") that gets nothing of the agent's but the artifacts, each at its own path, copied
-    out within `ARTIFACTS_LIMIT` (over it, a policy outcome there; elsewhere the artifact is only
-    marked failed, as Harbor's collection is best effort)."""
-    await run_collect_hooks(sandbox, task)
+    """What follows an agent phase, as Harbor runs it (2.2 step 5): `main`'s `[[verifier.collect]]`
+    hooks and artifacts, then (a separate verifier: with `main`'s processes stopped) the other
+    compose services' hooks and artifacts, into `artifacts_dir` with Harbor's `manifest.json` when
+    given; then the verifier, over the agent's sandbox ("shared", switching the network to the
+    verifier phase's policy where it differs) or in a fresh environment of its own
+    (`Task.verifier_task`, "separate") that gets nothing of the agent's but the artifacts, each at
+    its own path, copied out within `ARTIFACTS_LIMIT` (over it, a policy outcome there; elsewhere
+    the artifact is only marked failed, as Harbor's collection is best effort)."""
     vtask = task.verifier_task
     start = time.monotonic()
-    with contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="agentrl-artifacts-") as scratch:
         collected: list[Collected] = []
-        if artifacts_dir is not None or vtask is not None:
-            dst = artifacts_dir or Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="agentrl-artifacts-"))
-            )
-            try:
-                collected = await collect_artifacts(sandbox, task, dst, strict=vtask is not None)
-            except SandboxPolicyError as exc:
-                return _tampered(start, exc.cause or "artifact_too_large", str(exc))
-            if artifacts_dir is not None:
-                write_manifest(artifacts_dir, collected)
+        dst = artifacts_dir or Path(scratch)
+        services = list(dict.fromkeys(["main", *(h.service for h in task.config.verifier.collect),
+                                       *(a.service or "main" for a in task.artifacts)]))  # fmt: skip
+        try:
+            for service in services:
+                if service != "main" and service == services[1] and vtask is not None and _last_phase(task):
+                    # Harbor stops `main` before the sidecars in separate mode (on the last step):
+                    # nothing the agent left running there touches what they hand over.
+                    await sandbox.stop_processes()
+                target = sandbox.service(service)
+                await run_collect_hooks(target, task, service)
+                if artifacts_dir is not None or vtask is not None:
+                    collected += await collect_artifacts(
+                        target, task, dst, service, strict=vtask is not None, claimed=collected
+                    )
+        except SandboxPolicyError as exc:
+            return _tampered(start, exc.cause or "artifact_too_large", str(exc))
+        if artifacts_dir is not None:
+            write_manifest(artifacts_dir, collected)
         if vtask is None:
             return await _verify_shared(sandbox, task, reference=reference, footprint=footprint)
-        build = vtask.config.environment.build_timeout_sec
-        try:
-            vbox = await asyncio.wait_for(provider.create(vtask, run_id=run_id), build)
-        except TimeoutError:
-            raise SandboxCreateError(
-                f"the verifier environment of {task.task_id} not ready after {build:.0f}s"
-            ) from None
-        async with vbox:
+        return await _verify_separate(
+            task, vtask, collected, provider=provider, run_id=run_id, reference=reference, footprint=footprint
+        )
+
+
+def _last_phase(task: Task) -> bool:
+    step = getattr(task, "step_name", None)
+    return step is None or task.root.steps[-1].step_name == step
+
+
+async def _verify_separate(
+    task: Task,
+    vtask: Task,
+    collected: list[Collected],
+    *,
+    provider: SandboxProvider,
+    run_id: str,
+    reference: bool,
+    footprint: Callable[[], Awaitable[frozenset[str]]] | None,
+) -> VerifyResult:
+    """The verifier in a fresh environment from its own image: its healthcheck (if it has one)
+    before anything of the agent's is in it, /tests from the image where bundled, the artifacts at
+    their source paths, then the tests."""
+    build = vtask.config.environment.build_timeout_sec
+    try:
+        vbox = await asyncio.wait_for(provider.create(vtask, run_id=run_id), build)
+    except TimeoutError:
+        raise SandboxCreateError(
+            f"the verifier environment of {task.task_id} not ready after {build:.0f}s"
+        ) from None
+    async with vbox:
+        # Harbor runs no healthcheck here; agentrl does (the task asked for it), and before the
+        # artifacts, so a failure is the environment's, never the agent's.
+        await run_healthcheck(vbox, vtask)
+        with tempfile.TemporaryDirectory(prefix="agentrl-tests-") as scratch:
             tests_dir = None
             if vtask.bundled:  # before anything of the agent's is in it
-                tests_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentrl-tests-")))
+                tests_dir = Path(scratch)
                 try:
                     await vbox.download("/tests", tests_dir, limit_bytes=ARTIFACTS_LIMIT)
                 except FileNotFoundError:
@@ -367,7 +403,6 @@ async def verify_phase(
                 if item.path is not None:
                     await vbox.upload(item.path, item.artifact.source)
             return await verify(vbox, task, reference=reference, footprint=footprint, tests_dir=tests_dir)
-    raise AssertionError("unreachable")
 
 
 async def _verify_shared(
@@ -378,23 +413,25 @@ async def _verify_shared(
     footprint: Callable[[], Awaitable[frozenset[str]]] | None,
 ) -> VerifyResult:
     config = task.config
-    agent_net, verifier_net = config.phase_network("agent"), config.phase_network("verifier")
-    if agent_net == verifier_net:
+    agent = config.phase_network("agent"), config.phase_hosts("agent")
+    verifier = config.phase_network("verifier"), config.phase_hosts("verifier")
+    if agent == verifier:
         return await verify(sandbox, task, reference=reference, footprint=footprint)
     # Harbor's phase switch, from outside the sandbox; back for a next step's agent.
-    hosts = config.environment.allowed_hosts
-    await sandbox.set_network(verifier_net, hosts)
+    await sandbox.set_network(*verifier)
     try:
         return await verify(sandbox, task, reference=reference, footprint=footprint)
     finally:
         if task.root.steps:
-            await sandbox.set_network(agent_net, hosts)
+            await sandbox.set_network(*agent)
 
 
-async def run_collect_hooks(sandbox: Sandbox, task: Task) -> None:
-    """`[[verifier.collect]]`, best effort (a failing hook is logged, as in Harbor), each in a
-    clean shell as its user under its timeout."""
+async def run_collect_hooks(sandbox: Sandbox, task: Task, service: str = "main") -> None:
+    """`service`'s `[[verifier.collect]]` hooks, best effort (a failing hook is logged, as in
+    Harbor), each in a clean shell as its user under its timeout."""
     for hook in task.config.verifier.collect:
+        if hook.service != service:
+            continue
         try:
             run = await sandbox.exec(hook.command, timeout=int(hook.timeout_sec), env={}, user=hook.user)
         except SandboxPolicyError as exc:
@@ -426,24 +463,33 @@ class Collected:
 
 
 async def collect_artifacts(
-    sandbox: Sandbox, task: Task, dst: Path, *, strict: bool = False
+    sandbox: Sandbox,
+    task: Task,
+    dst: Path,
+    service: str = "main",
+    *,
+    strict: bool = False,
+    claimed: list[Collected] = (),  # type: ignore[assignment]
 ) -> list[Collected]:
-    """The task's artifacts copied under `dst` as Harbor lays them out (`destination`, else the
-    source path without its root), bounded in all by `ARTIFACTS_LIMIT`; `exclude` patterns
-    applied to directories; a later claim on a path already collected is skipped; a missing one
-    is `failed`. Over the limit: `SandboxPolicyError` with `strict` (a separate verifier needs
+    """`service`'s artifacts copied under `dst` as Harbor lays them out (`destination`, else the
+    source path without its root; every service shares that one base), bounded in all by
+    `ARTIFACTS_LIMIT` (with what `claimed` already holds); `exclude` patterns applied to
+    directories; a claim on a path already collected (here or in `claimed`) is skipped; a missing
+    one is `failed`. Over the limit: `SandboxPolicyError` with `strict` (a separate verifier needs
     them), else that artifact is `failed`."""
     out: list[Collected] = []
-    budget = ARTIFACTS_LIMIT
-    claimed: list[str] = []
+    budget = ARTIFACTS_LIMIT - sum(_size(c.path) for c in claimed if c.path is not None)
+    taken = [c.destination for c in claimed if c.status != "skipped"]
     for art in task.artifacts:
+        if (art.service or "main") != service:
+            continue
         item = Collected(art, None, "failed")
         rel = item.destination
-        if any(rel == c or rel.startswith(c + "/") or c.startswith(rel + "/") for c in claimed):
+        if any(rel == c or rel.startswith(c + "/") or c.startswith(rel + "/") for c in taken):
             log.warning("%s: artifact %s overlaps one collected before: skipped", task.task_id, art.source)
             out.append(Collected(art, None, "skipped"))
             continue
-        claimed.append(rel)
+        taken.append(rel)
         local = dst / rel
         try:
             await sandbox.download(art.source.rstrip("/") or "/", local, limit_bytes=budget)
@@ -470,6 +516,12 @@ async def collect_artifacts(
             budget -= local.stat().st_size
             out.append(Collected(art, local, "ok"))
     return out
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.is_file() else 0
 
 
 def write_manifest(dst: Path, collected: list[Collected]) -> None:

@@ -398,12 +398,13 @@ class TrialRunner:
 
         fmt = get_format(self.config.action_format)
         instruction = task.instruction
+        steps = {step.step_name: step.instruction for step in task.steps}
 
         def first(record: dict[str, Any]) -> list[dict[str, str]]:
             header = record.get("header") or {}
             return first_messages(
                 mode=header.get("terminal") or "commands",
-                instruction=instruction,
+                instruction=steps.get(record.get("step_name") or "", instruction),
                 initial_state=(record.get("terminal") or {}).get("initial_state"),
                 system_prompt=self.config.system_prompt,
                 format_system_prompt=fmt.system_prompt,

@@ -202,8 +202,11 @@ class TrajectoryInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_trajectory(record: dict[str, Any], info: TrajectoryInfo) -> dict[str, Any]:
-    """An ATIF trajectory (Harbor's `Trajectory` model, `extra` keys forbidden everywhere)."""
+def build_trajectory(
+    record: dict[str, Any], info: TrajectoryInfo, step_index: int | None = None
+) -> dict[str, Any]:
+    """An ATIF trajectory (Harbor's `Trajectory` model, `extra` keys forbidden everywhere): the
+    whole episode's, or (`step_index`) one step's of a multi-step task, as Harbor writes one per step."""
     header = record["header"] or {}
     started = header.get("created_at")
     clock = datetime.fromtimestamp(started, UTC) if started else _now()
@@ -214,11 +217,16 @@ def build_trajectory(record: dict[str, Any], info: TrajectoryInfo) -> dict[str, 
             {"step_id": len(steps) + 1, "timestamp": _iso(clock), "source": source, "message": msg["content"]}
         )
     result = record.get("result") or {}
-    turns = record["turns"]
-    tokens = turn_tokens(result.get("samples") or [], len(turns))
+    all_turns = record["turns"]
+    # Token ids are the episode's samples, turn by turn over the whole episode (every step's).
+    tokens = turn_tokens(result.get("samples") or [], len(all_turns))
     totals = {"prompt": 0, "completion": 0}
     summaries = record.get("summaries") or []
-    for turn in turns:
+    if step_index is not None:
+        summaries = [x for x in summaries if x.get("step", 0) == step_index]
+    for position, turn in enumerate(all_turns):
+        if step_index is not None and turn.get("step", 0) != step_index:
+            continue
         clock += timedelta(seconds=float(turn.get("engine_s") or 0.0))
         k = turn["index"]
         for summary in (x for x in summaries if x.get("before_turn") == k):
@@ -258,7 +266,7 @@ def build_trajectory(record: dict[str, Any], info: TrajectoryInfo) -> dict[str, 
         step["observation"] = {"results": [observed]}
         metrics: dict[str, Any] = {}
         if tokens is not None:
-            t = tokens[k] if k < len(tokens) else None
+            t = tokens[position] if position < len(tokens) else None
             if t is not None:
                 metrics = {
                     "prompt_tokens": len(t["prompt_token_ids"]),
@@ -345,6 +353,7 @@ def _write_verifier(where: Path, tail: str | None, rewards: dict[str, float] | N
 
 
 def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=4, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -592,11 +601,30 @@ class Trial:
                 exc_info["exception_traceback"] or exc_info["exception_message"], encoding="utf-8"
             )
         n_in = n_out = None
-        if record is not None and record["header"] is not None:
+        step_tokens: dict[int, tuple[int | None, int | None]] = {}
+        if record is not None and record["header"] is not None and not record["steps"]:
             trajectory = build_trajectory(record, info)
             _write_json(self.agent_dir / "trajectory.json", trajectory)
             final = trajectory["final_metrics"]
             n_in, n_out = final.get("total_prompt_tokens"), final.get("total_completion_tokens")
+        elif record is not None and record["header"] is not None:
+            # Harbor's multi-step layout: one trajectory per step, in steps/<name>/agent/.
+            for step in record["steps"]:
+                k = step.get("index", 0)
+                if not step.get("name") or not any(t.get("step", 0) == k for t in record["turns"]):
+                    continue
+                per_step = {
+                    **record,
+                    "terminal": {"initial_state": step.get("initial_state")},
+                    "step_name": step["name"],
+                }
+                trajectory = build_trajectory(per_step, info, step_index=k)
+                _write_json(self.dir / "steps" / str(step["name"]) / "agent" / "trajectory.json", trajectory)
+                final = trajectory["final_metrics"]
+                step_tokens[k] = (final.get("total_prompt_tokens"), final.get("total_completion_tokens"))
+            if step_tokens and all(None not in v for v in step_tokens.values()):
+                n_in = sum(v[0] or 0 for v in step_tokens.values())
+                n_out = sum(v[1] or 0 for v in step_tokens.values())
         _write_verifier(self.verifier_dir, result_line.get("verifier_log_tail"), rewards)
         for step in (record or {}).get("steps") or []:
             if step.get("name"):  # Harbor's steps/<name>/verifier/ (artifacts/ is the episode's)
@@ -611,7 +639,11 @@ class Trial:
         steps = [
             {
                 "step_name": step.get("name"),
-                "agent_result": None,
+                "agent_result": (
+                    {"n_input_tokens": step_tokens[k][0], "n_output_tokens": step_tokens[k][1]}
+                    if (k := step.get("index", 0)) in step_tokens
+                    else None
+                ),
                 "verifier_result": {"rewards": step["rewards"]} if step.get("rewards") is not None else None,
                 "exception_info": (
                     {

@@ -309,6 +309,14 @@ class Sandbox(abc.ABC):
             "asked): run the task on podman or Daytona, or give both phases one network_mode"
         )
 
+    def service(self, name: str) -> Sandbox:
+        """The compose service `name` of a multi-container task, for the verifier's clean commands
+        and downloads (collect hooks, artifacts); `main` is this sandbox. Backends without
+        compose services refuse any other name."""
+        if name == "main":
+            return self
+        raise InputError(f"{self.sandbox_id} has no service {name!r} (only `main`)")
+
     async def run_tests(
         self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
     ) -> TestRun | None:

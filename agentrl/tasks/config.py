@@ -7,6 +7,7 @@ warnings, never errors. Every defect is a `TaskFormatError` naming the file and 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -20,6 +21,53 @@ from agentrl.errors import TaskFormatError
 _T = TypeVar("_T")
 
 NETWORK_MODES = ("no-network", "public", "allowlist")
+_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+
+def normalize_host(entry: str) -> str:
+    """An `allowed_hosts` entry as Harbor normalises it (1.4.5): stripped, lower-cased, one
+    trailing dot removed; an exact hostname, a leading `*.` wildcard over a hostname, an IPv4 or
+    IPv6 address (IPv6 compressed) or a strict CIDR. Anything else (URLs, ports, paths, zone ids)
+    raises `ValueError`."""
+    e = entry.strip().lower()
+    e = e[:-1] if e.endswith(".") else e
+    if "%" in e:
+        raise ValueError(f"{entry!r}: zone ids are not allowed")
+    if "/" in e:
+        try:
+            return str(ipaddress.ip_network(e, strict=True))
+        except ValueError:
+            raise ValueError(f"{entry!r} is not a CIDR range without host bits") from None
+    try:
+        return str(ipaddress.ip_address(e))
+    except ValueError:
+        pass
+    name = e[2:] if e.startswith("*.") else e
+    if "*" in name or not name or not all(_LABEL.match(label) for label in name.split(".")):
+        raise ValueError(f"{entry!r} is neither a hostname, a *.wildcard, an IP address nor a CIDR range")
+    if e.startswith("*.") and _is_ip(name):
+        raise ValueError(f"{entry!r}: a wildcard over an IP address")
+    return e
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def host_kind(entry: str) -> str:
+    """Harbor's entry type of a normalised `allowed_hosts` entry: `hostname`,
+    `wildcard-hostname`, `ipv4-address`, `ipv6-address`, `ipv4-cidr` or `ipv6-cidr`."""
+    if entry.startswith("*."):
+        return "wildcard-hostname"
+    if "/" in entry:
+        return f"ipv{ipaddress.ip_network(entry).version}-cidr"
+    if _is_ip(entry):
+        return f"ipv{ipaddress.ip_address(entry).version}-address"
+    return "hostname"
 
 
 @dataclass(frozen=True)
@@ -64,6 +112,7 @@ class VerifierConfig:
     # The verification phase's own network policy (Harbor: `[verifier] network_mode`); None: the
     # environment's.
     network_mode: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
     # agentrl's extension: the rewards this verifier may write; anything else is a verifier error
     # (`reward_range = [0, 10]` in [verifier]; Harbor has no such key and accepts any number).
     reward_range: tuple[float, float] = (0.0, 1.0)
@@ -78,6 +127,7 @@ class TaskAgentConfig:
     timeout_sec: float | None = None
     user: str | int | None = None
     network_mode: str | None = None  # the agent phase's own policy; None: the environment's
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -172,6 +222,13 @@ class TaskConfig:
         overrides over the environment's baseline; agentrl's baseline is no network)."""
         override = self.agent.network_mode if phase == "agent" else self.verifier.network_mode
         return override or self.environment.network_mode or "no-network"
+
+    def phase_hosts(self, phase: str) -> tuple[str, ...]:
+        """The hosts an "allowlist" phase may reach: its override's, else the environment's."""
+        own = self.agent if phase == "agent" else self.verifier
+        if self.phase_network(phase) != "allowlist":
+            return ()
+        return own.allowed_hosts if own.network_mode else self.environment.allowed_hosts
 
 
 # Keys the format defines but that agentrl does not act on yet; kept quiet rather than warned.
@@ -322,15 +379,24 @@ def resolve_env_templates(env: dict[str, str], where: str = "") -> dict[str, str
     return out
 
 
-def _phase_network(reader: _Reader) -> str | None:
-    """A phase's `network_mode` / `allowed_hosts` override (Harbor 1.4.5)."""
+def _phase_network(reader: _Reader) -> tuple[str | None, tuple[str, ...]]:
+    """A phase's (or an environment's) `network_mode` and `allowed_hosts` (Harbor 1.4.5), the
+    hosts normalised."""
     mode = reader.string("network_mode")
     if mode is not None and mode not in NETWORK_MODES:
         raise reader.err("network_mode", f"unknown network mode {mode!r}", f"use one of {NETWORK_MODES}")
-    hosts = reader.str_list("allowed_hosts")
-    if hosts and mode not in (None, "allowlist"):
-        raise reader.err("allowed_hosts", "only valid with network_mode = 'allowlist'")
-    return "allowlist" if hosts and mode is None else mode
+    raw = reader.str_list("allowed_hosts")
+    if raw and mode != "allowlist":
+        raise reader.err(
+            "allowed_hosts", "only valid with network_mode = 'allowlist'", "set network_mode = 'allowlist'"
+        )
+    try:
+        hosts = tuple(dict.fromkeys(normalize_host(h) for h in raw))
+    except ValueError as exc:
+        raise reader.err(
+            "allowed_hosts", str(exc), "give hostnames, *.wildcards, IP addresses or CIDR ranges"
+        ) from None
+    return mode, hosts  # an allowlist of none reaches nothing, as in Harbor
 
 
 def _healthcheck(
@@ -542,8 +608,7 @@ def _environment(file: str, env: _Reader, deprecations: list[str]) -> Environmen
     os_name = (env.string("os") or "linux").lower()
     if os_name not in ("linux", "windows"):
         raise env.err("os", f"unknown os {os_name!r}", "use 'linux' or 'windows'")
-    network_mode = _phase_network(env)
-    allowed_hosts = env.str_list("allowed_hosts")
+    network_mode, allowed_hosts = _phase_network(env)
     allow_internet = env.boolean("allow_internet")
     if allow_internet is not None:
         deprecations.append(f"{env._field('allow_internet')} is deprecated: use {env._field('network_mode')}")
@@ -622,7 +687,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
         env=ver.str_map("env"),
         user=ver.user("user"),
         reward_range=_reward_range(ver),
-        network_mode=_phase_network(ver),
+        **dict(zip(("network_mode", "allowed_hosts"), _phase_network(ver), strict=True)),
         **_verifier_environment(file, ver, deprecations),
         collect=_collect(file, ver),
     )
@@ -632,7 +697,7 @@ def parse_task_config(text: str, file: str = "task.toml") -> TaskConfig:
     agent = TaskAgentConfig(
         timeout_sec=ag.number("timeout_sec", positive=True),
         user=ag.user("user"),
-        network_mode=_phase_network(ag),
+        **dict(zip(("network_mode", "allowed_hosts"), _phase_network(ag), strict=True)),
     )
     ag.finish(_KNOWN_PASSIVE["agent"])
 

@@ -239,8 +239,8 @@ class Task:
         `Dockerfile` in the step's tests/, the task's `[verifier.environment].docker_image`, a
         `Dockerfile` in tests/ (each of these "bundles" its tests: /tests comes from the image),
         else the task's own environment with the tests uploaded. Its resources and network: the
-        step's verifier environment, the task's, else a copy of `[environment]`; the verifier
-        phase's `network_mode` over that."""
+        step's verifier environment, the task's, else a copy of `[environment]` (without its
+        healthcheck); the verifier phase's `network_mode` and `allowed_hosts` over that."""
         if self.verifier_mode != "separate":
             return None
         root = self.root
@@ -260,10 +260,17 @@ class Task:
         else:
             context, image = root.environment_dir, root.config.environment.docker_image
         bundled = context != root.environment_dir
-        network = self.config.verifier.network_mode or env.network_mode
+        verifier = self.config.verifier
+        network = verifier.network_mode or env.network_mode
+        hosts = verifier.allowed_hosts if verifier.network_mode else env.allowed_hosts
+        # A healthcheck only where the verifier's environment is declared: `[environment]`'s is
+        # written for the agent's image.
+        healthcheck = env.healthcheck if (step_env or task_env) is not None else None
         return EnvironmentView(
             root.path, of=self, context=context, bundled=bundled,
-            environment=replace(env, docker_image=image, network_mode=network),
+            environment=replace(
+                env, docker_image=image, network_mode=network, allowed_hosts=hosts, healthcheck=healthcheck
+            ),
         )  # fmt: skip
 
     def validate(self) -> list[str]:
@@ -328,27 +335,20 @@ class Task:
         return warnings
 
     def check_runnable(self) -> None:
-        """Refuse what agentrl would otherwise run wrongly: collect hooks and artifacts of compose
-        services other than the agent's; a compose file agentrl cannot run as written."""
+        """Refuse what agentrl would otherwise run wrongly: collect hooks and artifacts of a
+        service the task does not have; a compose file agentrl cannot run as written."""
         config = self.config
         where = str(self.path / "task.toml")
         services = set(self.root.compose.services) if self.root.compose is not None else {"main"}
-        for hook in config.verifier.collect:
-            if hook.service != "main":
+        named = [("verifier.collect.service", h.service) for h in config.verifier.collect]
+        named += [("artifacts.service", a.service or "main") for a in self.artifacts]
+        for field_name, service in named:
+            if service not in services:
                 raise TaskFormatError(
                     where,
-                    "verifier.collect.service",
-                    f"a collect hook in service {hook.service!r}: agentrl runs hooks in `main` only"
-                    + ("" if hook.service in services else " (and the task has no such service)"),
-                    "run the hook in the main service",
-                )
-        for art in self.artifacts:
-            if art.service not in (None, "main"):
-                raise TaskFormatError(
-                    where,
-                    "artifacts.service",
-                    f"an artifact of service {art.service!r}: agentrl collects artifacts from `main` only",
-                    "collect it from the main service",
+                    field_name,
+                    f"service {service!r} is not a service of the task ({', '.join(sorted(services))})",
+                    "name a service of environment/docker-compose.yaml, or main",
                 )
 
     def _script_warnings(self) -> list[str]:
@@ -477,13 +477,17 @@ class EnvironmentView(Task):
     @functools.cached_property
     def config(self) -> TaskConfig:
         assert self.of is not None and self.environment is not None
-        base, network = self.of.config, self.environment.network_mode
+        base, network, hosts = self.of.config, self.environment.network_mode, self.environment.allowed_hosts
         return replace(
             base,
             environment=self.environment,
-            agent=replace(base.agent, network_mode=network),
+            agent=replace(base.agent, network_mode=network, allowed_hosts=hosts),
             verifier=replace(
-                base.verifier, network_mode=network, environment=None, environment_mode="shared"
+                base.verifier,
+                network_mode=network,
+                allowed_hosts=hosts,
+                environment=None,
+                environment_mode="shared",
             ),
             steps=(),
             artifacts=(),

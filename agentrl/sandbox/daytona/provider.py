@@ -46,7 +46,7 @@ from agentrl.sandbox.daytona.common import (
     classify_create_error,
     image_for,
 )
-from agentrl.sandbox.daytona.sandbox import DaytonaSandbox
+from agentrl.sandbox.daytona.sandbox import DaytonaSandbox, allow_settings
 from agentrl.tasks.config import resolve_env_templates
 
 if TYPE_CHECKING:
@@ -148,17 +148,13 @@ class DaytonaProvider(SandboxProvider):
         return Resources(cpu=cpu, memory=memory, disk=disk, gpu=env.gpus or None)
 
     def network_for(self, task: Task) -> dict[str, Any]:
-        env = task.config.environment
-        allowed = (
-            task.config.phase_network("agent") == "public"
-            if self.allow_network is None
-            else self.allow_network
-        )
-        if allowed:
-            return {"network_block_all": False}
-        if env.allowed_hosts and self.allow_network is None:
-            return {"network_block_all": False, "domain_allow_list": ",".join(env.allowed_hosts)}
-        return {"network_block_all": True}
+        """The agent phase's policy as Daytona's network limits (`allow_network` overrides it)."""
+        if self.allow_network is not None:
+            return {"network_block_all": not self.allow_network}
+        policy = task.config.phase_network("agent")
+        if policy == "allowlist":
+            return allow_settings(task.config.phase_hosts("agent"))
+        return {"network_block_all": policy != "public"}
 
     def labels_for(self, task: Task, run_id: str) -> dict[str, str]:
         return {

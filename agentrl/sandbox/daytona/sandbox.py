@@ -29,7 +29,7 @@ from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteReq
 from daytona_toolbox_api_client_async import ExecuteResponse as ToolboxExecuteResponse
 from daytona_toolbox_api_client_async import SessionCommandLogsResponse as ToolboxSessionLogs
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, InputError
 from agentrl.sandbox.base import (
     SYSTEM_PREFIXES,
     ExecResult,
@@ -54,6 +54,7 @@ from agentrl.sandbox.daytona.common import (
     _new_state_dir,
 )
 from agentrl.sandbox.terminal import TmuxTerminal
+from agentrl.tasks.config import host_kind
 
 log = logging.getLogger(__name__)
 
@@ -439,8 +440,8 @@ class DaytonaSandbox(Sandbox):
         if self._closed:
             raise SandboxError(f"daytona sandbox {self.sandbox_id} is closed")
         settings: dict[str, Any] = {"network_block_all": policy != "public"}
-        if policy == "allowlist" and allowed_hosts:
-            settings = {"network_block_all": False, "domain_allow_list": ",".join(allowed_hosts)}
+        if policy == "allowlist":
+            settings = allow_settings(allowed_hosts)
         try:
             await asyncio.wait_for(self.sdk.update_network_settings(**settings, request_timeout=60), 90)
         except (DaytonaError, TimeoutError) as exc:
@@ -684,3 +685,32 @@ class DaytonaSandbox(Sandbox):
         await asyncio.shield(self.provider._delete(self))
         if self._keepalive is not None:
             await asyncio.wait([self._keepalive], timeout=5)
+
+
+def allow_settings(hosts: tuple[str, ...]) -> dict[str, Any]:
+    """Daytona's network settings for an allowlist (its network limits: `domain_allow_list` for
+    hostnames and *.wildcards, `network_allow_list` for IPv4 CIDRs, at most 5, an address as /32);
+    an empty list blocks all. IPv6 entries and a sixth range are refused (`InputError`)."""
+    domains, nets = [], []
+    for host in hosts:
+        kind = host_kind(host)
+        if kind in ("hostname", "wildcard-hostname"):
+            domains.append(host)
+        elif kind == "ipv4-address":
+            nets.append(f"{host}/32")
+        elif kind == "ipv4-cidr":
+            nets.append(host)
+        else:
+            raise InputError(
+                f"Daytona's network limits take IPv4 ranges only: {host!r} ({kind}) cannot be allowed"
+            )
+    if len(nets) > 5:
+        raise InputError(f"Daytona's network_allow_list takes at most 5 ranges; the task allows {len(nets)}")
+    if not (domains or nets):
+        return {"network_block_all": True}
+    settings: dict[str, Any] = {"network_block_all": False}
+    if domains:
+        settings["domain_allow_list"] = ",".join(domains)
+    if nets:
+        settings["network_allow_list"] = ",".join(nets)
+    return settings

@@ -38,6 +38,11 @@ LABEL_TASK = "agentrl.task-id"
 LABEL_CREATED = "agentrl.created-at"
 
 
+# On the layers of one image build (every intermediate image gets it too): a failed build's are
+# pruned by it.
+LABEL_BUILD = "agentrl.build"
+
+
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 

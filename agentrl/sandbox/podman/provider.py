@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.errors import InputError
 from agentrl.sandbox import images
 from agentrl.sandbox.base import (
     DEFAULT_CPUS,
@@ -30,12 +31,13 @@ from agentrl.sandbox.base import (
     SandboxProvider,
     tail,
 )
-from agentrl.sandbox.podman import compose
+from agentrl.sandbox.podman import compose, netns
 from agentrl.sandbox.podman.cli import (
     _LIVE,
     _UNRESOLVED_FROM,
     BUILD_PIP_DIR,
     INIT_PATH,
+    LABEL_BUILD,
     LABEL_CREATED,
     LABEL_RUN,
     LABEL_TASK,
@@ -302,8 +304,11 @@ class PodmanProvider(SandboxProvider):
                 ignore = Path(task.environment_dir) / "Dockerfile.dockerignore"
                 if ignore.is_file():
                     shutil.copyfile(ignore, Path(tmp) / "Dockerfile.dockerignore")
-            # --force-rm: a failed build's intermediate containers go too, not only a good one's
-            args = ["build", "--network=host", "--force-rm", "-t", tag, "-f", str(path)]
+            # --force-rm: a failed build's intermediate containers go too, not only a good one's;
+            # the label marks its layers, pruned below when it fails.
+            build_id = uuid.uuid4().hex[:16]
+            args = ["build", "--network=host", "--force-rm", "--label", f"{LABEL_BUILD}={build_id}"]
+            args += ["-t", tag, "-f", str(path)]
             if not _UNRESOLVED_FROM.search(dockerfile or path.read_text(errors="replace")):
                 # docker never pulls a base it has unless told to; its --pull takes no value.
                 args.append("--pull=never" if self._podman else "--pull=false")
@@ -314,26 +319,37 @@ class PodmanProvider(SandboxProvider):
             try:
                 rc, out, err = await run_cli(self.cli, *args, timeout=timeout)
             except TimeoutError:
+                await self._prune_build(build_id)
                 error = ImageBuildError(
                     f"building {task.task_id} took longer than {timeout:.0f}s (build_timeout_sec)"
                 )
                 error.timed_out = True
                 raise error from None
         if rc != 0:
+            await self._prune_build(build_id)
             raise ImageBuildError(
                 f"building the image of {task.task_id} failed (exit {rc})", log_tail=tail((out + err), 4000)
             )
 
+    async def _prune_build(self, build_id: str) -> None:
+        """The layers a failed build left (its cached intermediate images), unless a later image
+        was built on them: `image prune` removes only those with no child and no tag."""
+        rc, _, err = await run_cli(
+            self.cli, "image", "prune", "-f", "--filter", f"label={LABEL_BUILD}={build_id}", timeout=120
+        )
+        if rc != 0:
+            log.info("pruning the layers of a failed build: %s", tail(err.strip(), 200))
+
     # -- containers -----------------------------------------------------------------------------
     def _network(self, task: Task) -> str:
-        """ "bridge" where a phase of the sandbox may reach the network (the agent's, or a shared
-        verifier's: the other phase is then closed by `set_network`), else "none"."""
+        """ "bridge" where a phase of the sandbox may reach the network or part of it (the agent's,
+        or a shared verifier's: `set_network` closes or narrows each phase), else "none"."""
         if self.allow_network is not None:
             return "bridge" if self.allow_network else "none"
         phases = {task.config.phase_network("agent")}
         if task.verifier_mode == "shared":
             phases.add(task.config.phase_network("verifier"))
-        return "bridge" if "public" in phases else "none"
+        return "bridge" if phases & {"public", "allowlist"} else "none"
 
     def _limit_args(self, task: Task) -> list[str]:
         """The task's cpus and memory (else the defaults), the pids cap, no host proxy variables:
@@ -459,12 +475,15 @@ class PodmanProvider(SandboxProvider):
             sandbox._init_pid = int(pid) if pid.isdigit() else None
             sandbox.network = "bridge" if pod else self._network(task)
             sandbox.pod = pod
+            sandbox.services = tuple(s.name for s in spec.sidecars) if spec is not None else ()
             policy = task.config.phase_network("agent")
             if self.allow_network is not None:
                 policy = "public" if self.allow_network else "no-network"
+            if sandbox.network == "bridge" and sandbox._init_pid:
+                sandbox._resolvers = netns.resolvers(sandbox._init_pid)  # before the agent can edit them
             if sandbox.network == "bridge" and policy != "public":
                 # before the agent's first command, and before any other service starts
-                await sandbox.set_network(policy)
+                await sandbox.set_network(policy, task.config.phase_hosts("agent"))
             if spec is not None and pod is not None:
                 await compose.start_services(
                     self, task, spec, pod, dict(zip(spec.volumes, self._pods[name][1], strict=True)),
@@ -481,6 +500,14 @@ class PodmanProvider(SandboxProvider):
             raise
 
     async def create(self, task: Task, *, run_id: str) -> Sandbox:
+        for phase in ("agent", "verifier"):  # refused before anything starts, not mid-episode
+            if self.allow_network is None and (
+                wild := [h for h in task.config.phase_hosts(phase) if h.startswith("*.")]
+            ):
+                raise InputError(
+                    f"{task.task_id}: the {phase} phase allows {wild[0]!r}: podman enforces an allowlist "
+                    "by address, and a wildcard names no address; list the hostnames, or run on Daytona"
+                )
         pooled = self._pool.get(task.task_id)
         while pooled:
             sandbox = pooled.pop()

@@ -14,10 +14,12 @@ import stat
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from agentrl.errors import InputError
 from agentrl.sandbox.base import (
     HARMLESS,
     KILL_ALL,
@@ -33,7 +35,7 @@ from agentrl.sandbox.base import (
     tail,
     untar_bounded,
 )
-from agentrl.sandbox.podman import verifier
+from agentrl.sandbox.podman import netns, verifier
 from agentrl.sandbox.podman.cli import (
     _bounded,
     _StreamFile,
@@ -53,6 +55,7 @@ from agentrl.sandbox.podman.shell import (
     _stateless_words,
 )
 from agentrl.sandbox.terminal import TmuxTerminal
+from agentrl.tasks.compose import MAIN
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,136 @@ def _untar_or_empty(reader: _StreamFile, staging: Path, limit: int, src: str) ->
             pass
 
 
-class PodmanSandbox(Sandbox):
+@dataclass
+class _CpResult:
+    rc: int | None = None
+    err: str = ""
+
+    @property
+    def missing(self) -> bool:
+        return "could not be found on container" in self.err or "no such file" in self.err.lower()
+
+
+class _Container:
+    """What agentrl does to one container from the host, shared by the agent's sandbox and a
+    compose task's other services: exec through the CLI, `cp` out as a bounded tar stream."""
+
+    cli: str
+    sandbox_id: str
+    output_limit: int
+    shell_grace_s: float
+
+    async def _exec_cli(
+        self,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        user: str | int | None,
+    ) -> ExecResult:
+        args = ["exec"]
+        if cwd:
+            args += ["-w", cwd]
+        for k, v in (env or {}).items():
+            args += ["-e", f"{k}={v}"]
+        if user is not None:
+            args += ["--user", str(user)]
+        inner = (
+            cmd if timeout is None else f"timeout -k 2 {max(timeout, 0.01):.3f} bash -c {shlex.quote(cmd)}"
+        )
+        start = time.monotonic()
+        try:
+            rc, out, err = await run_cli_bounded(
+                self.cli,
+                *args,
+                self.sandbox_id,
+                "bash",
+                "-c",
+                inner,
+                timeout=(timeout or 3600.0) + self.shell_grace_s,
+                limit=self.output_limit,
+            )
+        except TimeoutError as exc:
+            if not await self._running():
+                raise SandboxTransportError(f"container {self.sandbox_id} is gone") from exc
+            raise SandboxPolicyError(
+                f"`{self.cli} exec` into {self.sandbox_id} did not return within the command's timeout "
+                "plus grace (a command outlived its own timeout)",
+                cause="shell_unresponsive",
+            ) from exc
+        duration = time.monotonic() - start
+        if rc in (125, 126) and "no such container" in err.lower():
+            raise SandboxTransportError(f"container {self.sandbox_id} is gone: {tail(err.strip(), 300)}")
+        timed_out = timeout is not None and rc in (124, 137) and duration >= timeout * 0.98
+        return ExecResult(out, err, None if timed_out else rc, timed_out, duration)
+
+    async def _running(self) -> bool:
+        rc, out, _ = await run_cli(
+            self.cli, "inspect", "--format", "{{.State.Running}}", self.sandbox_id, timeout=30
+        )
+        return rc == 0 and out.strip() == "true"
+
+    # -- terminal ---------------------------------------------------------------------------------
+
+    async def _download_bounded(self, src: str, dst: Path, limit: int) -> None:
+        """`cp` to a tar stream read on the host (no tool inside the container takes part), cut
+        off once over `limit`."""
+        # A tar of a file holds it under its own name; of a directory, its name and what is below.
+        staging = Path(
+            tempfile.mkdtemp(prefix="agentrl-download-", dir=dst.parent if dst.parent.is_dir() else None)
+        )
+        try:
+            async with self._cp_stream(src) as (reader, stream):
+                await asyncio.to_thread(_untar_or_empty, reader, staging, limit, src)
+            if stream.rc != 0:
+                if stream.missing:
+                    raise FileNotFoundError(f"{src} does not exist in {self.sandbox_id}")
+                raise SandboxTransportError(
+                    f"copying {src} out of {self.sandbox_id} failed: {tail(stream.err, 300)}"
+                )
+            (top,) = list(staging.iterdir()) or [None]
+            if top is None:
+                raise FileNotFoundError(f"{src} is neither a regular file nor a directory")
+            if dst.is_dir() and top.is_dir():
+                for child in top.iterdir():
+                    shutil.move(str(child), dst / child.name)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(top), dst)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @contextlib.asynccontextmanager
+    async def _cp_stream(self, src: str) -> AsyncIterator[tuple[_StreamFile, _CpResult]]:
+        """`cp` of `src` out of the container as a tar stream, for the body to read (in a
+        thread) within 300 s; the exit status and error text land in the result once the body is
+        done. On any failure the process is killed and what it wrote is read away (a full, paused
+        pipe never closes, and the process is not reaped until it does)."""
+        proc = await asyncio.create_subprocess_exec(
+            self.cli, "cp", f"{self.sandbox_id}:{src}", "-",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, cwd=cli_cwd(),
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        result = _CpResult()
+        errors = asyncio.ensure_future(proc.stderr.read())
+        try:
+            async with asyncio.timeout(300):
+                yield _StreamFile(proc.stdout, asyncio.get_running_loop()), result
+                err = await errors
+            await asyncio.wait_for(proc.wait(), 60)
+            result.rc, result.err = proc.returncode, err.decode(errors="replace")
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                while await proc.stdout.read(1 << 16):
+                    pass
+                await asyncio.shield(proc.wait())
+            errors.cancel()
+
+
+class PodmanSandbox(_Container, Sandbox):
     def __init__(
         self,
         provider: PodmanHost,
@@ -148,7 +280,9 @@ class PodmanSandbox(Sandbox):
         self._monitor: asyncio.Task[None] | None = None
         self._init_pid: int | None = None  # host pid of the container's init, once looked up
         self.network = "none"  # the container's podman network ("none" or "bridge")
+        self._resolvers: tuple[str, ...] | None = None  # its nameservers, read before the agent ran
         self.pod: str | None = None  # a compose task's pod (the network the services share)
+        self.services: tuple[str, ...] = ()  # its services other than main
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 
@@ -337,51 +471,6 @@ class PodmanSandbox(Sandbox):
         self._note_fallback(exc)
         return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=None)
 
-    async def _exec_cli(
-        self,
-        cmd: str,
-        *,
-        timeout: float | None,
-        cwd: str | None,
-        env: dict[str, str] | None,
-        user: str | int | None,
-    ) -> ExecResult:
-        args = ["exec"]
-        if cwd:
-            args += ["-w", cwd]
-        for k, v in (env or {}).items():
-            args += ["-e", f"{k}={v}"]
-        if user is not None:
-            args += ["--user", str(user)]
-        inner = (
-            cmd if timeout is None else f"timeout -k 2 {max(timeout, 0.01):.3f} bash -c {shlex.quote(cmd)}"
-        )
-        start = time.monotonic()
-        try:
-            rc, out, err = await run_cli_bounded(
-                self.cli,
-                *args,
-                self.sandbox_id,
-                "bash",
-                "-c",
-                inner,
-                timeout=(timeout or 3600.0) + self.shell_grace_s,
-                limit=self.output_limit,
-            )
-        except TimeoutError as exc:
-            if not await self._running():
-                raise SandboxTransportError(f"container {self.sandbox_id} is gone") from exc
-            raise SandboxPolicyError(
-                f"`{self.cli} exec` into {self.sandbox_id} did not return within the command's timeout "
-                "plus grace (a command outlived its own timeout)",
-                cause="shell_unresponsive",
-            ) from exc
-        duration = time.monotonic() - start
-        if rc in (125, 126) and "no such container" in err.lower():
-            raise SandboxTransportError(f"container {self.sandbox_id} is gone: {tail(err.strip(), 300)}")
-        timed_out = timeout is not None and rc in (124, 137) and duration >= timeout * 0.98
-        return ExecResult(out, err, None if timed_out else rc, timed_out, duration)
-
     def _kill_inside(self, shell: _Shell, *, session: bool = False) -> None:
         """Kill, in the background, what the shell's command in flight runs (a session command:
         the session shell and the process groups it made since the command began; a clean one:
@@ -399,13 +488,6 @@ class PodmanSandbox(Sandbox):
         self.provider._background.add(t)
         t.add_done_callback(self.provider._background.discard)
 
-    async def _running(self) -> bool:
-        rc, out, _ = await run_cli(
-            self.cli, "inspect", "--format", "{{.State.Running}}", self.sandbox_id, timeout=30
-        )
-        return rc == 0 and out.strip() == "true"
-
-    # -- terminal ---------------------------------------------------------------------------------
     async def open_terminal(self, *, width: int = 160, height: int = 40) -> TerminalSession:
         """A tmux session in the container, driven through the persistent shell (clean commands)."""
         if self._closed:
@@ -474,73 +556,34 @@ class PodmanSandbox(Sandbox):
         """One `cp` of the directory as a tar stream to the host (no tool inside the container
         takes part), keeping only `names`, each at most its last `FETCH_LIMIT` bytes, regular
         files only: host memory and disk stay bounded whatever the sandbox wrote there."""
-        proc = await asyncio.create_subprocess_exec(
-            self.cli,
-            "cp",
-            f"{self.sandbox_id}:{directory.rstrip('/')}/.",
-            "-",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=cli_cwd(),
-        )
-        assert proc.stdout is not None and proc.stderr is not None
         dst.mkdir(parents=True, exist_ok=True)
-        loop = asyncio.get_running_loop()
-        reader = _StreamFile(proc.stdout, loop)
-        try:
-            found, err = await asyncio.wait_for(
-                asyncio.gather(asyncio.to_thread(_untar_tails, reader, names, dst), proc.stderr.read()), 300
-            )
-            await asyncio.wait_for(proc.wait(), 60)
-        except BaseException:
-            if proc.returncode is None:
-                proc.kill()
-                while await proc.stdout.read(1 << 16):  # a full, paused pipe never closes
-                    pass
-                await asyncio.shield(proc.wait())
-            raise
-        if proc.returncode != 0:
-            text = err.decode(errors="replace")
-            if "could not be found on container" in text or "no such file" in text.lower():
+        async with self._cp_stream(f"{directory.rstrip('/')}/.") as (reader, stream):
+            found = await asyncio.to_thread(_untar_tails, reader, names, dst)
+        if stream.rc != 0:
+            if stream.missing:
                 return []
             raise SandboxTransportError(
-                f"copying {directory} out of {self.sandbox_id} failed: {tail(text, 300)}"
+                f"copying {directory} out of {self.sandbox_id} failed: {tail(stream.err, 300)}"
             )
         return found
 
     async def set_network(self, policy: str, allowed_hosts: tuple[str, ...] = ()) -> None:
-        """An nftables table in the container's network namespace, set from the host (the
-        container has no CAP_NET_ADMIN to drop it): every packet out but loopback dropped, or
-        the table gone for "public". An allowlist cannot be enforced here: it blocks, as a
-        no-network policy would (the task's tests then see no network)."""
-        if policy == "public" and self.network == "none":
+        """The container's outbound network for the next phase, switched from the host
+        (`netns`): open for "public", closed for "no-network", for "allowlist" closed but for
+        DNS to the resolvers the container started with and the allowed hosts' addresses."""
+        if policy != "no-network" and self.network == "none":
             raise SandboxError(f"{self.sandbox_id} was started without a network: it cannot be opened")
         if self.network == "none":
             return  # already closed, for good
         if not self._init_pid:
             raise SandboxError(f"{self.sandbox_id}: its init's pid is unknown; cannot switch its network")
-        script = "table inet agentrl_phase\ndelete table inet agentrl_phase\n"
-        if policy != "public":
-            script += (
-                "table inet agentrl_phase {\n chain out {\n  type filter hook output priority 0; policy drop;\n"
-                '  oifname "lo" accept\n }\n}\n'
-            )
-        nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
-        nft = shutil.which("nft") or "/usr/sbin/nft"
-        if not (os.path.exists(nsenter) and os.path.exists(nft)):
-            raise SandboxError(
-                f"switching the network of {self.sandbox_id} needs nft and nsenter on the host: run `make host`"
-            )
-        proc = await asyncio.create_subprocess_exec(
-            nsenter, "-t", str(self._init_pid), "-n", nft, "-f", "-",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await asyncio.wait_for(proc.communicate(script.encode()), 60)
-        if proc.returncode != 0:
-            raise SandboxError(
-                f"switching the network of {self.sandbox_id} to {policy!r} failed: {tail(err.decode(errors='replace'), 300)}"
-            )
+        if self._resolvers is None:
+            self._resolvers = netns.resolvers(self._init_pid)
+        allow = None if policy == "public" else ()
+        if policy == "allowlist":
+            allow = await asyncio.to_thread(netns.allowed_addresses, allowed_hosts)
+        script = netns.egress_script("agentrl_phase", allow, self._resolvers if policy == "allowlist" else ())
+        await netns.apply(self._init_pid, script, what=self.sandbox_id)
 
     async def run_tests(
         self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
@@ -653,54 +696,6 @@ class PodmanSandbox(Sandbox):
         if rc != 0:
             raise SandboxTransportError(f"download {src} -> {dst} failed: {tail(err.strip(), 500)}")
 
-    async def _download_bounded(self, src: str, dst: Path, limit: int) -> None:
-        """`cp` to a tar stream read on the host (no tool inside the container takes part), cut
-        off once over `limit`."""
-        proc = await asyncio.create_subprocess_exec(
-            self.cli,
-            "cp",
-            f"{self.sandbox_id}:{src}",
-            "-",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=cli_cwd(),
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        reader = _StreamFile(proc.stdout, asyncio.get_running_loop())
-        # A tar of a file holds it under its own name; of a directory, its name and what is below.
-        staging = Path(
-            tempfile.mkdtemp(prefix="agentrl-download-", dir=dst.parent if dst.parent.is_dir() else None)
-        )
-        try:
-            untar = asyncio.to_thread(_untar_or_empty, reader, staging, limit, src)
-            _, err = await asyncio.wait_for(asyncio.gather(untar, proc.stderr.read()), 300)
-            await asyncio.wait_for(proc.wait(), 60)
-            if proc.returncode != 0:
-                text = err.decode(errors="replace")
-                if "could not be found on container" in text or "no such file" in text.lower():
-                    raise FileNotFoundError(f"{src} does not exist in {self.sandbox_id}")
-                raise SandboxTransportError(
-                    f"copying {src} out of {self.sandbox_id} failed: {tail(text, 300)}"
-                )
-            (top,) = list(staging.iterdir()) or [None]
-            if top is None:
-                raise FileNotFoundError(f"{src} is neither a regular file nor a directory")
-            if dst.is_dir() and top.is_dir():
-                for child in top.iterdir():
-                    shutil.move(str(child), dst / child.name)
-            else:
-                shutil.move(str(top), dst)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                # What `cp` wrote before it died is read away: a full, paused pipe never closes,
-                # and the process is not reaped until it does.
-                while await proc.stdout.read(1 << 16):
-                    pass
-                await asyncio.shield(proc.wait())
-            shutil.rmtree(staging, ignore_errors=True)
-
     async def close(self) -> None:
         if self._closed:
             return
@@ -717,6 +712,13 @@ class PodmanSandbox(Sandbox):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(shell.proc.wait(), 10)
 
+    def service(self, name: str) -> Sandbox:
+        if name == MAIN:
+            return self
+        if self.pod is None or name not in self.services:
+            return super().service(name)
+        return PodmanService(self, f"{self.pod}-{name}")
+
     async def alive(self) -> bool:
         if self._closed:
             return False
@@ -725,3 +727,39 @@ class PodmanSandbox(Sandbox):
         except (SandboxError, SandboxPolicyError):
             return False
         return res.exit_code == 0
+
+
+class PodmanService(_Container, Sandbox):
+    """Another service of a compose task's pod (`PodmanSandbox.service`): clean commands and
+    downloads only (collect hooks, artifacts); the pod goes with the agent's sandbox."""
+
+    def __init__(self, owner: PodmanSandbox, container: str) -> None:
+        self.cli = owner.cli
+        self.sandbox_id = container
+        self.output_limit = owner.output_limit
+        self.shell_grace_s = owner.shell_grace_s
+
+    async def _exec(
+        self,
+        cmd: str,
+        *,
+        timeout: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        user: str | int | None,
+        session: bool,
+    ) -> ExecResult:
+        return await self._exec_cli(cmd, timeout=timeout, cwd=cwd, env=env, user=user)
+
+    async def upload(self, src: Path, dst: str) -> None:
+        raise InputError(f"{self.sandbox_id}: agentrl copies nothing into a task's other services")
+
+    async def download(self, src: str, dst: Path, *, limit_bytes: int | None = None) -> None:
+        if limit_bytes is None:
+            raise InputError(
+                f"{self.sandbox_id}: a download from a task's service is bounded: give limit_bytes"
+            )
+        await self._download_bounded(src, Path(dst), limit_bytes)
+
+    async def close(self) -> None:
+        """Nothing: the service is removed with its pod."""
