@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,22 +128,61 @@ def _script(*cmds: str) -> list[str]:
     ]
 
 
-def _pods() -> list[str]:
-    out = subprocess.run(["podman", "pod", "ps", "--format", "{{.Name}}"], capture_output=True, text=True)
-    return [p for p in out.stdout.split() if p.startswith("agentrl-")]
+def _leftovers() -> list[str]:
+    """agentrl's networks and containers still on the host."""
+    nets = subprocess.run(
+        ["podman", "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
+    )
+    ctrs = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
+    return [n for n in (nets.stdout + ctrs.stdout).split() if n.startswith("agentrl-compose")]
+
+
+def _volumes(prefix: str) -> list[str]:
+    out = subprocess.run(["podman", "volume", "ls", "-q"], capture_output=True, text=True)
+    return [v for v in out.stdout.split() if v.startswith(prefix)]
+
+
+def _listener() -> tuple[int, list[bytes], Any]:
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", 0))
+    sock.listen()
+    seen: list[bytes] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                conn, _ = sock.accept()
+                seen.append(conn.recv(64))
+                conn.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    return sock.getsockname()[1], seen, sock
 
 
 @pytest.mark.container
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
 async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: Path) -> None:
+    """Each service in a network namespace of its own, as Docker compose runs them: `db` answers
+    by name, not on main's localhost; the task has no network, so the network's gateway (the
+    host) and the host's bridge never hear from main."""
     solve = (TASK / "solution" / "solve.sh").read_text().split("\n", 1)[1]
+    port, seen, sock = _listener()
+    probe = " ; ".join(
+        f"(timeout 3 bash -c 'echo x > /dev/tcp/{where}' && echo open || echo closed)"
+        for where in ("db/7000", "127.0.0.1/7000", "$gw/" + str(port), f"10.88.0.1/{port}")
+    )
     tok = byte_tokenizer()
     provider = PodmanProvider()
     script = _script(
         "bash /dev/stdin <<'EOS'\n" + solve + "EOS",
-        # the task has no network: the service answers, the host's bridge address does not
-        "(timeout 3 bash -c 'echo > /dev/tcp/10.88.0.1/22' && echo open || echo closed) > /tmp/outside.txt; cat /tmp/outside.txt",
+        'gw=$(getent hosts db | awk \'{split($1, a, "."); print a[1]"."a[2]"."a[3]".1"}\'); ' + probe,
     )
     try:
         result = await run_episode(
@@ -160,9 +200,11 @@ async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: 
         )
     finally:
         await provider.aclose()
+        sock.close()
     assert result.verify.reward == 1.0, result.verify.log_tail  # the tests asked the service too
-    assert result.run.turns[0].outputs[1].stdout.strip() == "closed"
-    assert provider.live_sandboxes() == 0 and _pods() == []
+    assert result.run.turns[0].outputs[1].stdout.split() == ["open", "closed", "closed", "closed"]
+    assert seen == []
+    assert provider.live_sandboxes() == 0 and _leftovers() == []
 
 
 @pytest.mark.container
@@ -212,7 +254,32 @@ async def test_collect_hooks_and_artifacts_of_another_service(tmp_path: Path) ->
     assert manifest["/srv/state.txt"]["service"] == "db" and manifest["/srv/state.txt"]["status"] == "ok"
     assert manifest["/srv/big"]["status"] == "failed" and not (out / "srv" / "big").exists()
     assert manifest["/app/note.txt"]["service"] is None
-    assert provider.live_sandboxes() == 0 and _pods() == []
+    assert provider.live_sandboxes() == 0 and _leftovers() == []
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_path: Path) -> None:
+    """What a crashed run leaves (nothing closed): `reap` by run id removes it all."""
+    from agentrl.sandbox.podman import reap
+
+    task_dir = tmp_path / "kv"
+    shutil.copytree(TASK, task_dir)
+    yaml = (task_dir / "environment" / "docker-compose.yaml").read_text()
+    (task_dir / "environment" / "docker-compose.yaml").write_text(
+        yaml.replace("    build: ./service\n", "    build: ./service\n    volumes:\n      - data:/data\n")
+        + "volumes:\n  data: {}\n"
+    )
+    provider = PodmanProvider()
+    sandbox = await provider.create(load_task(task_dir), run_id="compose-reap")
+    assert len(_leftovers()) == 3  # main, db, the network
+    assert _volumes(sandbox.sandbox_id) == [f"{sandbox.sandbox_id}-data"]
+    removed = await reap(run_id="compose-reap")
+    assert sorted(removed) == sorted([sandbox.sandbox_id, f"{sandbox.sandbox_id}-db"])
+    assert _leftovers() == []
+    assert _volumes(sandbox.sandbox_id) == []
+    await provider.aclose()
 
 
 async def test_daytona_refuses_a_compose_task_plainly() -> None:

@@ -372,7 +372,7 @@ async def test_relative_task_paths_build_upload_and_download(tmp_path: Path, mon
     assert not (tmp_path / "oom").exists()
 
 
-async def test_a_task_image_without_tmux_gets_it_from_a_layer_or_a_typed_error(tmp_path: Path) -> None:
+async def test_a_task_image_without_tmux_gets_it_from_a_layer_or_a_typed_error(tmp_path: Path, caplog) -> None:
     path = copy_task(tmp_path)
     dockerfile = path / "environment" / "Dockerfile"
     base = dockerfile.read_text()
@@ -383,6 +383,14 @@ async def test_a_task_image_without_tmux_gets_it_from_a_layer_or_a_typed_error(t
         term = await sb.open_terminal()  # installed by the layer (the build has Debian's mirror)
         await term.send_keys("echo layered\n", duration=0.5)
         assert "\nlayered\n" in await term.capture()
+    # The first build of a layer over an image that has tmux already: no "has no tmux" warning
+    # (its build log echoes the check's RUN line, which holds the same words; issue 35).
+    dockerfile.write_text(base + f"RUN echo {uuid.uuid4()} > /fresh\n")
+    with caplog.at_level(logging.WARNING, logger="agentrl.sandbox.podman.provider"):
+        async with await provider.create(load_task(path), run_id="tmux-layer") as sb:
+            assert (await sb.exec("command -v tmux")).exit_code == 0
+            await (await sb.open_terminal()).close()
+    assert not [r for r in caplog.records if "tmux" in r.getMessage()], caplog.text
     dockerfile.write_text(base + "RUN dpkg --purge tmux && rm /usr/bin/apt-get\n")
     async with await provider.create(load_task(path), run_id="tmux-layer") as sb:
         with pytest.raises(TerminalUnavailableError, match=r"no tmux.*no package manager"):

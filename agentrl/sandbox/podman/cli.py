@@ -107,11 +107,11 @@ _LIVE: dict[str, str] = {}
 
 
 def _remove_live_at_exit() -> None:
-    # containers first: a compose task's pod ("pod:NAME") goes with what is left in it
-    for name, cli in sorted(_LIVE.items(), key=lambda item: item[0].startswith("pod:")):
+    # containers first: a compose task's network ("net:NAME") goes after what was on it
+    for name, cli in sorted(_LIVE.items(), key=lambda item: item[0].startswith("net:")):
         args = (
-            ["pod", "rm", "-f", name.removeprefix("pod:")]
-            if name.startswith("pod:")
+            ["network", "rm", "-f", name.removeprefix("net:")]
+            if name.startswith("net:")
             else [*rm_args(cli), name]
         )
         subprocess.run([cli, *args], capture_output=True, timeout=60, check=False, cwd=cli_cwd())

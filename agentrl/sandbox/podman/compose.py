@@ -1,28 +1,34 @@
-"""Multi-container tasks on podman (`agentrl.tasks.compose`): one pod per sandbox that shares
-only its network namespace, so services answer each other and the agent on localhost and by
-name (every service name is an /etc/hosts entry for 127.0.0.1), while each keeps its own file
-system, processes and limits. `main` starts first and is the agent's sandbox; the others start
-after it, in `depends_on` order, each waited for (healthy, started or completed) before the
-next and before the agent runs. The pod's network is a bridge closed by the sandbox's own
-nftables switch unless a phase is public (`PodmanSandbox.set_network`), so the network policy
-and its phase switches hold for every service. The private verifier joins the pod (network
-only). Removing the sandbox removes the pod, its containers and its named volumes.
+"""Multi-container tasks on podman (`agentrl.tasks.compose`), as Docker compose runs them: one
+network per sandbox (a bridge of its own, `--disable-dns`, so every container keeps the host's
+resolvers), each service a container with its own network namespace, file system, processes and
+limits, at a fixed address of that network, every service's name in every container's
+/etc/hosts. `main` starts first and is the agent's sandbox; the others start after it, in
+`depends_on` order, each waited for (healthy, started or completed) before the next and before
+the agent runs. The sandbox's network policy and its phase switches (`PodmanSandbox.set_network`)
+are applied in every service's namespace, from the host; within a closed policy the services
+still reach each other, never the network's gateway (the host). The private verifier joins
+`main`'s namespace. Removing the sandbox removes its services, network and named volumes.
 
-Not like Docker compose: services share one network namespace, so two services may not listen
-on one port; `ports` publish nothing; `main`'s own `command` is not run (agentrl keeps `main`
-alive itself, as Harbor's base file does).
+Not like Docker compose: `ports` publish nothing; `main`'s own `command` is not run (agentrl
+keeps `main` alive itself, as Harbor's base file does); names resolve through /etc/hosts, not a
+DNS server. Harbor itself runs every service in one network namespace (its egress sidecar's)
+whenever a phase is not public (`harbor/environments/docker/docker.py`,
+`_egress_controlled_service_names`); agentrl keeps them apart under every policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from agentrl.sandbox.base import SandboxCreateError, tail
-from agentrl.sandbox.podman.cli import run_cli
+from agentrl.sandbox.podman.cli import rm_args, run_cli
 from agentrl.tasks.compose import MAIN, ComposeSpec, Service
 from agentrl.tasks.task import Task
 
@@ -41,12 +47,31 @@ class PodmanProvider(Protocol):
 log = logging.getLogger(__name__)
 
 
-def main_args(spec: ComposeSpec, pod: str, volumes: dict[str, str]) -> list[str]:
-    """What `main`'s `run` gets from the compose file (its network is the pod's)."""
+@dataclass
+class ComposeNet:
+    """A compose sandbox's network: its name, subnet and gateway, and each service's address and
+    container."""
+
+    name: str
+    subnet: str
+    gateway: str
+    addresses: dict[str, str]  # service -> its address on the network
+    containers: dict[str, str] = field(default_factory=dict)  # service -> container, once started
+    volumes: list[str] = field(default_factory=list)  # the named volumes' names on the host
+
+    def hosts_args(self) -> list[str]:
+        return [arg for svc, ip in self.addresses.items() for arg in ("--add-host", f"{svc}:{ip}")]
+
+    def run_args(self, service: str) -> list[str]:
+        return ["--network", self.name, "--ip", self.addresses[service], *self.hosts_args()]
+
+
+def main_args(spec: ComposeSpec, net: ComposeNet, volumes: dict[str, str]) -> list[str]:
+    """What `main`'s `run` gets from the compose file and its network."""
     main = spec.services[MAIN]
     if main.command or main.entrypoint:
         log.warning("compose: the main service's command is not run (agentrl keeps main alive itself)")
-    args = ["--pod", pod]
+    args = net.run_args(MAIN)
     for k, v in main.environment.items():
         args += ["-e", f"{k}={v}"]
     return args + _volume_args(main, volumes)
@@ -59,37 +84,48 @@ def _volume_args(service: Service, volumes: dict[str, str]) -> list[str]:
     return args
 
 
-async def create_pod(
+async def create_network(
     provider: PodmanProvider, spec: ComposeSpec, name: str, labels: list[str]
-) -> dict[str, str]:
-    """The pod (a bridge network, every service's name on 127.0.0.1) and its named volumes (their
-    names on the host)."""
-    hosts = [arg for svc in spec.services for arg in ("--add-host", f"{svc}:127.0.0.1")]
+) -> ComposeNet:
+    """The sandbox's network (a subnet podman picks, addresses from it in service order, the
+    gateway left out) and its named volumes."""
+    net_name = f"{name}-net"
     rc, _, err = await run_cli(
-        provider.cli, "pod", "create", "--name", name, "--share", "net", "--network", "bridge",
-        *hosts, *labels, timeout=120,
-    )  # fmt: skip
+        provider.cli, "network", "create", "--disable-dns", *labels, net_name, timeout=120
+    )
     if rc != 0:
-        raise SandboxCreateError(f"creating the pod {name} failed", log_tail=tail(err, 2000))
-    volumes = {}
+        raise SandboxCreateError(f"creating the network {net_name} failed", log_tail=tail(err, 2000))
+    rc, out, err = await run_cli(
+        provider.cli, "network", "inspect", "--format",
+        "{{range .Subnets}}{{.Subnet}} {{.Gateway}}\n{{end}}", net_name, timeout=60,
+    )  # fmt: skip
+    lines = [line.split() for line in out.splitlines() if line.strip()]
+    if rc != 0 or not lines or len(lines[0]) != 2:
+        raise SandboxCreateError(f"reading the subnet of {net_name} failed", log_tail=tail(err + out, 2000))
+    subnet, gateway = lines[0]
+    free = (str(ip) for ip in ipaddress.ip_network(subnet).hosts() if str(ip) != gateway)
+    net = ComposeNet(net_name, subnet, gateway, {svc: next(free) for svc in spec.services})
     for vol in spec.volumes:
         host_name = f"{name}-{vol}"
         rc, _, err = await run_cli(provider.cli, "volume", "create", *labels, host_name, timeout=120)
         if rc != 0:
             raise SandboxCreateError(f"creating the volume {vol} failed", log_tail=tail(err, 2000))
-        volumes[vol] = host_name
-    return volumes
+        net.volumes.append(host_name)
+    return net
 
 
 async def start_services(
     provider: PodmanProvider,
     task: Task,
     spec: ComposeSpec,
-    pod: str,
-    volumes: dict[str, str],
+    sandbox: str,
+    net: ComposeNet,
     labels: list[str],
+    started: Callable[[str, str], Awaitable[None]],
 ) -> None:
-    """Every service but `main`, in order, each waited for as the services depending on it ask."""
+    """Every service but `main`, in order, each handed to `started` (the network policy goes on
+    it) and then waited for as the services depending on it ask."""
+    volumes = dict(zip(spec.volumes, net.volumes, strict=True))
     deadline = time.monotonic() + task.config.environment.build_timeout_sec
     wanted: dict[str, str] = {}  # service -> the strongest condition any dependant asks of it
     rank = {"service_started": 0, "service_healthy": 1, "service_completed_successfully": 2}
@@ -99,8 +135,10 @@ async def start_services(
                 wanted[dep] = cond
     for svc in spec.sidecars:
         image = await provider.image_for(task.service_task(svc))
-        name = f"{pod}-{svc.name}"
-        args = ["run", "-d", "--name", name, "--pod", pod, *labels, "--pids-limit", str(provider.pids_limit)]
+        name = f"{sandbox}-{svc.name}"
+        net.containers[svc.name] = name
+        args = ["run", "-d", "--name", name, *net.run_args(svc.name), *labels]
+        args += ["--pids-limit", str(provider.pids_limit)]
         if provider._podman:
             args.append("--http-proxy=false")
         if provider.default_memory_mb:
@@ -120,6 +158,7 @@ async def start_services(
             raise SandboxCreateError(
                 f"{task.task_id}: starting service {svc.name!r} failed", log_tail=tail(err, 2000)
             )
+        await started(svc.name, name)
         await _wait(provider, task, svc, name, wanted.get(svc.name, "service_started"), deadline)
 
 
@@ -160,7 +199,10 @@ async def _wait(
         await asyncio.sleep(min(1.0, hc.interval_s))
 
 
-async def remove_pod(cli: str, pod: str, volumes: list[str]) -> None:
-    await run_cli(cli, "pod", "rm", "-f", "-t", "0", pod, timeout=120)
-    if volumes:
-        await run_cli(cli, "volume", "rm", "-f", *volumes, timeout=120)
+async def remove_network(cli: str, net: ComposeNet) -> None:
+    """The services, then the network and the named volumes (`main` is removed by its owner)."""
+    if net.containers:
+        await run_cli(cli, *rm_args(cli), *net.containers.values(), timeout=120)
+    await run_cli(cli, "network", "rm", "-f", net.name, timeout=120)
+    if net.volumes:
+        await run_cli(cli, "volume", "rm", "-f", *net.volumes, timeout=120)

@@ -60,8 +60,15 @@ def allowed_addresses(hosts: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def egress_script(table: str, allow: tuple[str, ...] | None, dns: tuple[str, ...] = ()) -> str:
-    """The nft script: `allow` None opens the network; else loopback, DNS to `dns` and `allow`."""
+def egress_script(
+    table: str,
+    allow: tuple[str, ...] | None,
+    dns: tuple[str, ...] = (),
+    *,
+    local: tuple[str, str] | None = None,
+) -> str:
+    """The nft script: `allow` None opens the network; else loopback, DNS to `dns`, `allow`, and
+    (`local`: a compose sandbox's subnet and gateway) the other services, never the gateway."""
     script = f"table inet {table}\ndelete table inet {table}\n"
     if allow is None:
         return script
@@ -75,6 +82,10 @@ def egress_script(table: str, allow: tuple[str, ...] | None, dns: tuple[str, ...
     for entry in allow:
         family = "ip" if ipaddress.ip_network(entry, strict=False).version == 4 else "ip6"
         rules.append(f"  {family} daddr {entry} accept")
+    if local is not None:
+        subnet, gateway = local
+        family = "ip" if ipaddress.ip_network(subnet).version == 4 else "ip6"
+        rules += [f"  {family} daddr {gateway} drop", f"  {family} daddr {subnet} accept"]
     return (
         script
         + f"table inet {table} {{\n chain out {{\n  type filter hook output priority 0; policy drop;\n"

@@ -115,7 +115,7 @@ class PodmanProvider(SandboxProvider):
         self._failed_builds: dict[str, ImageBuildError] = {}
         self._standins_said: set[tuple[str, str]] = set()  # warned once per provider
         self._live: set[str] = set()
-        self._pods: dict[str, tuple[str, list[str]]] = {}  # a compose task's sandbox -> its pod, volumes
+        self._compose: dict[str, compose.ComposeNet] = {}  # a compose task's sandbox -> its network
         self._pool: dict[str, list[PodmanSandbox]] = {}
         self._pool_tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[Any]] = set()
@@ -374,7 +374,7 @@ class PodmanProvider(SandboxProvider):
         self, task: Task, run_id: str, name: str, network: list[str] | None = None
     ) -> tuple[list[str], int | None]:
         """`run` arguments without the storage cap, and the storage limit in MiB; `network`
-        replaces the network options (a compose task's pod)."""
+        replaces the network options (a compose task's network)."""
         env = task.config.environment
         args = [
             "run",
@@ -408,18 +408,17 @@ class PodmanProvider(SandboxProvider):
         safe = re.sub(r"[^a-z0-9_.-]+", "-", f"{run_id[:24]}-{task.task_id[:24]}".lower())
         name = f"agentrl-{safe}-{uuid.uuid4().hex[:8]}"
         spec = task.compose
-        pod: str | None = None
+        net: compose.ComposeNet | None = None
         network: list[str] | None = None
         _LIVE[name] = self.cli
         self._live.add(name)
         command = [image, "-P"] if self.init else [image, "infinity"]
         try:
             if spec is not None:
-                pod = f"{name}-pod"
-                self._pods[name] = (pod, [f"{pod}-{v}" for v in spec.volumes])
-                _LIVE[f"pod:{pod}"] = self.cli
-                volumes = await compose.create_pod(self, spec, pod, self._labels(task, run_id))
-                network = compose.main_args(spec, pod, volumes)
+                _LIVE[f"net:{name}-net"] = self.cli
+                net = await compose.create_network(self, spec, name, self._labels(task, run_id))
+                self._compose[name] = net
+                network = compose.main_args(spec, net, dict(zip(spec.volumes, net.volumes, strict=True)))
             args, storage = self._run_args(task, run_id, name, network)
             rc, err = 1, ""
             if storage and self._storage_opt is not False:
@@ -473,9 +472,8 @@ class PodmanProvider(SandboxProvider):
                 storage_limit_mb=storage,
             )
             sandbox._init_pid = int(pid) if pid.isdigit() else None
-            sandbox.network = "bridge" if pod else self._network(task)
-            sandbox.pod = pod
-            sandbox.services = tuple(s.name for s in spec.sidecars) if spec is not None else ()
+            sandbox.network = "bridge" if net else self._network(task)
+            sandbox.compose = net
             policy = task.config.phase_network("agent")
             if self.allow_network is not None:
                 policy = "public" if self.allow_network else "no-network"
@@ -484,11 +482,13 @@ class PodmanProvider(SandboxProvider):
             if sandbox.network == "bridge" and policy != "public":
                 # before the agent's first command, and before any other service starts
                 await sandbox.set_network(policy, task.config.phase_hosts("agent"))
-            if spec is not None and pod is not None:
-                await compose.start_services(
-                    self, task, spec, pod, dict(zip(spec.volumes, self._pods[name][1], strict=True)),
-                    self._labels(task, run_id),
-                )  # fmt: skip
+            if spec is not None and net is not None:
+
+                async def started(service: str, container: str) -> None:
+                    _LIVE[container] = self.cli
+                    await sandbox.add_service(service, container)
+
+                await compose.start_services(self, task, spec, name, net, self._labels(task, run_id), started)
             res = await sandbox._exec_clean(
                 "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs /logs/*", timeout=60
             )
@@ -562,9 +562,11 @@ class PodmanProvider(SandboxProvider):
     async def _remove(self, name: str) -> None:
         try:
             await run_cli(self.cli, *rm_args(self.cli), name, timeout=120)
-            if (pod := self._pods.pop(name, None)) is not None:
-                await compose.remove_pod(self.cli, *pod)
-                _LIVE.pop(f"pod:{pod[0]}", None)
+            if (net := self._compose.pop(name, None)) is not None:
+                await compose.remove_network(self.cli, net)
+                for container in net.containers.values():
+                    _LIVE.pop(container, None)
+            _LIVE.pop(f"net:{name}-net", None)
         finally:
             self._live.discard(name)
             _LIVE.pop(name, None)
@@ -616,12 +618,14 @@ async def reap(
         doomed.append(name)
     for name in doomed:
         await run_cli(cli, *rm_args(cli), name, timeout=120)
-    # A compose task's pod goes with its sandbox (its services and named volumes with it).
-    for pod in [f"{name}-pod" for name in doomed]:
-        rc, out, _ = await run_cli(cli, "pod", "exists", pod, timeout=60)
-        if rc == 0:
-            await run_cli(cli, "pod", "rm", "-f", pod, timeout=120)
-            rc, out, _ = await run_cli(cli, "volume", "ls", "-q", "--filter", f"name={pod}-", timeout=60)
+    # A compose task's network and named volumes go with its sandbox (its services, labelled like
+    # it, were removed above).
+    rc, out, _ = await run_cli(cli, "network", "ls", "--format", "{{.Name}}", timeout=60)
+    networks = set(out.split()) if rc == 0 else set()
+    for name in doomed:
+        if f"{name}-net" in networks:
+            await run_cli(cli, "network", "rm", "-f", f"{name}-net", timeout=120)
+            rc, out, _ = await run_cli(cli, "volume", "ls", "-q", "--filter", f"name={name}-", timeout=60)
             if rc == 0 and out.split():
                 await run_cli(cli, "volume", "rm", "-f", *out.split(), timeout=120)
     return doomed

@@ -45,6 +45,7 @@ from agentrl.sandbox.podman.cli import (
     run_cli,
     run_cli_bounded,
 )
+from agentrl.sandbox.podman.compose import ComposeNet
 from agentrl.sandbox.podman.procs import _kill_namespace
 from agentrl.sandbox.podman.shell import (
     _CLEAN_BODY,
@@ -281,8 +282,9 @@ class PodmanSandbox(_Container, Sandbox):
         self._init_pid: int | None = None  # host pid of the container's init, once looked up
         self.network = "none"  # the container's podman network ("none" or "bridge")
         self._resolvers: tuple[str, ...] | None = None  # its nameservers, read before the agent ran
-        self.pod: str | None = None  # a compose task's pod (the network the services share)
-        self.services: tuple[str, ...] = ()  # its services other than main
+        self.compose: ComposeNet | None = None  # a compose task's network and other services
+        self._service_pids: dict[str, int] = {}  # their inits' host pids (their network namespaces)
+        self._policy: tuple[str, tuple[str, ...]] | None = None  # the network policy last set
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 
@@ -579,11 +581,34 @@ class PodmanSandbox(_Container, Sandbox):
             raise SandboxError(f"{self.sandbox_id}: its init's pid is unknown; cannot switch its network")
         if self._resolvers is None:
             self._resolvers = netns.resolvers(self._init_pid)
+        self._policy = (policy, allowed_hosts)
+        script = await self._egress_script()
+        await netns.apply(self._init_pid, script, what=self.sandbox_id)
+        for service, pid in self._service_pids.items():  # a compose task's: every service's too
+            await netns.apply(pid, script, what=f"{self.sandbox_id} service {service}")
+
+    async def _egress_script(self) -> str:
+        assert self._policy is not None
+        policy, hosts = self._policy
         allow = None if policy == "public" else ()
         if policy == "allowlist":
-            allow = await asyncio.to_thread(netns.allowed_addresses, allowed_hosts)
-        script = netns.egress_script("agentrl_phase", allow, self._resolvers if policy == "allowlist" else ())
-        await netns.apply(self._init_pid, script, what=self.sandbox_id)
+            allow = await asyncio.to_thread(netns.allowed_addresses, hosts)
+        local = (self.compose.subnet, self.compose.gateway) if self.compose is not None else None
+        return netns.egress_script(
+            "agentrl_phase", allow, self._resolvers if policy == "allowlist" else (), local=local
+        )
+
+    async def add_service(self, service: str, container: str) -> None:
+        """A compose task's service, just started: the sandbox's network policy goes on its
+        namespace too, before anything waits on it."""
+        rc, out, err = await run_cli(self.cli, "inspect", "--format", "{{.State.Pid}}", container, timeout=60)
+        if rc != 0 or not out.strip().isdigit() or out.strip() == "0":
+            raise SandboxError(
+                f"service {service} of {self.sandbox_id} is not running: {tail(err.strip(), 300)}"
+            )
+        pid = self._service_pids[service] = int(out.strip())
+        if self._policy is not None and self._policy[0] != "public":
+            await netns.apply(pid, await self._egress_script(), what=f"{self.sandbox_id} service {service}")
 
     async def run_tests(
         self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
@@ -715,9 +740,9 @@ class PodmanSandbox(_Container, Sandbox):
     def service(self, name: str) -> Sandbox:
         if name == MAIN:
             return self
-        if self.pod is None or name not in self.services:
+        if self.compose is None or name not in self.compose.containers:
             return super().service(name)
-        return PodmanService(self, f"{self.pod}-{name}")
+        return PodmanService(self, self.compose.containers[name])
 
     async def alive(self) -> bool:
         if self._closed:
@@ -730,8 +755,8 @@ class PodmanSandbox(_Container, Sandbox):
 
 
 class PodmanService(_Container, Sandbox):
-    """Another service of a compose task's pod (`PodmanSandbox.service`): clean commands and
-    downloads only (collect hooks, artifacts); the pod goes with the agent's sandbox."""
+    """Another service of a compose task (`PodmanSandbox.service`): clean commands and downloads
+    only (collect hooks, artifacts); it goes with the agent's sandbox."""
 
     def __init__(self, owner: PodmanSandbox, container: str) -> None:
         self.cli = owner.cli
@@ -762,4 +787,4 @@ class PodmanService(_Container, Sandbox):
         await self._download_bounded(src, Path(dst), limit_bytes)
 
     async def close(self) -> None:
-        """Nothing: the service is removed with its pod."""
+        """Nothing: the service is removed with the agent's sandbox."""

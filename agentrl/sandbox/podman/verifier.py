@@ -113,8 +113,8 @@ async def run_private_tests(
         name = f"{sb.sandbox_id}-verifier"
         args = [
             "run", "--rm", "--name", name,
-            # the agent's network namespace (a compose task's pod: its services, network only)
-            *(["--pod", sb.pod] if sb.pod else ["--network", f"container:{sb.sandbox_id}"]),
+            # the agent's network namespace (a compose task's services answer there as to main)
+            "--network", f"container:{sb.sandbox_id}",
             "--label", f"{LABEL_RUN}={config.get('Labels', {}).get(LABEL_RUN, '')}",
             "--label", f"{LABEL_CREATED}={int(time.time())}",
             "-v", f"{tests}:/tests", "-v", f"{logs}:/logs/verifier", "-w", workdir,
