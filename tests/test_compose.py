@@ -105,6 +105,20 @@ def test_what_a_compose_file_may_not_do(tmp_path: Path, service: str, match: str
         _load(_env(tmp_path, f"services:\n  db:\n    {service}\n"))
 
 
+def test_service_limits_in_either_form(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path,
+        "services:\n  main: {}\n  a:\n    image: x\n    mem_limit: 1.5g\n    cpus: 2\n    pids_limit: 50\n"
+        "  b:\n    image: x\n    deploy:\n      resources:\n        limits:\n          memory: 100M\n",
+    )
+    spec = _load(env)
+    a, b = spec.services["a"], spec.services["b"]
+    assert (a.memory_mb, a.cpus, a.pids) == (1536, 2.0, 50)
+    assert (b.memory_mb, b.cpus, b.pids) == (100, None, None)
+    with pytest.raises(TaskFormatError, match="not a size"):
+        _load(_env(tmp_path / "bad", "services:\n  main: {}\n  a:\n    image: x\n    mem_limit: lots\n"))
+
+
 def test_named_volumes_bind_mounts_env_files_and_healthcheck_forms(tmp_path: Path) -> None:
     env = _env(
         tmp_path,
@@ -135,6 +149,12 @@ def _leftovers() -> list[str]:
     )
     ctrs = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
     return [n for n in (nets.stdout + ctrs.stdout).split() if n.startswith("agentrl-compose")]
+
+
+def _inspect(container: str, fmt: str) -> list[str]:
+    return subprocess.run(
+        ["podman", "inspect", "--format", fmt, container], capture_output=True, text=True
+    ).stdout.split()
 
 
 def _volumes(prefix: str) -> list[str]:
@@ -268,12 +288,22 @@ async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_
     shutil.copytree(TASK, task_dir)
     yaml = (task_dir / "environment" / "docker-compose.yaml").read_text()
     (task_dir / "environment" / "docker-compose.yaml").write_text(
-        yaml.replace("    build: ./service\n", "    build: ./service\n    volumes:\n      - data:/data\n")
+        yaml.replace(
+            "    build: ./service\n",
+            "    build: ./service\n    volumes:\n      - data:/data\n    mem_limit: 256m\n"
+            "    deploy:\n      resources:\n        limits:\n          cpus: '0.5'\n          pids: 64\n",
+        )
         + "volumes:\n  data: {}\n"
     )
     provider = PodmanProvider()
     sandbox = await provider.create(load_task(task_dir), run_id="compose-reap")
     assert len(_leftovers()) == 3  # main, db, the network
+    # the service's own limits hold on its container
+    limits = _inspect(
+        f"{sandbox.sandbox_id}-db",
+        "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}} {{.HostConfig.PidsLimit}}",
+    )
+    assert limits == [str(256 * 2**20), str(5 * 10**8), "64"]
     assert _volumes(sandbox.sandbox_id) == [f"{sandbox.sandbox_id}-data"]
     removed = await reap(run_id="compose-reap")
     assert sorted(removed) == sorted([sandbox.sandbox_id, f"{sandbox.sandbox_id}-db"])

@@ -372,7 +372,9 @@ async def test_relative_task_paths_build_upload_and_download(tmp_path: Path, mon
     assert not (tmp_path / "oom").exists()
 
 
-async def test_a_task_image_without_tmux_gets_it_from_a_layer_or_a_typed_error(tmp_path: Path, caplog) -> None:
+async def test_a_task_image_without_tmux_gets_it_from_a_layer_or_a_typed_error(
+    tmp_path: Path, caplog
+) -> None:
     path = copy_task(tmp_path)
     dockerfile = path / "environment" / "Dockerfile"
     base = dockerfile.read_text()

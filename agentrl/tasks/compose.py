@@ -5,10 +5,11 @@ it. Backend-neutral: what runs where is the sandbox backend's (`agentrl.sandbox.
 
 Supported per service: `image`, `build` (a context, or `context` / `dockerfile`), `command`,
 `entrypoint`, `environment`, `working_dir`, `user`, `healthcheck`, `depends_on` (with
-`service_started`, `service_healthy`, `service_completed_successfully`) and `volumes` (named
-volumes, and bind mounts of paths inside `environment/`). Ignored, with nothing to enforce on one
-host network: `ports`, `expose`, `restart`, `container_name`, `networks`, `hostname`, `labels`,
-`stdin_open`, `tty`, `init`, `deploy` and `pull_policy`. Refused, because they would hand the
+`service_started`, `service_healthy`, `service_completed_successfully`), `volumes` (named
+volumes, and bind mounts of paths inside `environment/`) and the limits `mem_limit`, `cpus`,
+`pids_limit` or `deploy.resources.limits`. Ignored (the sandbox's own network stands in for
+`networks`): `ports`, `expose`, `restart`, `container_name`, `networks`, `hostname`, `labels`,
+`stdin_open`, `tty`, `init`, `deploy`'s other keys and `pull_policy`. Refused, because they would hand the
 agent's side more than a container: `privileged`, `cap_add`, `devices`, `security_opt`,
 `network_mode`, `pid`, `ipc`, host bind mounts outside `environment/` and `volumes_from`.
 
@@ -19,6 +20,7 @@ and Harbor's `CONTEXT_DIR`, `MAIN_IMAGE_NAME`, `CPUS` and `MEMORY`, never the ho
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ COMPOSE_FILE = "docker-compose.yaml"
 MAIN = "main"
 _IGNORED = {
     "ports", "expose", "restart", "container_name", "networks", "hostname", "labels", "stdin_open",
-    "tty", "init", "deploy", "pull_policy", "platform", "logging", "stop_grace_period",
+    "tty", "init", "pull_policy", "platform", "logging", "stop_grace_period",
 }  # fmt: skip
 _REFUSED = {
     "privileged", "cap_add", "devices", "security_opt", "network_mode", "pid", "ipc", "volumes_from",
@@ -68,6 +70,11 @@ class Service:
     healthcheck: Healthcheck | None = None
     depends_on: dict[str, str] = field(default_factory=dict)  # service -> condition
     volumes: tuple[tuple[str, str, bool], ...] = ()  # (named volume or host path, target, read-only)
+    # Its limits (`mem_limit` / `cpus` / `pids_limit`, or `deploy.resources.limits`); None: the
+    # provider's defaults.
+    memory_mb: int | None = None
+    cpus: float | None = None
+    pids: int | None = None
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,7 @@ def load_compose(
             )  # fmt: skip
         unknown = sorted(set(spec) - _IGNORED - _REFUSED - {
             "image", "build", "command", "entrypoint", "environment", "working_dir", "user", "healthcheck",
-            "depends_on", "volumes", "env_file",
+            "depends_on", "volumes", "env_file", "mem_limit", "cpus", "pids_limit", "deploy",
         })  # fmt: skip
         if unknown:
             raise TaskFormatError(where, f"{key}.{unknown[0]}", "not supported by agentrl's compose")
@@ -292,8 +299,43 @@ def load_compose(
             healthcheck=_healthcheck(spec.get("healthcheck"), where, f"{key}.healthcheck"),
             depends_on=depends,
             volumes=tuple(volumes),
+            **_limits(spec, where, key),
         )
     return ComposeSpec(_ordered(services, where), tuple(named))
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([bkmg]?)b?", re.IGNORECASE)
+
+
+def _limits(spec: dict[str, Any], where: str, key: str) -> dict[str, Any]:
+    """A service's memory (MiB), cpus and pids limits, from its own keys or `deploy.resources.limits`
+    (compose's byte values: a number of bytes, or with a b/k/m/g unit)."""
+    deploy = spec.get("deploy") or {}
+    limits = ((deploy.get("resources") or {}).get("limits") or {}) if isinstance(deploy, dict) else {}
+    if not isinstance(limits, dict):
+        raise TaskFormatError(where, f"{key}.deploy.resources.limits", "expected a mapping")
+    out: dict[str, Any] = {}
+    memory = spec.get("mem_limit", limits.get("memory"))
+    if memory is not None:
+        m = _SIZE.fullmatch(str(memory).strip())
+        if not m:
+            raise TaskFormatError(
+                where, f"{key}.mem_limit", f"{memory!r} is not a size", "write it as 512m or 1g"
+            )
+        scale = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
+        out["memory_mb"] = max(1, math.ceil(float(m.group(1)) * scale / 2**20))
+    cpus = spec.get("cpus", limits.get("cpus"))
+    if cpus is not None:
+        try:
+            out["cpus"] = float(cpus)
+        except (TypeError, ValueError):
+            raise TaskFormatError(where, f"{key}.cpus", f"{cpus!r} is not a number of cpus") from None
+    pids = spec.get("pids_limit", limits.get("pids"))
+    if pids is not None:
+        if not isinstance(pids, int) or isinstance(pids, bool):
+            raise TaskFormatError(where, f"{key}.pids_limit", f"{pids!r} is not a number of processes")
+        out["pids"] = pids
+    return out
 
 
 def _ordered(services: dict[str, Service], where: str) -> dict[str, Service]:

@@ -138,11 +138,14 @@ async def start_services(
         name = f"{sandbox}-{svc.name}"
         net.containers[svc.name] = name
         args = ["run", "-d", "--name", name, *net.run_args(svc.name), *labels]
-        args += ["--pids-limit", str(provider.pids_limit)]
+        # the service's own limits, within agentrl's process cap
+        args += ["--pids-limit", str(min(svc.pids or provider.pids_limit, provider.pids_limit))]
         if provider._podman:
             args.append("--http-proxy=false")
-        if provider.default_memory_mb:
-            args += ["--memory", f"{provider.default_memory_mb}m"]
+        if memory := svc.memory_mb or provider.default_memory_mb:
+            args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
+        if svc.cpus:
+            args += ["--cpus", f"{svc.cpus:g}"]
         for k, v in svc.environment.items():
             args += ["-e", f"{k}={v}"]
         args += _volume_args(svc, volumes)
