@@ -35,6 +35,7 @@ class PrepareSettings(_Section):
     and 0.26 pass@1 depending on the random init)."""
 
     sft_target: float = 0.2  # stop once the reference replies are sampled with this mean probability
+    sft_floor: float | None = None  # ... and every task's with at least this one
     sft_steps: int = 200  # the most steps
     sft_lr: float = 1e-3
     sft_batch_size: int = 8
@@ -111,6 +112,7 @@ def prepare(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -
         batch_size=p.sft_batch_size,
         seed=cfg.seed,
         target=p.sft_target,
+        target_floor=p.sft_floor,
         temperature=cfg.sampling.temperature,
     )
     losses = run_sft(model, samples, sft, log=console.print)

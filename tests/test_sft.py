@@ -92,3 +92,25 @@ def test_a_sparse_target_check_stops_on_a_multiple_of_its_period_measured_on_its
     assert sum(reference_pass(model, probe, 1.0)) / 2 >= 0.5
     with pytest.raises(ValueError, match="at least 1"):
         run_sft(Bigram(), samples, SFTConfig(steps=3, target=0.5, target_every=0), log=None)
+
+
+def test_a_floor_waits_for_the_slowest_task_too() -> None:
+    """Two tasks, one learnt faster: the mean target alone stops while the slow one is near 0;
+    with a floor, SFT goes on until every task's reference pass reaches it."""
+    fast = [_sample([1, 2, 3], 1) for _ in range(3)]
+    slow = [_sample([5, 6, 7, 8, 9, 10, 11], 1)]  # no context shared with the fast task
+    for s in fast:
+        s.task_id = "fast"
+    slow[0].task_id = "slow"
+    samples = fast + slow
+    mean_only = Bigram()
+    n_mean = len(
+        run_sft(mean_only, samples, SFTConfig(steps=500, lr=0.05, batch_size=4, target=0.3), log=None)
+    )
+    floored = Bigram()
+    config = SFTConfig(steps=500, lr=0.05, batch_size=4, target=0.3, target_floor=0.3)
+    n_floor = len(run_sft(floored, samples, config, log=None))
+    assert reference_pass(mean_only, slow, 1.0)[0] < 0.3 and n_floor > n_mean
+    assert reference_pass(floored, slow, 1.0)[0] >= 0.3
+    with pytest.raises(ValueError, match="needs a target"):
+        run_sft(Bigram(), samples, SFTConfig(steps=3, target_floor=0.1), log=None)

@@ -189,10 +189,15 @@ def _other_host_address() -> str | None:
     return None
 
 
+@pytest.mark.parametrize("backend", ["podman", "daytona-fake"])
 @pytest.mark.parametrize("phase", ["agent", "verifier"])
-async def test_an_allowlist_reaches_its_addresses_and_nothing_else(tmp_path: Path, phase: str) -> None:
-    """Harbor's `allowlist` on podman: the phase reaches the allowed address (the bridge's), and
-    not another address of the same host; the other phase, closed, reaches neither."""
+async def test_an_allowlist_reaches_its_addresses_and_nothing_else(
+    tmp_path: Path, phase: str, backend: str, request
+) -> None:
+    """Harbor's `allowlist`: the phase reaches the allowed address (the bridge's), and not another
+    address of the same host; the other phase, closed, reaches neither. On podman by the backend's
+    own rules; on Daytona through its network limits (`network_allow_list`), which the fake
+    enforces by address."""
     import socket
     import threading
 
@@ -238,7 +243,8 @@ async def test_an_allowlist_reaches_its_addresses_and_nothing_else(tmp_path: Pat
         else f'[environment]\nnetwork_mode = "no-network"\n[verifier]\n{allow}'
     )
     try:
-        result = await _episode(d, tmp_path, f"{{ {probe('agent')} ; }} > /app/agent.txt")
+        provider = make_provider(request.getfixturevalue("server")) if backend == "daytona-fake" else None
+        result = await _episode(d, tmp_path, f"{{ {probe('agent')} ; }} > /app/agent.txt", provider=provider)
     finally:
         listener.close()
     assert result.verify.reward == 1.0, result.verify.log_tail

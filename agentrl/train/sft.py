@@ -44,6 +44,9 @@ class SFTConfig:
     """Measure `target` on this many of the samples (a fixed, seeded draw); None: all of them."""
     target_every: int = 1
     """Measure `target` every this many steps (and at the last)."""
+    target_floor: float | None = None
+    """With `target`: also wait until every task's reference pass (its samples' mean) reaches
+    this, so that RL starts with some success on every task (a task at 0 gives it no signal)."""
 
 
 def _padded(batch: list[Sample], device: str) -> tuple[Any, Any, Any]:
@@ -95,6 +98,10 @@ def run_sft(
         raise ValueError("no SFT samples: harvest trajectories first (recipes/local_tbench2.py prepare)")
     if config.target is not None and not 0.0 < config.target <= 1.0:
         raise ValueError(f"SFT target {config.target} is not a probability in (0, 1]")
+    if config.target_floor is not None and (config.target is None or not 0.0 < config.target_floor <= 1.0):
+        raise ValueError(
+            f"SFT target_floor {config.target_floor} needs a target and must be a probability in (0, 1]"
+        )
     if config.target_every < 1 or (config.target_samples is not None and config.target_samples < 1):
         raise ValueError(
             f"SFT target_every ({config.target_every}) and target_samples ({config.target_samples}) must be at least 1"
@@ -123,16 +130,27 @@ def run_sft(
         reached: float | None = None
         last = step == config.steps - 1
         done = False
+        floor: float | None = None
         if config.target is not None and ((step + 1) % config.target_every == 0 or last):
             passes = reference_pass(model, probe, config.temperature, device)
             reached = sum(passes) / len(passes)
             done = reached >= config.target
+            if config.target_floor is not None:
+                by_task: dict[str | None, list[float]] = {}
+                for s, p in zip(probe, passes, strict=True):
+                    by_task.setdefault(s.task_id, []).append(p)
+                floor = min(sum(v) / len(v) for v in by_task.values())
+                done = done and floor >= config.target_floor
         if log is not None and (step % config.log_every == 0 or last or done):
             extra_text = "" if reached is None else f"  reference pass {reached:.3f}"
+            extra_text += "" if floor is None else f" (least task {floor:.3f})"
             log(f"sft step {step:4d}  loss {losses[-1]:.4f}{extra_text}")
         if done:
             if log is not None:
-                log(f"sft: reference pass {reached:.3f} >= target {config.target} after {step + 1} steps")
+                log(
+                    f"sft: reference pass {reached:.3f} >= target {config.target} after {step + 1} steps"
+                    + ("" if floor is None else f", every task >= {config.target_floor}")
+                )
             break
     else:
         if config.target is not None and log is not None:
