@@ -289,3 +289,22 @@ async def test_the_verifier_environments_own_healthcheck_runs_before_the_artifac
         return
     with pytest.raises(HealthcheckError, match=r"sales\.csv"):
         await _episode(d, tmp_path, SOLVE)
+
+
+@pytest.mark.parametrize("name", ["two-step-notes", "sales-total-artifact", "hello-file"])
+async def test_the_oracle_contract_holds_on_the_daytona_fake(name: str, request) -> None:
+    """Where Daytona supports the feature (multi-step, a separate verifier, a plain task), the
+    oracle sweep's contract holds on the Daytona fake as on podman: the reference solution scores
+    1 and no solution 0, with nothing left running."""
+    from agentrl.episode.oracle import oracle_one
+
+    provider = make_provider(request.getfixturevalue("server"))
+    task = load_task(TASK.parent / name)
+    try:
+        solved = await oracle_one(provider, task, run_id="oracle-daytona")
+        unsolved = await oracle_one(provider, task, run_id="oracle-daytona", solution=False)
+    finally:
+        await provider.aclose()
+    assert (solved.reward, solved.cause) == (1.0, None), solved.detail
+    assert (unsolved.reward, unsolved.cause) == (0.0, None), unsolved.detail
+    assert provider.live_sandboxes() == 0
