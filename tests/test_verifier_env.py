@@ -212,3 +212,20 @@ def test_the_allowlist_rules_name_loopback_the_resolvers_and_the_addresses() -> 
     assert netns.allowed_addresses(("no-such-host.invalid", "10.0.0.1")) == ("10.0.0.1",)
     with pytest.raises(InputError, match="wildcard"):
         netns.allowed_addresses(("*.example.com",))
+
+
+def test_a_steps_network_overrides_win_over_the_tasks(tmp_path: Path) -> None:
+    task = load_task(
+        _task(
+            tmp_path,
+            '[agent]\nnetwork_mode = "public"\n\n[[steps]]\nname = "a"\n\n[[steps]]\nname = "b"\n'
+            '[steps.agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["Example.com"]\n'
+            '[steps.verifier]\nnetwork_mode = "no-network"\n',
+            steps=("a", "b"),
+        )
+    )
+    assert not task.config.unknown_keys
+    a, b = task.steps
+    assert (a.config.phase_network("agent"), a.config.phase_hosts("agent")) == ("public", ())
+    assert (b.config.phase_network("agent"), b.config.phase_hosts("agent")) == ("allowlist", ("example.com",))
+    assert b.config.phase_network("verifier") == "no-network"

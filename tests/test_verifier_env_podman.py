@@ -308,3 +308,68 @@ async def test_the_oracle_contract_holds_on_the_daytona_fake(name: str, request)
     assert (solved.reward, solved.cause) == (1.0, None), solved.detail
     assert (unsolved.reward, unsolved.cause) == (0.0, None), unsolved.detail
     assert provider.live_sandboxes() == 0
+
+
+async def test_a_steps_own_agent_network_applies_to_that_step_only(tmp_path: Path) -> None:
+    """`[steps.agent] network_mode` (Harbor: the step's override wins over the task's): the first
+    step's agent has no network, the second's may reach one address; the host hears only the
+    second."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    seen: list[bytes] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                conn, _ = listener.accept()
+                seen.append(conn.recv(64))
+                conn.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    d = tmp_path / "steps-net"
+    (d / "environment").mkdir(parents=True)
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (d / "tests").mkdir()
+    (d / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    for name in ("closed", "open"):
+        (d / "steps" / name).mkdir(parents=True)
+        (d / "steps" / name / "instruction.md").write_text(f"Step {name}: try the network.\n")
+    (d / "task.toml").write_text(
+        '[environment]\nnetwork_mode = "no-network"\n\n[[steps]]\nname = "closed"\n\n[[steps]]\nname = "open"\n'
+        '[steps.agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["10.88.0.1"]\n'
+    )
+    probe = [
+        f"(timeout 5 bash -c 'echo {who} > /dev/tcp/10.88.0.1/{port}' && echo open || echo blocked)"
+        for who in ("first", "second")
+    ]
+    replies = [*_script(probe[0]), *_script(probe[1])]
+    tok = byte_tokenizer()
+    provider = PodmanProvider()
+    try:
+        result = await run_episode(
+            load_task(d),
+            provider=provider,
+            engine=ScriptedEngine(replies, tok),
+            renderer=ChatRenderer(tok),
+            config=EpisodeConfig(
+                agent=AgentConfig(
+                    max_turns=3, max_new_tokens=4096, max_total_tokens=32768, terminal="commands"
+                ),
+                sampling=SamplingParams(max_new_tokens=4096),
+            ),
+            run_id="steps-net",
+        )
+    finally:
+        await provider.aclose()
+        listener.close()
+    assert result.verify.reward == 1.0, result.verify.log_tail
+    outputs = [o.stdout.strip() for t in result.run.turns for o in t.outputs]
+    assert outputs == ["blocked", "open"] and seen == [b"second\n"]

@@ -69,6 +69,9 @@ async def run_phases(
     phases: list[Task] = list(task.steps) or [task]
     outcomes: list[StepOutcome] = []
     for k, phase in enumerate(phases):
+        if isinstance(phase, TaskStep) and k and _agent_policy(phase) != _agent_policy(phases[k - 1]):
+            # a step's own agent-phase network (`[steps.agent] network_mode`), from outside
+            await sandbox.set_network(*_agent_policy(phase))
         if isinstance(phase, TaskStep):
             problem = await prepare_step(sandbox, phase)
             if record is not None:
@@ -103,6 +106,10 @@ async def run_phases(
             break
         await sandbox.exec(CLEAR_VERIFIER, timeout=60, cwd="/")  # the next agent sees no tests
     return combine(outcomes, task.config.reward_strategy) if task.steps else outcomes[-1].verify
+
+
+def _agent_policy(phase: Task) -> tuple[str, tuple[str, ...]]:
+    return phase.config.phase_network("agent"), phase.config.phase_hosts("agent")
 
 
 async def prepare_step(sandbox: Sandbox, step: TaskStep) -> str | None:

@@ -194,6 +194,10 @@ class StepConfig:
     verifier_environment_mode: str | None = None  # None: as the step's environment says, else the task's
     verifier_environment: EnvironmentConfig | None = None
     artifacts: tuple[ArtifactConfig, ...] = ()  # after the task's
+    # `[steps.agent]` / `[steps.verifier]` `network_mode` and `allowed_hosts`: the step's phase
+    # policies, over the task's (Harbor: the step's override wins); (None, ()) inherits.
+    agent_network: tuple[str | None, tuple[str, ...]] = (None, ())
+    verifier_network: tuple[str | None, tuple[str, ...]] = (None, ())
 
 
 REWARD_STRATEGIES = ("mean", "final")
@@ -486,6 +490,8 @@ def _steps(file: str, top: _Reader, unknown: list[str], deprecations: list[str])
                 healthcheck=_healthcheck(file, step, unknown, f"steps[{i}].healthcheck"),
                 **{f"verifier_{k}": v for k, v in _verifier_environment(file, ver, deprecations).items()},
                 artifacts=_artifacts(step),
+                agent_network=_phase_network(agent),
+                verifier_network=_phase_network(ver),
             )
         )
         agent.finish()

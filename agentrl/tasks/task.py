@@ -388,18 +388,23 @@ class TaskStep(Task):
     def config(self) -> TaskConfig:
         assert self.parent is not None
         base, step = self.parent.config, self.step
+        agent_net, verifier_net = step.agent_network, step.verifier_network
         return replace(
             base,
             agent=replace(
                 base.agent,
                 timeout_sec=step.agent_timeout_sec or base.agent.timeout_sec,
                 user=step.agent_user if step.agent_user is not None else base.agent.user,
+                network_mode=agent_net[0] or base.agent.network_mode,
+                allowed_hosts=agent_net[1] if agent_net[0] else base.agent.allowed_hosts,
             ),
             verifier=replace(
                 base.verifier,
                 timeout_sec=step.verifier_timeout_sec,
                 env={**base.verifier.env, **step.verifier_env},
                 user=step.verifier_user if step.verifier_user is not None else base.verifier.user,
+                network_mode=verifier_net[0] or base.verifier.network_mode,
+                allowed_hosts=verifier_net[1] if verifier_net[0] else base.verifier.allowed_hosts,
             ),
         )
 

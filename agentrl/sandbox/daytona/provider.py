@@ -151,9 +151,10 @@ class DaytonaProvider(SandboxProvider):
         """The agent phase's policy as Daytona's network limits (`allow_network` overrides it)."""
         if self.allow_network is not None:
             return {"network_block_all": not self.allow_network}
-        policy = task.config.phase_network("agent")
+        first = (task.steps or [task])[0].config  # a multi-step task's first step's
+        policy = first.phase_network("agent")
         if policy == "allowlist":
-            return allow_settings(task.config.phase_hosts("agent"))
+            return allow_settings(first.phase_hosts("agent"))
         return {"network_block_all": policy != "public"}
 
     def labels_for(self, task: Task, run_id: str) -> dict[str, str]:

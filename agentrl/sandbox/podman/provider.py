@@ -346,9 +346,11 @@ class PodmanProvider(SandboxProvider):
         or a shared verifier's: `set_network` closes or narrows each phase), else "none"."""
         if self.allow_network is not None:
             return "bridge" if self.allow_network else "none"
-        phases = {task.config.phase_network("agent")}
-        if task.verifier_mode == "shared":
-            phases.add(task.config.phase_network("verifier"))
+        phases = set()
+        for phase in task.steps or [task]:  # a multi-step task's steps each have their own
+            phases.add(phase.config.phase_network("agent"))
+            if phase.verifier_mode == "shared":
+                phases.add(phase.config.phase_network("verifier"))
         return "bridge" if phases & {"public", "allowlist"} else "none"
 
     def _limit_args(self, task: Task) -> list[str]:
@@ -474,14 +476,15 @@ class PodmanProvider(SandboxProvider):
             sandbox._init_pid = int(pid) if pid.isdigit() else None
             sandbox.network = "bridge" if net else self._network(task)
             sandbox.compose = net
-            policy = task.config.phase_network("agent")
+            first = (task.steps or [task])[0].config  # the first agent phase's policy
+            policy, hosts = first.phase_network("agent"), first.phase_hosts("agent")
             if self.allow_network is not None:
                 policy = "public" if self.allow_network else "no-network"
             if sandbox.network == "bridge" and sandbox._init_pid:
                 sandbox._resolvers = netns.resolvers(sandbox._init_pid)  # before the agent can edit them
             if sandbox.network == "bridge" and policy != "public":
                 # before the agent's first command, and before any other service starts
-                await sandbox.set_network(policy, task.config.phase_hosts("agent"))
+                await sandbox.set_network(policy, hosts)
             if spec is not None and net is not None:
 
                 async def started(service: str, container: str) -> None:
@@ -500,14 +503,16 @@ class PodmanProvider(SandboxProvider):
             raise
 
     async def create(self, task: Task, *, run_id: str) -> Sandbox:
-        for phase in ("agent", "verifier"):  # refused before anything starts, not mid-episode
-            if self.allow_network is None and (
-                wild := [h for h in task.config.phase_hosts(phase) if h.startswith("*.")]
-            ):
-                raise InputError(
-                    f"{task.task_id}: the {phase} phase allows {wild[0]!r}: podman enforces an allowlist "
-                    "by address, and a wildcard names no address; list the hostnames, or run on Daytona"
-                )
+        for part in task.steps or [task]:  # refused before anything starts, not mid-episode
+            for phase in ("agent", "verifier"):
+                if self.allow_network is None and (
+                    wild := [h for h in part.config.phase_hosts(phase) if h.startswith("*.")]
+                ):
+                    raise InputError(
+                        f"{task.task_id}: the {phase} phase allows {wild[0]!r}: podman enforces an "
+                        "allowlist by address, and a wildcard names no address; list the hostnames, "
+                        "or run on Daytona"
+                    )
         pooled = self._pool.get(task.task_id)
         while pooled:
             sandbox = pooled.pop()
