@@ -338,3 +338,17 @@ def test_lint_checks_every_image_a_task_builds(tmp_path: Path) -> None:
     assert any(
         w.startswith("unservable base (service cache): FROM nowhere.example/cache:9") for w in result.warnings
     )
+
+
+@pytest.mark.container
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+async def test_a_network_half_made_is_removed() -> None:
+    """A volume podman refuses, after the network exists: the network goes too."""
+    from agentrl.sandbox.base import SandboxCreateError
+    from agentrl.sandbox.podman import compose as podman_compose
+    from agentrl.tasks.compose import ComposeSpec, Service
+
+    spec = ComposeSpec({MAIN: Service(MAIN, image="x")}, volumes=("not/a volume",))
+    with pytest.raises(SandboxCreateError, match="volume"):
+        await podman_compose.create_network(PodmanProvider(), spec, "agentrl-compose-halfmade", [])
+    assert _leftovers() == []

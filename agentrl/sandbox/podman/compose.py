@@ -95,22 +95,29 @@ async def create_network(
     )
     if rc != 0:
         raise SandboxCreateError(f"creating the network {net_name} failed", log_tail=tail(err, 2000))
-    rc, out, err = await run_cli(
-        provider.cli, "network", "inspect", "--format",
-        "{{range .Subnets}}{{.Subnet}} {{.Gateway}}\n{{end}}", net_name, timeout=60,
-    )  # fmt: skip
-    lines = [line.split() for line in out.splitlines() if line.strip()]
-    if rc != 0 or not lines or len(lines[0]) != 2:
-        raise SandboxCreateError(f"reading the subnet of {net_name} failed", log_tail=tail(err + out, 2000))
-    subnet, gateway = lines[0]
-    free = (str(ip) for ip in ipaddress.ip_network(subnet).hosts() if str(ip) != gateway)
-    net = ComposeNet(net_name, subnet, gateway, {svc: next(free) for svc in spec.services})
-    for vol in spec.volumes:
-        host_name = f"{name}-{vol}"
-        rc, _, err = await run_cli(provider.cli, "volume", "create", *labels, host_name, timeout=120)
-        if rc != 0:
-            raise SandboxCreateError(f"creating the volume {vol} failed", log_tail=tail(err, 2000))
-        net.volumes.append(host_name)
+    net = ComposeNet(net_name, "", "", {})
+    try:
+        rc, out, err = await run_cli(
+            provider.cli, "network", "inspect", "--format",
+            "{{range .Subnets}}{{.Subnet}} {{.Gateway}}\n{{end}}", net_name, timeout=60,
+        )  # fmt: skip
+        lines = [line.split() for line in out.splitlines() if line.strip()]
+        if rc != 0 or not lines or len(lines[0]) != 2:
+            raise SandboxCreateError(
+                f"reading the subnet of {net_name} failed", log_tail=tail(err + out, 2000)
+            )
+        net.subnet, net.gateway = lines[0]
+        free = (str(ip) for ip in ipaddress.ip_network(net.subnet).hosts() if str(ip) != net.gateway)
+        net.addresses = {svc: next(free) for svc in spec.services}
+        for vol in spec.volumes:
+            host_name = f"{name}-{vol}"
+            rc, _, err = await run_cli(provider.cli, "volume", "create", *labels, host_name, timeout=120)
+            if rc != 0:
+                raise SandboxCreateError(f"creating the volume {vol} failed", log_tail=tail(err, 2000))
+            net.volumes.append(host_name)
+    except BaseException:
+        await asyncio.shield(remove_network(provider.cli, net))  # nothing half-made stays behind
+        raise
     return net
 
 
