@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -304,6 +305,20 @@ async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_
         "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}} {{.HostConfig.PidsLimit}}",
     )
     assert limits == [str(256 * 2**20), str(5 * 10**8), "64"]
+    # the task has no network, and that holds for the service too: it reaches main, not the host
+    port, seen, sock = _listener()
+    try:
+        db = sandbox.service("db")
+        probe = "(timeout 3 bash -c 'echo x > /dev/tcp/{}' && echo open || echo closed)"
+        gateway = sandbox.compose.gateway  # type: ignore[attr-defined]
+        for where, want in ((f"{gateway}/{port}", "closed"), (f"10.88.0.1/{port}", "closed")):
+            assert (await db.exec(probe.format(where), timeout=30)).stdout.strip() == want
+        await sandbox.exec("python3 -m http.server 8000 >/dev/null 2>&1 &", timeout=10)
+        await asyncio.sleep(1)
+        assert (await db.exec(probe.format("main/8000"), timeout=30)).stdout.strip() == "open"
+    finally:
+        sock.close()
+    assert seen == []
     assert _volumes(sandbox.sandbox_id) == [f"{sandbox.sandbox_id}-data"]
     removed = await reap(run_id="compose-reap")
     assert sorted(removed) == sorted([sandbox.sandbox_id, f"{sandbox.sandbox_id}-db"])
