@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,6 +23,7 @@ from agentrl.sandbox.podman import PodmanProvider
 from agentrl.tasks.compose import MAIN, load_compose
 from agentrl.tasks.task import load_task
 from tests.chat_tokenizer import byte_tokenizer
+from tests.host_listener import host_listener
 
 TASK = Path(__file__).resolve().parents[1] / "envs" / "tbench2" / "tasks" / "kv-service-count"
 FMT = get_format("terminus-json")
@@ -163,29 +164,6 @@ def _volumes(prefix: str) -> list[str]:
     return [v for v in out.stdout.split() if v.startswith(prefix)]
 
 
-def _listener() -> tuple[int, list[bytes], Any]:
-    import socket
-    import threading
-
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("0.0.0.0", 0))
-    sock.listen()
-    seen: list[bytes] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                conn, _ = sock.accept()
-                seen.append(conn.recv(64))
-                conn.close()
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
-    return sock.getsockname()[1], seen, sock
-
-
 @pytest.mark.container
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
@@ -194,7 +172,8 @@ async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: 
     by name, not on main's localhost; the task has no network, so the network's gateway (the
     host) and the host's bridge never hear from main."""
     solve = (TASK / "solution" / "solve.sh").read_text().split("\n", 1)[1]
-    port, seen, sock = _listener()
+    listening = contextlib.ExitStack()
+    port, seen = listening.enter_context(host_listener())
     probe = " ; ".join(
         f"(timeout 3 bash -c 'echo x > /dev/tcp/{where}' && echo open || echo closed)"
         for where in ("db/7000", "127.0.0.1/7000", "$gw/" + str(port), f"10.88.0.1/{port}")
@@ -221,7 +200,7 @@ async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: 
         )
     finally:
         await provider.aclose()
-        sock.close()
+        listening.close()
     assert result.verify.reward == 1.0, result.verify.log_tail  # the tests asked the service too
     assert result.run.turns[0].outputs[1].stdout.split() == ["open", "closed", "closed", "closed"]
     assert seen == []
@@ -306,8 +285,7 @@ async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_
     )
     assert limits == [str(256 * 2**20), str(5 * 10**8), "64"]
     # the task has no network, and that holds for the service too: it reaches main, not the host
-    port, seen, sock = _listener()
-    try:
+    with host_listener() as (port, seen):
         db = sandbox.service("db")
         probe = "(timeout 3 bash -c 'echo x > /dev/tcp/{}' && echo open || echo closed)"
         gateway = sandbox.compose.gateway  # type: ignore[attr-defined]
@@ -316,8 +294,6 @@ async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_
         await sandbox.exec("python3 -m http.server 8000 >/dev/null 2>&1 &", timeout=10)
         await asyncio.sleep(1)
         assert (await db.exec(probe.format("main/8000"), timeout=30)).stdout.strip() == "open"
-    finally:
-        sock.close()
     assert seen == []
     assert _volumes(sandbox.sandbox_id) == [f"{sandbox.sandbox_id}-data"]
     removed = await reap(run_id="compose-reap")

@@ -5,6 +5,7 @@ artifact too large to copy is the agent's failure, found from the tar headers.""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from agentrl.episode.run import EpisodeConfig, replay_episode, run_episode
 from agentrl.sandbox.podman import PodmanProvider
 from agentrl.tasks.task import load_task
 from tests.chat_tokenizer import byte_tokenizer
+from tests.host_listener import host_listener
 from tests.test_daytona_contract import make_provider, server  # noqa: F401 - the fake Daytona's fixture
 
 pytestmark = [pytest.mark.container, pytest.mark.slow]
@@ -146,33 +148,14 @@ def _phase_task(tmp_path: Path, port: int, steps: bool = False) -> Path:
 
 @pytest.mark.parametrize("backend", ["podman", "daytona-fake"])
 async def test_the_verifier_phase_gets_its_own_network_policy(tmp_path: Path, backend: str, request) -> None:
-    import socket
-    import threading
-
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", 0))
-    listener.listen()
-    listener.settimeout(60)
-    port = listener.getsockname()[1]
-    seen: list[bytes] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                conn, _ = listener.accept()
-                seen.append(conn.recv(64))
-                conn.close()
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
+    listening = contextlib.ExitStack()
+    port, seen = listening.enter_context(host_listener())
     try:
         probe = f"(timeout 5 bash -c 'echo agent > /dev/tcp/10.88.0.1/{port}' && echo open || echo blocked) > /app/agent.txt"
         provider = make_provider(request.getfixturevalue("server")) if backend == "daytona-fake" else None
         result = await _episode(_phase_task(tmp_path, port), tmp_path, probe, provider=provider)
     finally:
-        listener.close()
+        listening.close()
     assert result.verify.reward == 1.0, result.verify.log_tail
     assert seen == [b"verifier\n"]  # the agent's attempt never arrived
 
@@ -199,29 +182,11 @@ async def test_an_allowlist_reaches_its_addresses_and_nothing_else(
     address of the same host; the other phase, closed, reaches neither. On podman by the backend's
     own rules; on Daytona through its network limits (`network_allow_list`), which the fake
     enforces by address."""
-    import socket
-    import threading
-
     other = _other_host_address()
     if other is None:
         pytest.skip("this host has no address besides loopback and podman's bridge")
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    seen: list[bytes] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                conn, _ = listener.accept()
-                seen.append(conn.recv(64))
-                conn.close()
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
+    listening = contextlib.ExitStack()
+    port, seen = listening.enter_context(host_listener())
 
     def probe(who: str) -> str:
         return " ; ".join(
@@ -247,7 +212,7 @@ async def test_an_allowlist_reaches_its_addresses_and_nothing_else(
         provider = make_provider(request.getfixturevalue("server")) if backend == "daytona-fake" else None
         result = await _episode(d, tmp_path, f"{{ {probe('agent')} ; }} > /app/agent.txt", provider=provider)
     finally:
-        listener.close()
+        listening.close()
     assert result.verify.reward == 1.0, result.verify.log_tail
     assert sorted(seen) == [f"{phase}-10.88.0.1\n".encode()]
 
@@ -315,26 +280,8 @@ async def test_a_steps_own_agent_network_applies_to_that_step_only(tmp_path: Pat
     """`[steps.agent] network_mode` (Harbor: the step's override wins over the task's): the first
     step's agent has no network, the second's may reach one address; the host hears only the
     second."""
-    import socket
-    import threading
-
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    seen: list[bytes] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                conn, _ = listener.accept()
-                seen.append(conn.recv(64))
-                conn.close()
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
+    listening = contextlib.ExitStack()
+    port, seen = listening.enter_context(host_listener())
     d = tmp_path / "steps-net"
     (d / "environment").mkdir(parents=True)
     (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
@@ -370,7 +317,7 @@ async def test_a_steps_own_agent_network_applies_to_that_step_only(tmp_path: Pat
         )
     finally:
         await provider.aclose()
-        listener.close()
+        listening.close()
     assert result.verify.reward == 1.0, result.verify.log_tail
     outputs = [o.stdout.strip() for t in result.run.turns for o in t.outputs]
     assert outputs == ["blocked", "open"] and seen == [b"second\n"]
