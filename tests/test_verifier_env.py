@@ -172,7 +172,7 @@ def test_allowed_hosts_are_normalised_and_refused_as_harbor_does() -> None:
 
     c = parse_task_config(
         '[environment]\nnetwork_mode = "allowlist"\n'
-        'allowed_hosts = [" PyPI.org. ", "*.Example.com", "10.0.0.1", "2001:DB8:0:0::1", "10.8.0.0/16", "pypi.org"]\n'
+        'allowed_hosts = [" PyPI.org.. ", "*.Example.com", "10.0.0.1", "2001:DB8:0:0::1", "10.8.0.0/16", "pypi.org"]\n'
         '[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["api.example.com"]\n'
     )
     hosts = c.environment.allowed_hosts

@@ -25,12 +25,11 @@ _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
 
 def normalize_host(entry: str) -> str:
-    """An `allowed_hosts` entry as Harbor normalises it (1.4.5): stripped, lower-cased, one
-    trailing dot removed; an exact hostname, a leading `*.` wildcard over a hostname, an IPv4 or
+    """An `allowed_hosts` entry as Harbor normalises it (`models/task/config.py`): stripped,
+    lower-cased, trailing dots removed; an exact hostname, a leading `*.` wildcard over a hostname, an IPv4 or
     IPv6 address (IPv6 compressed) or a strict CIDR. Anything else (URLs, ports, paths, zone ids)
     raises `ValueError`."""
-    e = entry.strip().lower()
-    e = e[:-1] if e.endswith(".") else e
+    e = entry.strip().lower().rstrip(".")  # every trailing dot, as Harbor's source does
     if "%" in e:
         raise ValueError(f"{entry!r}: zone ids are not allowed")
     if "/" in e:
