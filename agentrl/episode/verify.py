@@ -29,6 +29,7 @@ reward 0 with its cause, never a re-roll); in an oracle sweep it is the task's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -329,9 +330,11 @@ async def verify_phase(
     the artifact is only marked failed, as Harbor's collection is best effort)."""
     vtask = task.verifier_task
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="agentrl-artifacts-") as scratch:
+    with contextlib.ExitStack() as stack:
         collected: list[Collected] = []
-        dst = artifacts_dir or Path(scratch)
+        dst = artifacts_dir
+        if dst is None and vtask is not None:  # a training episode's separate verifier: not kept
+            dst = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentrl-artifacts-")))
         services = list(dict.fromkeys(["main", *(h.service for h in task.config.verifier.collect),
                                        *(a.service or "main" for a in task.artifacts)]))  # fmt: skip
         try:
@@ -342,7 +345,7 @@ async def verify_phase(
                     await sandbox.stop_processes()
                 target = sandbox.service(service)
                 await run_collect_hooks(target, task, service)
-                if artifacts_dir is not None or vtask is not None:
+                if dst is not None:
                     collected += await collect_artifacts(
                         target, task, dst, service, strict=vtask is not None, claimed=collected
                     )

@@ -284,7 +284,7 @@ class PodmanSandbox(_Container, Sandbox):
         self._resolvers: tuple[str, ...] | None = None  # its nameservers, read before the agent ran
         self.compose: ComposeNet | None = None  # a compose task's network and other services
         self._service_pids: dict[str, int] = {}  # their inits' host pids (their network namespaces)
-        self._policy: tuple[str, tuple[str, ...]] | None = None  # the network policy last set
+        self._egress: str | None = None  # the nft script of the network policy last set
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
 
@@ -581,22 +581,16 @@ class PodmanSandbox(_Container, Sandbox):
             raise SandboxError(f"{self.sandbox_id}: its init's pid is unknown; cannot switch its network")
         if self._resolvers is None:
             self._resolvers = netns.resolvers(self._init_pid)
-        self._policy = (policy, allowed_hosts)
-        script = await self._egress_script()
+        allow = None if policy == "public" else ()
+        if policy == "allowlist":
+            allow = await asyncio.to_thread(netns.allowed_addresses, allowed_hosts)
+        local = (self.compose.subnet, self.compose.gateway) if self.compose is not None else None
+        dns = self._resolvers if policy == "allowlist" else ()
+        # kept: a compose service started later gets the same rules, hostnames resolved once
+        self._egress = script = netns.egress_script("agentrl_phase", allow, dns, local=local)
         await netns.apply(self._init_pid, script, what=self.sandbox_id)
         for service, pid in self._service_pids.items():  # a compose task's: every service's too
             await netns.apply(pid, script, what=f"{self.sandbox_id} service {service}")
-
-    async def _egress_script(self) -> str:
-        assert self._policy is not None
-        policy, hosts = self._policy
-        allow = None if policy == "public" else ()
-        if policy == "allowlist":
-            allow = await asyncio.to_thread(netns.allowed_addresses, hosts)
-        local = (self.compose.subnet, self.compose.gateway) if self.compose is not None else None
-        return netns.egress_script(
-            "agentrl_phase", allow, self._resolvers if policy == "allowlist" else (), local=local
-        )
 
     async def add_service(self, service: str, container: str) -> None:
         """A compose task's service, just started: the sandbox's network policy goes on its
@@ -607,8 +601,8 @@ class PodmanSandbox(_Container, Sandbox):
                 f"service {service} of {self.sandbox_id} is not running: {tail(err.strip(), 300)}"
             )
         pid = self._service_pids[service] = int(out.strip())
-        if self._policy is not None and self._policy[0] != "public":
-            await netns.apply(pid, await self._egress_script(), what=f"{self.sandbox_id} service {service}")
+        if self._egress is not None:
+            await netns.apply(pid, self._egress, what=f"{self.sandbox_id} service {service}")
 
     async def run_tests(
         self, tests_dir: Path, *, timeout: float, env: dict[str, str], user: str | int | None
