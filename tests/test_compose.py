@@ -8,6 +8,7 @@ import contextlib
 import json
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -144,13 +145,19 @@ def _script(*cmds: str) -> list[str]:
     ]
 
 
-def _leftovers() -> list[str]:
-    """agentrl's networks and containers still on the host."""
+def _run_id(name: str) -> str:
+    """A run id of this test's own: the other worker's compose tests run at the same time."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def _leftovers(run_id: str) -> list[str]:
+    """The networks and containers of run `run_id` still on the host."""
+    prefix = f"agentrl-{run_id}"
     nets = subprocess.run(
         ["podman", "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
     )
     ctrs = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
-    return [n for n in (nets.stdout + ctrs.stdout).split() if n.startswith("agentrl-compose")]
+    return [n for n in (nets.stdout + ctrs.stdout).split() if n.startswith(prefix)]
 
 
 def _inspect(container: str, fmt: str) -> list[str]:
@@ -196,7 +203,7 @@ async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: 
                 ),
                 sampling=SamplingParams(max_new_tokens=4096),
             ),
-            run_id="compose",
+            run_id=(run_id := _run_id("compose")),
         )
     finally:
         await provider.aclose()
@@ -204,7 +211,7 @@ async def test_the_agent_reaches_its_service_by_name_and_nothing_else(tmp_path: 
     assert result.verify.reward == 1.0, result.verify.log_tail  # the tests asked the service too
     assert result.run.turns[0].outputs[1].stdout.split() == ["open", "closed", "closed", "closed"]
     assert seen == []
-    assert provider.live_sandboxes() == 0 and _leftovers() == []
+    assert provider.live_sandboxes() == 0 and _leftovers(run_id) == []
 
 
 @pytest.mark.container
@@ -242,7 +249,7 @@ async def test_collect_hooks_and_artifacts_of_another_service(tmp_path: Path) ->
                 ),
                 sampling=SamplingParams(max_new_tokens=4096),
             ),
-            run_id="compose-artifacts",
+            run_id=(run_id := _run_id("artifacts")),
             artifacts_dir=out,
         )
     finally:
@@ -254,7 +261,7 @@ async def test_collect_hooks_and_artifacts_of_another_service(tmp_path: Path) ->
     assert manifest["/srv/state.txt"]["service"] == "db" and manifest["/srv/state.txt"]["status"] == "ok"
     assert manifest["/srv/big"]["status"] == "failed" and not (out / "srv" / "big").exists()
     assert manifest["/app/note.txt"]["service"] is None
-    assert provider.live_sandboxes() == 0 and _leftovers() == []
+    assert provider.live_sandboxes() == 0 and _leftovers(run_id) == []
 
 
 @pytest.mark.container
@@ -276,8 +283,9 @@ async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_
         + "volumes:\n  data: {}\n"
     )
     provider = PodmanProvider()
-    sandbox = await provider.create(load_task(task_dir), run_id="compose-reap")
-    assert len(_leftovers()) == 3  # main, db, the network
+    run_id = _run_id("reap")
+    sandbox = await provider.create(load_task(task_dir), run_id=run_id)
+    assert len(_leftovers(run_id)) == 3  # main, db, the network
     # the service's own limits hold on its container
     limits = _inspect(
         f"{sandbox.sandbox_id}-db",
@@ -296,9 +304,9 @@ async def test_reap_removes_a_compose_sandboxs_services_network_and_volumes(tmp_
         assert (await db.exec(probe.format("main/8000"), timeout=30)).stdout.strip() == "open"
     assert seen == []
     assert _volumes(sandbox.sandbox_id) == [f"{sandbox.sandbox_id}-data"]
-    removed = await reap(run_id="compose-reap")
+    removed = await reap(run_id=run_id)
     assert sorted(removed) == sorted([sandbox.sandbox_id, f"{sandbox.sandbox_id}-db"])
-    assert _leftovers() == []
+    assert _leftovers(run_id) == []
     assert _volumes(sandbox.sandbox_id) == []
     await provider.aclose()
 
@@ -341,5 +349,7 @@ async def test_a_network_half_made_is_removed() -> None:
 
     spec = ComposeSpec({MAIN: Service(MAIN, image="x")}, volumes=("not/a volume",))
     with pytest.raises(SandboxCreateError, match="volume"):
-        await podman_compose.create_network(PodmanProvider(), spec, "agentrl-compose-halfmade", [])
-    assert _leftovers() == []
+        await podman_compose.create_network(
+            PodmanProvider(), spec, f"agentrl-{(run_id := _run_id('half'))}", []
+        )
+    assert _leftovers(run_id) == []
