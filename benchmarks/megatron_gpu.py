@@ -81,6 +81,8 @@ def model_config(args: argparse.Namespace) -> Any:
     layer and expert counts the same flags change."""
     from transformers import GlmMoeDsaConfig
 
+    if args.shape == "glm52":
+        return glm52_proxy_config(args)
     tiny = args.tiny
     layers = args.layers or (4 if tiny else 8)
     hidden = args.hidden or (64 if tiny else 1024)
@@ -110,6 +112,172 @@ def model_config(args: argparse.Namespace) -> Any:
         max_position_embeddings=256 if tiny else 4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
+
+
+def glm52_proxy_config(args: argparse.Namespace) -> Any:
+    """GLM-5.2's layer shapes (shared/reference/glm52.md, recipes/_glm52.py): hidden 6144, dense FFN
+    12288, MLA with 64 heads (q-LoRA 2048, kv-LoRA 512, qk 128 + 64, v 256), expert FFN 2048 top-8
+    plus a shared expert, DSA top-k 2048 with a 32 x 128 indexer. Fewer layers (default 4: 1 dense +
+    3 MoE), routed experts (default 8, so top-8 puts each token through as many expert FLOPs as
+    GLM-5.2's top-8 of 256) and a smaller vocabulary (default 32768) so it trains on one GPU."""
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig(
+        vocab_size=args.vocab,
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_hidden_layers=args.layers or 4,
+        first_k_dense_replace=args.dense_layers,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_shared_experts=1,
+        n_routed_experts=args.experts or 8,
+        num_experts_per_tok=args.experts_per_token or 8,
+        kv_lora_rank=512,
+        q_lora_rank=2048,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        index_topk=args.index_topk or 2048,
+        index_head_dim=128,
+        index_n_heads=32,
+        index_topk_freq=args.index_topk_freq,
+        index_skip_topk_offset=2,
+        max_position_embeddings=max(8192, args.seq_len),
+        rope_parameters={"rope_type": "default", "rope_theta": 8000000.0},
+    )
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) -> float:
+    """This device's matrix-product rate in the training dtype (bf16 on a GPU, fp32 on a CPU),
+    measured now (n x n x n, random data): the yardstick for model FLOPs utilisation."""
+    if device.type != "cuda":
+        n, iters = 512, 5
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    synchronize(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def step_flops(cfg: Any, samples: list[Sample]) -> float:
+    """Model FLOPs of one training step (forward and backward, 3x the forward; a recomputed
+    forward is not counted: MFU's convention), from the config (`ModelSpec.forward_flops`)."""
+    from agentrl.cluster.model import ModelSpec
+
+    spec = ModelSpec("bench", cfg.to_dict())
+    return 3 * sum(spec.forward_flops(len(s.tokens)) for s in samples)
+
+
+def profile_step(tr: Any, samples: list[Sample], top: int = 15) -> dict[str, Any]:
+    """One training step under torch's profiler: the GPU's busy time (kernels) against the step's
+    wall time, and the kernels that take the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        tr.train_step(samples)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e6  # us -> s
+    busy = sum(kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "wall_s": wall,
+        "gpu_kernel_s": busy,
+        "gpu_idle_share": max(0.0, 1 - busy / wall),
+        "top_kernels": [{"name": k[:120], "s": v, "share_of_wall": v / wall} for k, v in ranked],
+    }
+
+
+def perf_run(
+    cfg: Any, args: argparse.Namespace, parallel: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """`--perf-only`: the bf16 trainer on random sequences of `--seq-len` (no parity, no engine, no
+    checkpoint): per step the phase times the trainer reports, the weight export, model FLOPs
+    utilisation against this GPU's measured bf16 matrix-product rate, and one profiled step."""
+    from agentrl.algo import LossConfig
+    from agentrl.train.megatron.settings import MegatronSettings
+    from agentrl.train.megatron.trainer import MegatronTrainer
+
+    on_gpu = device.type == "cuda"
+    result: dict[str, Any] = {
+        "args": vars(args),
+        "model": model_summary(cfg),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+    }
+    result["matmul_tflops"] = matmul_tflops(device)
+    print(f"matmul: {result['matmul_tflops']:.1f} TFLOP/s", flush=True)
+    hf = hf_model(cfg)
+    settings = MegatronSettings(  # as the main run: CPU = fp32 and the local reduction
+        params_dtype="bfloat16" if on_gpu else "float32",
+        ddp="megatron" if on_gpu else "local",
+        distributed_optimizer=on_gpu,
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        **parallel,
+    )
+    config = TrainConfig(
+        lr=args.lr,
+        max_tokens_per_micro_batch=args.mb_tokens,
+        loss=LossConfig(use_tis=True, tis_clip=2.0),
+        grad_clip=1.0,
+    )
+    t0 = time.perf_counter()
+    tr = MegatronTrainer(cfg, config, settings, hf_state=hf.state_dict())
+    result["train_build_seconds"] = time.perf_counter() - t0
+    result["params"] = sum(p.numel() for p in tr._params())
+    del hf
+    rows = []
+    for step in range(args.steps):
+        samples = random_samples(cfg, args.seqs, args.seq_len, seed=100 + step)
+        synchronize(device)
+        t0 = time.perf_counter()
+        m = tr.train_step(samples)
+        synchronize(device)
+        train_s = time.perf_counter() - t0
+        export_s = sync(tr, None, device, torch.bfloat16 if on_gpu else torch.float32)
+        flops = step_flops(cfg, samples)
+        phases = {k[len("time_") : -len("_s")]: v for k, v in m.items() if k.startswith("time_")}
+        row = {
+            "step": step + 1,
+            "loss": m["loss"],
+            "train_s": train_s,
+            "export_s": export_s,
+            "tokens": sum(len(s.tokens) for s in samples),
+            "model_tflop": flops / 1e12,
+            "mfu": flops / train_s / (result["matmul_tflops"] * 1e12),
+            "phases_s": phases,
+        }
+        fb = phases.get("forward", 0.0) + phases.get("backward", 0.0) + phases.get("forward_backward", 0.0)
+        row["mfu_forward_backward"] = flops / fb / (result["matmul_tflops"] * 1e12) if fb else float("nan")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result["steps"] = rows
+    timed = rows[1:] or rows
+    med = sorted(timed, key=lambda r: r["train_s"])[len(timed) // 2]
+    total = med["train_s"] + med["export_s"]
+    ours = med["phases_s"].get("batch", 0.0) + med["phases_s"].get("loss_metrics", 0.0)
+    result["median_step"] = {
+        **med,
+        "tokens_per_s": med["tokens"] / med["train_s"],
+        "share_of_step": {k: v / total for k, v in {**med["phases_s"], "export": med["export_s"]}.items()},
+        "ours_share": ours / total,
+    }
+    if args.profile and on_gpu:
+        result["profile"] = profile_step(tr, random_samples(cfg, args.seqs, args.seq_len, seed=7))
+    result["peak_memory_gib"] = peak_memory_gib(device)
+    return result
 
 
 def model_summary(cfg: Any) -> dict[str, Any]:
@@ -572,7 +740,20 @@ def main() -> None:
     parser.add_argument("--experts-per-token", type=int, default=None, help="default 4 (--tiny: 2)")
     parser.add_argument("--hidden", type=int, default=None, help="default 1024 (--tiny: 64)")
     parser.add_argument("--index-topk", type=int, default=None, help="DSA top-k (default 64; --tiny: 4)")
-    parser.add_argument("--index-topk-freq", type=int, default=2, help="DSA index sharing: 1 = none")
+    parser.add_argument(
+        "--index-topk-freq", type=int, default=None, help="DSA index sharing: 1 = none (default 2; glm52: 4)"
+    )
+    parser.add_argument(
+        "--shape", choices=["small", "glm52"], default="small", help="glm52: GLM-5.2's layer shapes"
+    )
+    parser.add_argument(
+        "--perf-only", action="store_true", help="time the bf16 step on random sequences only"
+    )
+    parser.add_argument("--seq-len", type=int, default=4096, help="--perf-only: tokens a sequence")
+    parser.add_argument("--seqs", type=int, default=16, help="--perf-only: sequences a step")
+    parser.add_argument(
+        "--profile", action="store_true", help="--perf-only: one more step under the profiler"
+    )
     parser.add_argument(
         "--reference-json",
         help="a --json of an earlier run on the same model (normally one rank): its probe log-probs "
@@ -598,7 +779,9 @@ def main() -> None:
     if set(transports) - {"tensor", "distributed"}:
         parser.error(f"--engine-export {args.engine_export}: give tensor, distributed or both")
     if args.vocab is None:
-        args.vocab = 128 if args.tiny else 16384
+        args.vocab = 128 if args.tiny else (32768 if args.shape == "glm52" else 16384)
+    if args.index_topk_freq is None:
+        args.index_topk_freq = 4 if args.shape == "glm52" else 2
     on_gpu = args.device == "cuda"
     if on_gpu and not torch.cuda.is_available() and not args.dry_run:
         parser.error("--device cuda: no GPU here (use --device cpu --tiny to check the code path)")
@@ -647,6 +830,14 @@ def main() -> None:
     if args.dry_run:
         if lead:
             print(f"dry run: {world} rank(s), DP {world // model_parallel}: the split and layout are valid")
+        return
+    if args.perf_only:
+        if world > 1:
+            parser.error("--perf-only runs on one device")
+        result = perf_run(cfg, args, parallel, device)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps({k: v for k, v in result.items() if k != "steps"}, default=str))
         return
     from agentrl.train.megatron.trainer import MegatronTrainer
 
@@ -768,6 +959,7 @@ def main() -> None:
             "sync_s": sync_s,
             "tokens": tokens,  # the whole step's tokens, over every rank
             "train_tokens_per_s": tokens / train_s,
+            "phases_s": {k[len("time_") : -len("_s")]: v for k, v in m.items() if k.startswith("time_")},
         }
         rows.append(row)
         if lead:

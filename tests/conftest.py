@@ -212,10 +212,12 @@ def _machine_share(lock: Path, *, alone: bool) -> Iterator[None]:
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     """Set-up, call and tear-down of each test (module fixtures built for it included) under the
-    workers' shared lock, in the run's base temp directory (the parent of each worker's own)."""
+    workers' shared lock, in the run's base temp directory (the parent of each worker's own).
+    `trylast`: inside pytest-timeout's wrapper, so a wait for the lock counts against the test's
+    timeout too and can never hang the run."""
     worker: Any = getattr(item.config, "workerinput", None)
     if worker is None or worker.get("workercount", 1) < 2 or not item.config.option.basetemp:
         return (yield)

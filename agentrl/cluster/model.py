@@ -199,6 +199,29 @@ class ModelSpec:
             total += self.mtp_layers * (moe.total + 2 * h * h + 3 * h)
         return total
 
+    def forward_flops(self, seq_len: int) -> float:
+        """Forward FLOPs of one causal sequence of `seq_len` tokens, 2 a multiply-add: every weight a
+        token passes through (top-k experts; the input embedding is a lookup), attention's scores
+        and weighted values over the positions each token sees (DSA: at most `index_topk`), and the
+        DSA indexer's scores over every earlier position on its computing layers. A training step
+        is 3x this (the backward's two products a weight), a recomputed forward 1x more."""
+        c = self.config
+        n = seq_len
+        every = n * (n + 1) / 2  # sum over positions of the positions seen, causal
+        seen = every
+        if self.dsa and n > int(c["index_topk"]):
+            k = int(c["index_topk"])
+            seen = k * (k + 1) / 2 + (n - k) * k
+        if self.mla:
+            qk, v = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
+        else:
+            qk = v = self.head_dim
+        flops = 2 * (self.active_params() - self.embedding_params) * n
+        flops += 2 * int(c["num_attention_heads"]) * (qk + v) * seen * self.num_layers
+        if self.dsa:
+            flops += 2 * int(c["index_n_heads"]) * int(c["index_head_dim"]) * every * len(self.computing_layers)
+        return float(flops)
+
     def active_params(self) -> int:
         """Parameters one token passes through (top-k of the routed experts), without MTP."""
         c = self.config

@@ -59,3 +59,17 @@ def tp_group() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_group()
+
+
+def all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = False) -> None:
+    """Sum (or average) a list of gradients over `group` in one flat all-reduce."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
+    if mean:
+        flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

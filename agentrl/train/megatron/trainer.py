@@ -44,6 +44,7 @@ from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
 from agentrl.episode.sample import Sample
 from agentrl.overrides import ConfigError
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
+from agentrl.train.clock import StepClock
 from agentrl.train.config import TrainConfig, lr_at
 from agentrl.train.megatron import convert, parallel
 from agentrl.train.megatron.checkpointing import (
@@ -143,6 +144,7 @@ class MegatronTrainer(CheckpointMixin):
             )
         self.step = 0
         self.skipped_nonfinite = 0
+        self._clock: StepClock | None = None  # set for the length of a train_step
 
     def _build_chunks(self) -> list[Any]:
         vpp = self.settings.vpp or 1
@@ -331,6 +333,7 @@ class MegatronTrainer(CheckpointMixin):
         forward_only: bool,
         with_entropy: bool = False,
         terms: Callable[[int], TokenTerms] | None = None,
+        clock: StepClock | None = None,
     ) -> None:
         """Run megatron's schedule (`get_forward_backward_func`: no pipelining, 1F1B, or interleaved
         over virtual stages) over packed micro-batches. On the last stage `on_output(i, logp,
@@ -338,7 +341,8 @@ class MegatronTrainer(CheckpointMixin):
         unless `forward_only`). With `terms` (micro-batch i -> its GRPO token terms, [R, L]) the
         head makes the loss itself (`vocab_parallel_token_loss`: its gradients in the forward
         pass) and on_output gets a fourth argument, (this rank's loss to backpropagate, the loss
-        over the CP group), to return the first of."""
+        over the CP group), to return the first of. `clock`: the `forward` and `backward` phases
+        (a forward ends when its loss is made), `forward_backward` under a pipeline."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         real = len(micro_batches)
@@ -396,8 +400,14 @@ class MegatronTrainer(CheckpointMixin):
 
             return fn
 
+        split_clock = clock if clock is not None and len(chunks) == 1 and self.pp_size == 1 else None
+        if clock is not None and split_clock is None:
+            clock.mark("forward_backward")
+
         def step_func(data: Iterator[int], model: Any) -> Any:
             i = next(data)
+            if split_clock is not None:
+                split_clock.mark("forward")
             rows = packed[i]
             if self.settings.routing_replay:
                 self._replay_routes(model, rows, micro_batches[i])
@@ -431,6 +441,8 @@ class MegatronTrainer(CheckpointMixin):
                     unpacked_ent = rows.unpack(ent) if ent is not None else None
                     extra = () if fused is None else (fused,)
                     loss = on_output(i, rows.unpack(logp), unpacked_ent, *extra)
+                if split_clock is not None:
+                    split_clock.mark("backward")
                 # Three values: megatron neither divides the loss by the micro-batch count nor by a
                 # token count (calculate_per_token_loss); the loss weights already do.
                 return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
@@ -582,8 +594,14 @@ class MegatronTrainer(CheckpointMixin):
         )
         for batch in batches:
             batch.micro_batches = self._my_share(batch.micro_batches)
+            self._mark("recompute")
             self._fill_old(batch)
+            self._mark("batch")
         return batches, stats
+
+    def _mark(self, phase: str | None) -> None:
+        if self._clock is not None:
+            self._clock.mark(phase)
 
     def _my_share(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """This data-parallel rank's micro-batches (round robin). Every rank gets as many: a rank
@@ -631,7 +649,7 @@ class MegatronTrainer(CheckpointMixin):
             grads = [
                 p.grad for p in params if p.grad is not None and (not getattr(p, "allreduce", True)) == expert
             ]
-            _all_reduce_flat(grads, group)
+            parallel.all_reduce_flat(grads, group)
         if self.tp_size == 1:
             return
         summed, averaged = [], []
@@ -645,7 +663,7 @@ class MegatronTrainer(CheckpointMixin):
         for grads, op in ((summed, dist.ReduceOp.SUM), (averaged, dist.ReduceOp.AVG)):
             if not grads:
                 continue
-            _all_reduce_flat(grads, self.tp_group, mean=op == dist.ReduceOp.AVG)
+            parallel.all_reduce_flat(grads, self.tp_group, mean=op == dist.ReduceOp.AVG)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (finalized) local-path gradient: TP-sharded weights counted on
@@ -731,7 +749,9 @@ class MegatronTrainer(CheckpointMixin):
             forward_only=False,
             with_entropy=want_entropy,
             terms=(lambda i: made(i)[0]) if fused_head else None,
+            clock=self._clock,
         )
+        self._mark("loss_metrics")
         total = float(sum(float(x) for x in losses))
         # Every rank decides together (the loss lives on the last pipeline stage).
         if not bool(self._everywhere(torch.tensor(float(math.isfinite(total))), dist.ReduceOp.MIN)):
@@ -739,16 +759,15 @@ class MegatronTrainer(CheckpointMixin):
         total, sums = self._reduce_metrics(total, sums)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.config, self.step)
+        self._mark("optimizer")
         if self.megatron_ddp:
             from megatron.core.distributed import finalize_model_grads
 
             finalize_model_grads(self.train_chunks, None)
-            finite = all(
-                bool(torch.isfinite(p.main_grad).all())  # type: ignore[attr-defined]
-                for p in self._params()
-                if getattr(p, "main_grad", None) is not None
-            )
-            if not bool(self._everywhere(torch.tensor(float(finite)), dist.ReduceOp.MIN)):
+            # One flag for every gradient, read once (not one wait for the device per parameter).
+            flags = [torch.isfinite(g).all() for g in self._main_grads()]
+            finite = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
+            if not bool(self._everywhere(finite.float(), dist.ReduceOp.MIN)):
                 return self._skip("non-finite gradient")
             ok, grad_norm, _ = self.optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -766,7 +785,20 @@ class MegatronTrainer(CheckpointMixin):
                         p.grad.mul_(scale)
             self.optimizer.step()
         self.step += 1
+        self._mark("batch")
         return {"loss": total, "grad_norm": grad_norm, "skipped": 0.0, **sums, **batch.stats}
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """Megatron DDP's gradients: its contiguous buffers, else each parameter's `main_grad`."""
+        buffers = [
+            b.grad_data
+            for chunk in self.train_chunks
+            for b in (*getattr(chunk, "buffers", ()), *getattr(chunk, "expert_parallel_buffers", ()))
+            if getattr(b, "grad_data", None) is not None
+        ]
+        if buffers:
+            return buffers
+        return [p.main_grad for p in self._params() if getattr(p, "main_grad", None) is not None]  # type: ignore[attr-defined]
 
     def _reduce_metrics(self, total: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
         """The step's loss and metrics over every data-parallel rank's micro-batches (a TP group
@@ -814,30 +846,25 @@ class MegatronTrainer(CheckpointMixin):
         return {"loss": float("nan"), "grad_norm": float("nan"), "skipped": 1.0}
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One rollout batch -> `num_minibatches` optimizer steps (as `TorchTrainer.train_step`)."""
+        """One rollout batch -> `num_minibatches` optimizer steps (as `TorchTrainer.train_step`).
+        Metrics `time_<phase>_s`: this rank's `batch`, `recompute` (old and reference log-probs),
+        `forward`, `backward`, `loss_metrics` and `optimizer` time (`StepClock`)."""
         t0 = time.perf_counter()
-        batches, stats = self.prepare(samples)
-        metrics = run_steps(batches, self._update, stats)
+        self._clock = StepClock(self.device)
+        self._mark("batch")
+        try:
+            batches, stats = self.prepare(samples)
+            metrics = run_steps(batches, self._update, stats)
+            self._mark(None)
+            metrics.update({f"time_{k}_s": v for k, v in self._clock.seconds().items()})
+        finally:
+            self._clock = None
         metrics["step"] = float(self.step)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["step_seconds"] = time.perf_counter() - t0
         return metrics
 
     # -- checkpoints -----------------------------------------------------------------------------
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = False) -> None:
-    """Sum (or average) a list of gradients over `group` in one flat all-reduce."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)  # gloo has no AVG: sum, then divide
-    if mean:
-        flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _unwrap(chunk: Any) -> Any:
