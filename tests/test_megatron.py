@@ -98,7 +98,7 @@ def one_rank_cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.megatron_venv import run_case
 
     tmp = tmp_path_factory.mktemp("megatron-one-rank")
-    return run_case("split,build,hf_parity,checkpoint,kl,fp8,references,head_loss", tmp)
+    return run_case("split,build,hf_parity,checkpoint,kl,fp8,references,head_loss,on_policy", tmp)
 
 
 TWO_RANK_LAYOUTS = [
@@ -181,6 +181,23 @@ def test_the_loss_made_in_the_lm_head_takes_the_step_of_the_loss_made_from_log_p
     assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
     assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
     assert r["weight_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("impl", ["auto", "chunked"])
+def test_on_policy_old_logprobs_take_the_recomputed_step_with_one_forward_pass_less(
+    one_rank_cases: dict, impl: str
+) -> None:
+    """`trainer.old_logprobs`: one optimizer step a batch, so the update's own log-probs (detached)
+    stand for the old ones: the step of recomputing them (TIS clipped, a KL term), with the loss
+    made in the head or from log-probs, and one forward-only schedule fewer."""
+    r = one_rank_cases["on_policy"][impl]
+    assert r["schedules"]["recompute"].count(True) == r["schedules"]["on_policy"].count(True) + 1
+    assert r["schedules"]["recompute"].count(False) == r["schedules"]["on_policy"].count(False) == 1
+    assert r["loss_abs_diff"] <= 1e-6 and r["grad_norm_abs_diff"] <= 1e-5
+    assert r["grad_max_abs_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"])
+    assert r["weight_max_abs_diff"] <= 1e-6
 
 
 @pytest.mark.slow

@@ -228,6 +228,51 @@ def test_the_fused_loss_path_gives_the_step_of_the_chunked_path(tiny_base, aggre
     assert (p_a - p_b).abs().max().item() < 1e-7
 
 
+@pytest.mark.parametrize(
+    ("impl", "tis_mode"), [("chunked", "truncate"), ("fused", "truncate"), ("fused", "mask")]
+)
+def test_on_policy_old_logprobs_give_the_recomputed_step_with_one_forward_less(tiny_base, impl, tis_mode):  # noqa: F811
+    """One optimizer step on the batch: the policy's own log-probs (detached) stand for the old
+    ones. The same loss, metrics and update as recomputing them first, with TIS (weights clipped or
+    masked), KL and an entropy bonus over several micro-batches; the policy's forward runs once per
+    micro-batch instead of twice."""
+    samples = make_samples(tiny_base, seed=8)
+    for s in samples[::2]:
+        s.rollout_logprobs = [x - 0.9 * m for x, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)]
+    loss = LossConfig(kl_coef=0.05, entropy_coef=0.01, tis_clip=1.5, tis_clip_low=0.5, tis_mode=tis_mode)
+    out = []
+    for mode in ("recompute", "on_policy"):
+        model = copy.deepcopy(tiny_base).float()
+        calls = []
+        model.base_model.register_forward_hook(lambda *_, c=calls: c.append(1))  # the trunk, once a forward
+        cfg = TrainConfig(
+            lr=1e-3, weight_decay=0.0, loss=loss, adam_eps=1.0, logprob_impl=impl,
+            max_tokens_per_micro_batch=40, old_logprobs=mode,
+        )  # fmt: skip
+        t = TorchTrainer(model, cfg, device="cpu", ref_model=copy.deepcopy(tiny_base).float())
+        m = t.train_step(samples)
+        out.append((m, torch.cat([p.flatten() for p in t.model.parameters()]), len(calls)))
+    (m_a, p_a, calls_a), (m_b, p_b, calls_b) = out
+    n = m_a["num_micro_batches"]
+    assert n > 1 and (calls_a, calls_b) == (2 * n, n)
+    assert m_a["tis_clip_frac"] > 0  # the weights were clipped (or masked) somewhere
+    assert m_b["loss"] == pytest.approx(m_a["loss"], rel=1e-5, abs=1e-7)
+    assert m_b["grad_norm"] == pytest.approx(m_a["grad_norm"], rel=1e-4)
+    for k in ("kl", "entropy", "clip_frac", "tis_mean", "tis_min", "tis_max", "tis_clip_frac", "mismatch_kl"):
+        assert m_b[k] == pytest.approx(m_a[k], rel=1e-5, abs=1e-7), k
+    assert (p_a - p_b).abs().max().item() < 1e-6
+
+
+def test_old_logprobs_auto_recomputes_where_on_policy_would_not_be_exact():
+    assert TrainConfig().on_policy
+    assert not TrainConfig(num_minibatches=2).on_policy
+    assert not TrainConfig(loss=LossConfig(objective="gspo")).on_policy
+    assert not TrainConfig(loss=LossConfig(tis_level="sequence")).on_policy
+    assert not TrainConfig(old_logprobs="recompute").on_policy
+    with pytest.raises(ValueError, match="num_minibatches 1"):
+        TrainConfig(old_logprobs="on_policy", num_minibatches=2)
+
+
 def test_kl_term_needs_a_reference_model(policy):  # noqa: F811
     with pytest.raises(ValueError, match="ref_model"):
         _trainer(policy, loss=LossConfig(kl_coef=0.1))

@@ -68,3 +68,9 @@ class LossConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
+
+
+def on_policy_applies(config: LossConfig) -> bool:
+    """Whether on-policy terms (`agentrl.algo.losses.on_policy_terms`) can stand for recomputed
+    old log-probs under this loss."""
+    return config.objective == "grpo" and (not config.use_tis or config.tis_level == "token")

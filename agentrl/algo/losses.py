@@ -22,6 +22,7 @@ from agentrl.algo.config import (
     LossConfig,
     TISLevel,
     TISMode,
+    on_policy_applies,
 )
 
 
@@ -190,11 +191,15 @@ def aggregation_weights(
 class TokenTerms:
     """What the objective needs per token besides the policy's own log-prob and entropy, all
     fixed before the policy's forward: l_t = a_t (w_t L^clip_t(log r_t) + kl_coef KL_t - entropy_coef H_t).
+    On-policy terms (`on_policy_terms`: one optimizer step a rollout batch, so the old policy is the
+    policy itself) have no `old_logp`: the policy's own log-probs, detached, stand for it (log r_t
+    = 0 with logp_t's gradient, token-level TIS weights from logp_t and `rollout_logp`), which spares
+    the old-log-prob forward.
     GRPO: log r_t = logp_t - old_logp_t, so token t's loss depends on logp_t and H_t alone and a
     chunk of tokens can be finished on its own (`agentrl.algo.fused_loss`). GSPO: log r_t is the
     mean of that over the trained tokens of t's row (`seq`), so every position is needed at once."""
 
-    old_logp: torch.Tensor
+    old_logp: torch.Tensor | None  # None: on-policy (the policy's own log-probs, detached)
     advantages: torch.Tensor
     tis: torch.Tensor | None  # TIS weights (detached), None when use_tis is off
     weight: torch.Tensor  # a: the aggregation's weights, 0 on untrained tokens
@@ -202,23 +207,25 @@ class TokenTerms:
     # GSPO only: each token's row, `num_seqs` (one past the last row) on untrained tokens.
     seq: torch.Tensor | None = None
     num_seqs: int = 0
+    rollout_logp: torch.Tensor | None = None  # on-policy TIS: the weights are made per token
 
     def map(self, fn: Any) -> TokenTerms:
         """The same terms with `fn` applied to every tensor (e.g. a shift and a flatten)."""
         return TokenTerms(
-            old_logp=fn(self.old_logp),
+            old_logp=fn(self.old_logp) if self.old_logp is not None else None,
             advantages=fn(self.advantages),
             tis=fn(self.tis) if self.tis is not None else None,
             weight=fn(self.weight),
             ref_logp=fn(self.ref_logp) if self.ref_logp is not None else None,
             seq=fn(self.seq) if self.seq is not None else None,
             num_seqs=self.num_seqs,
+            rollout_logp=fn(self.rollout_logp) if self.rollout_logp is not None else None,
         )
 
     def log_ratio(self, logp: torch.Tensor, index: Any = slice(None)) -> torch.Tensor:
         """log r at the positions `index` selects: the token's own log-ratio (GRPO), or its row's
         mean log-ratio over trained tokens, differentiable in every token of the row (GSPO)."""
-        d = logp - self.old_logp[index]
+        d = logp - (self.old_logp[index] if self.old_logp is not None else logp.detach())
         if self.seq is None:
             return d
         ids = self.seq[index]
@@ -240,7 +247,13 @@ class TokenTerms:
             log_r, torch.zeros_like(log_r), adv, torch.ones_like(adv),
             eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, dual_clip=config.dual_clip,
         )  # fmt: skip
-        per_token = pg * self.tis[index] if self.tis is not None else pg
+        tis = self.tis[index] if self.tis is not None else None
+        if self.rollout_logp is not None:  # on-policy: this token's weight from its own log-prob
+            tis, _ = tis_weights(
+                logp.detach(), self.rollout_logp[index], torch.ones_like(logp),
+                low=config.tis_clip_low, high=config.tis_clip, level="token", mode=config.tis_mode,
+            )  # fmt: skip
+        per_token = pg * tis if tis is not None else pg
         if config.kl_coef:
             assert self.ref_logp is not None
             per_token = per_token + config.kl_coef * kl_penalty(logp, self.ref_logp[index], config.kl_kind)
@@ -302,6 +315,49 @@ def grpo_terms(
         old_logp, advantages, tis, weight, ref_logp, seq, mask.shape[0] if seq is not None else 0
     )
     return terms, metrics
+
+
+def on_policy_terms(
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> TokenTerms:
+    """`grpo_terms` for one optimizer step on the batch its policy made (no old log-probs: the
+    policy's own stand for them). Its metrics need the policy's log-probs: `on_policy_metrics`
+    after the forward. GRPO with token-level TIS only (a sequence-level weight mixes positions)."""
+    if not on_policy_applies(config):
+        raise ValueError(
+            f"on-policy terms need objective grpo and token-level TIS (got {config.objective}, "
+            f"{config.tis_level}): recompute the old log-probs"
+        )
+    if config.kl_coef and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs ref_logp (log-probs of the reference model)")
+    weight = aggregation_weights(
+        mask, config.aggregation, num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights
+    )
+    return TokenTerms(
+        None, advantages, None, weight, ref_logp, rollout_logp=rollout_logp if config.use_tis else None
+    )
+
+
+def on_policy_metrics(
+    logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, config: LossConfig
+) -> dict[str, torch.Tensor]:
+    """The metrics `grpo_terms` makes from old log-probs, from the policy's own (on-policy)."""
+    metrics: dict[str, torch.Tensor] = {}
+    if config.use_tis:
+        _, metrics = tis_weights(
+            logp, rollout_logp, mask,
+            low=config.tis_clip_low, high=config.tis_clip, level=config.tis_level, mode=config.tis_mode,
+        )  # fmt: skip
+    metrics.update(mismatch_kl(logp, rollout_logp, mask))
+    return metrics
 
 
 def grpo_metrics(

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from agentrl.algo.advantages import grpo_advantages
-from agentrl.algo.losses import Aggregation
+from agentrl.algo.losses import Aggregation, TokenTerms, grpo_terms, on_policy_terms
 from agentrl.episode.sample import Episode, Sample
+from agentrl.train.config import TrainConfig
 
 
 @dataclass
@@ -361,3 +362,20 @@ def run_steps(
             metrics = m
     metrics = {**metrics, **stats, "skipped_steps": float(skipped)}
     return metrics
+
+
+def loss_terms(
+    mb: MicroBatch, batch: TrainBatch, cfg: TrainConfig
+) -> tuple[TokenTerms, dict[str, torch.Tensor]]:
+    """A micro-batch's loss terms: from its recomputed old log-probs, or on-policy (`old_logprobs`;
+    their metrics come after the forward)."""
+    common = dict(
+        ref_logp=mb.ref_logprobs,
+        num_tokens=batch.num_loss_tokens,
+        num_seqs=batch.num_loss_seqs,
+        token_weights=mb.loss_weights,
+    )
+    if cfg.on_policy:
+        return on_policy_terms(mb.rollout_logprobs, mb.advantages, mb.loss_mask, cfg.loss, **common), {}
+    assert mb.old_logprobs is not None
+    return grpo_terms(mb.old_logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask, cfg.loss, **common)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict
 
-from agentrl.algo.config import LossConfig
+from agentrl.algo.config import LossConfig, on_policy_applies
 
 # Linear projections of attention and MLP (dense layers and shared experts) in the model families
 # agentrl trains: grouped-query attention (q/k/v/o_proj) and MLA (q_a/q_b/kv_a/kv_b/o_proj). The
@@ -83,6 +83,12 @@ class TrainConfig:
     normalize_adv_std: bool = True
     logprob_chunk_size: int | None = 1024
     logprob_impl: Literal["auto", "fused", "chunked"] = "auto"
+    old_logprobs: Literal["auto", "recompute", "on_policy"] = "auto"
+    """Where the PPO ratio's and TIS weights' old log-probs come from. "recompute": a forward pass
+    over the batch before the update. "on_policy": the update's own log-probs, detached (exact when
+    the batch gets one optimizer step, `num_minibatches` 1: the old policy is the policy), which
+    spares that forward, about a quarter of the step. "auto": on_policy where it is exact (one
+    minibatch, GRPO with token-level TIS or none), else recompute."""
     temperature: float = 1.0
     gradient_checkpointing: bool = False
     dtype: str = "auto"
@@ -107,6 +113,15 @@ class TrainConfig:
             problems.append(f"num_minibatches must be >= 1 (got {self.num_minibatches})")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size <= 0:
             problems.append("logprob_chunk_size must be > 0, or None to compute all logits at once")
+        if self.old_logprobs not in ("auto", "recompute", "on_policy"):
+            problems.append(f"old_logprobs={self.old_logprobs!r}: choose auto, recompute or on_policy")
+        elif self.old_logprobs == "on_policy" and (
+            self.num_minibatches > 1 or not on_policy_applies(self.loss)
+        ):
+            problems.append(
+                "old_logprobs='on_policy' needs num_minibatches 1 and objective grpo with token-level TIS "
+                f"(got {self.num_minibatches}, {self.loss.objective}, {self.loss.tis_level}): use auto or recompute"
+            )
         if self.logprob_impl not in ("auto", "fused", "chunked"):
             problems.append(f"logprob_impl={self.logprob_impl!r}: choose auto, fused or chunked")
         if self.temperature <= 0:
@@ -120,6 +135,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether the update uses its own log-probs as the old ones (`old_logprobs`)."""
+        if self.old_logprobs == "auto":
+            return self.num_minibatches == 1 and on_policy_applies(self.loss)
+        return self.old_logprobs == "on_policy"
 
 
 def lr_at(config: TrainConfig, step: int) -> float:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
+from agentrl.algo.losses import TokenTerms, grpo_metrics, on_policy_metrics
 from agentrl.episode.sample import Sample
-from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
+from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, loss_terms, run_steps, step_batches
 from agentrl.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from agentrl.train.config import TrainConfig, lr_at
 from agentrl.train.forward import model_logprobs, model_token_loss
@@ -114,7 +114,8 @@ class TorchTrainer:
         for i, mb in enumerate(batch.micro_batches):
             mb = mb.to(self.device)
             batch.micro_batches[i] = mb
-            mb.old_logprobs = self.logprobs(mb)[0] * mb.loss_mask
+            if not self.config.on_policy:
+                mb.old_logprobs = self.logprobs(mb)[0] * mb.loss_mask
             if self.ref_model is not None:
                 mb.ref_logprobs = self.logprobs(mb, model=self.ref_model)[0] * mb.loss_mask
 
@@ -141,18 +142,7 @@ class TorchTrainer:
         # GSPO's sequence ratio mixes a row's positions: log-probs first, then the loss.
         impl = "chunked" if cfg.loss.objective == "gspo" else cfg.logprob_impl
         for mb in batch.micro_batches:
-            assert mb.old_logprobs is not None
-            terms, metrics = grpo_terms(
-                mb.old_logprobs,
-                mb.rollout_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                cfg.loss,
-                ref_logp=mb.ref_logprobs,
-                num_tokens=batch.num_loss_tokens,
-                num_seqs=batch.num_loss_seqs,
-                token_weights=mb.loss_weights,
-            )
+            terms, metrics = loss_terms(mb, batch, cfg)
             # Per-token terms in the head's order: the positions predicting tokens 1.., row by row.
             shifted = terms.map(lambda t: t[:, 1:].reshape(-1))
 
@@ -172,6 +162,10 @@ class TorchTrainer:
                     temperature=cfg.temperature,
                     with_entropy=want_entropy,
                     impl=impl,
+                )
+            if terms.old_logp is None:  # on-policy: what the old log-probs' metrics say, from logp
+                metrics.update(
+                    on_policy_metrics(logp * mb.loss_mask, mb.rollout_logprobs, mb.loss_mask, cfg.loss)
                 )
             metrics.update(grpo_metrics(logp * mb.loss_mask, terms, mb.loss_mask, cfg.loss, entropy=ent))
             if not torch.isfinite(loss):

@@ -107,6 +107,7 @@ def trainer(
     mb_tokens: int = 64,
     logprob_impl: str = "auto",
     loss: dict[str, Any] | None = None,
+    old_logprobs: str = "auto",
     **settings: Any,
 ) -> Any:
     from agentrl.train.megatron.settings import MegatronSettings
@@ -118,6 +119,7 @@ def trainer(
         weight_decay=0.0,
         logprob_impl=logprob_impl,
         loss=loss or {},
+        old_logprobs=old_logprobs,
     )
     return MegatronTrainer(
         hf.config,
@@ -387,6 +389,30 @@ def case_head_loss(args: argparse.Namespace) -> dict[str, Any]:
             out = grads_step(layers=4, logprob_impl=impl, reference=reference)
         calls[impl] = spy.call_count
     return {**out, "head_loss_calls": calls}
+
+
+def case_on_policy(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-rank step with the old log-probs recomputed against the update's own (on-policy),
+    with the loss made in the head and from log-probs, TIS weights clipped and a KL term: the same
+    step, one forward-only schedule less."""
+    from unittest import mock
+
+    from agentrl.train.megatron import trainer as megatron_trainer
+
+    out: dict[str, Any] = {}
+    loss = {"tis_clip": 1.5, "tis_clip_low": 0.5, "kl_coef": 0.05}
+    for impl in ("auto", "chunked"):
+        path = str(Path(args.tmp) / f"on-policy-{impl}.pt")
+        schedules = {}
+        for mode, kw in (("recompute", {"save": path}), ("on_policy", {"reference": path})):
+            real = megatron_trainer.MegatronTrainer._schedule
+            with mock.patch.object(
+                megatron_trainer.MegatronTrainer, "_schedule", autospec=True, side_effect=real
+            ) as spy:
+                r = grads_step(layers=4, logprob_impl=impl, old_logprobs=mode, loss=loss, **kw)
+            schedules[mode] = [c.kwargs["forward_only"] for c in spy.call_args_list]
+        out[impl] = {**r, "schedules": schedules}
+    return out
 
 
 # The one-rank steps (name -> settings) the layouts are compared with (a layout's "reference";
@@ -1116,6 +1142,7 @@ CASES = {
     "grads": case_grads,
     "references": case_references,
     "head_loss": case_head_loss,
+    "on_policy": case_on_policy,
     "layouts": case_layouts,
     "checkpoint": case_checkpoint,
     "init_checkpoint": case_init_checkpoint,

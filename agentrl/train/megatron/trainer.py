@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from agentrl.algo.fused_logprobs import vocab_parallel_logprobs
 from agentrl.algo.fused_loss import TokenLossResult, vocab_parallel_token_loss
-from agentrl.algo.losses import TokenTerms, grpo_metrics, grpo_terms
+from agentrl.algo.losses import TokenTerms, grpo_metrics, on_policy_metrics
 from agentrl.episode.sample import Sample
 from agentrl.overrides import ConfigError
-from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, run_steps, step_batches
+from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, loss_terms, run_steps, step_batches
 from agentrl.train.clock import StepClock
 from agentrl.train.config import TrainConfig, lr_at
 from agentrl.train.megatron import convert, parallel
@@ -576,7 +576,8 @@ class MegatronTrainer(CheckpointMixin):
 
             return fn
 
-        self._schedule(batch.micro_batches, keep("old_logprobs"), chunks=self.chunks, forward_only=True)
+        if not self.config.on_policy:  # else the update's own log-probs stand for them
+            self._schedule(batch.micro_batches, keep("old_logprobs"), chunks=self.chunks, forward_only=True)
         if self.ref_chunks is not None:
             self._schedule(
                 batch.micro_batches, keep("ref_logprobs"), chunks=self.ref_chunks, forward_only=True
@@ -704,19 +705,7 @@ class MegatronTrainer(CheckpointMixin):
         @functools.cache
         def made(i: int) -> tuple[TokenTerms, dict[str, torch.Tensor]]:
             """Micro-batch i's token terms (on the last stage, which has its old log-probs)."""
-            mb = batch.micro_batches[i]
-            assert mb.old_logprobs is not None
-            return grpo_terms(
-                mb.old_logprobs,
-                mb.rollout_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                cfg.loss,
-                ref_logp=mb.ref_logprobs,
-                num_tokens=batch.num_loss_tokens,
-                num_seqs=batch.num_loss_seqs,
-                token_weights=mb.loss_weights,
-            )
+            return loss_terms(batch.micro_batches[i], batch, cfg)
 
         # The loss straight from the LM head (gradients made in its forward pass) unless the
         # configuration asks for log-probs first ("chunked") or the loss mixes a row's positions
@@ -732,6 +721,8 @@ class MegatronTrainer(CheckpointMixin):
             mb = batch.micro_batches[i]
             terms, pre = made(i)
             logp = logp * mb.loss_mask
+            if terms.old_logp is None:  # on-policy: the old log-probs' metrics, from logp
+                pre = on_policy_metrics(logp.detach(), mb.rollout_logprobs, mb.loss_mask, cfg.loss)
             metrics = {**pre, **grpo_metrics(logp, terms, mb.loss_mask, cfg.loss, entropy=ent)}
             if fused is not None:
                 loss, shown = fused
