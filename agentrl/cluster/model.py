@@ -219,7 +219,9 @@ class ModelSpec:
         flops = 2 * (self.active_params() - self.embedding_params) * n
         flops += 2 * int(c["num_attention_heads"]) * (qk + v) * seen * self.num_layers
         if self.dsa:
-            flops += 2 * int(c["index_n_heads"]) * int(c["index_head_dim"]) * every * len(self.computing_layers)
+            flops += (
+                2 * int(c["index_n_heads"]) * int(c["index_head_dim"]) * every * len(self.computing_layers)
+            )
         return float(flops)
 
     def active_params(self) -> int:
