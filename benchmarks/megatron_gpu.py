@@ -238,42 +238,62 @@ def perf_run(
     result["train_build_seconds"] = time.perf_counter() - t0
     result["params"] = sum(p.numel() for p in tr._params())
     del hf
-    rows = []
-    for step in range(args.steps):
-        samples = random_samples(cfg, args.seqs, args.seq_len, seed=100 + step)
-        synchronize(device)
-        t0 = time.perf_counter()
-        m = tr.train_step(samples)
-        synchronize(device)
-        train_s = time.perf_counter() - t0
-        export_s = sync(tr, None, device, torch.bfloat16 if on_gpu else torch.float32)
-        flops = step_flops(cfg, samples)
-        phases = {k[len("time_") : -len("_s")]: v for k, v in m.items() if k.startswith("time_")}
-        row = {
-            "step": step + 1,
-            "loss": m["loss"],
-            "train_s": train_s,
-            "export_s": export_s,
-            "tokens": sum(len(s.tokens) for s in samples),
-            "model_tflop": flops / 1e12,
-            "mfu": flops / train_s / (result["matmul_tflops"] * 1e12),
-            "phases_s": phases,
+    # The step once per `--old-logprobs` mode, one after another on the same trainer (a warm-up
+    # step first for each): the modes' medians side by side.
+    result["modes"] = {}
+    step = 0
+    for mode in args.old_logprobs.split(","):
+        tr.config.old_logprobs = mode
+        rows = []
+        for _ in range(args.steps):
+            step += 1
+            samples = random_samples(cfg, args.seqs, args.seq_len, seed=100 + step)
+            synchronize(device)
+            t0 = time.perf_counter()
+            m = tr.train_step(samples)
+            synchronize(device)
+            train_s = time.perf_counter() - t0
+            export_s = sync(tr, None, device, torch.bfloat16 if on_gpu else torch.float32)
+            flops = step_flops(cfg, samples)
+            phases = {k[len("time_") : -len("_s")]: v for k, v in m.items() if k.startswith("time_")}
+            row = {
+                "mode": mode,
+                "step": step,
+                "loss": m["loss"],
+                "train_s": train_s,
+                "export_s": export_s,
+                "tokens": sum(len(s.tokens) for s in samples),
+                "model_tflop": flops / 1e12,
+                "mfu": flops / train_s / (result["matmul_tflops"] * 1e12),
+                "phases_s": phases,
+            }
+            fb = (
+                phases.get("forward", 0.0) + phases.get("backward", 0.0) + phases.get("forward_backward", 0.0)
+            )
+            row["mfu_forward_backward"] = (
+                flops / fb / (result["matmul_tflops"] * 1e12) if fb else float("nan")
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        timed = rows[1:] or rows
+        med = sorted(timed, key=lambda r: r["train_s"])[len(timed) // 2]
+        total = med["train_s"] + med["export_s"]
+        ours = med["phases_s"].get("batch", 0.0) + med["phases_s"].get("loss_metrics", 0.0)
+        result["modes"][mode] = {
+            "steps": rows,
+            "median_step": {
+                **med,
+                "tokens_per_s": med["tokens"] / med["train_s"],
+                "share_of_step": {
+                    k: v / total for k, v in {**med["phases_s"], "export": med["export_s"]}.items()
+                },
+                "ours_share": ours / total,
+            },
         }
-        fb = phases.get("forward", 0.0) + phases.get("backward", 0.0) + phases.get("forward_backward", 0.0)
-        row["mfu_forward_backward"] = flops / fb / (result["matmul_tflops"] * 1e12) if fb else float("nan")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    result["steps"] = rows
-    timed = rows[1:] or rows
-    med = sorted(timed, key=lambda r: r["train_s"])[len(timed) // 2]
-    total = med["train_s"] + med["export_s"]
-    ours = med["phases_s"].get("batch", 0.0) + med["phases_s"].get("loss_metrics", 0.0)
-    result["median_step"] = {
-        **med,
-        "tokens_per_s": med["tokens"] / med["train_s"],
-        "share_of_step": {k: v / total for k, v in {**med["phases_s"], "export": med["export_s"]}.items()},
-        "ours_share": ours / total,
-    }
+    medians = {mode: r["median_step"]["train_s"] for mode, r in result["modes"].items()}
+    if len(medians) > 1:
+        first = next(iter(medians.values()))
+        result["train_s_ratio_to_first_mode"] = {mode: t / first for mode, t in medians.items()}
     if args.profile and on_gpu:
         result["profile"] = profile_step(tr, random_samples(cfg, args.seqs, args.seq_len, seed=7))
     result["peak_memory_gib"] = peak_memory_gib(device)
@@ -755,6 +775,11 @@ def main() -> None:
         "--profile", action="store_true", help="--perf-only: one more step under the profiler"
     )
     parser.add_argument(
+        "--old-logprobs",
+        default="recompute,on_policy",
+        help="--perf-only: comma list of trainer.old_logprobs modes, each timed for --steps steps",
+    )
+    parser.add_argument(
         "--reference-json",
         help="a --json of an earlier run on the same model (normally one rank): its probe log-probs "
         "are compared with this run's (fp32 and training dtype)",
@@ -837,7 +862,9 @@ def main() -> None:
         result = perf_run(cfg, args, parallel, device)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-        print(json.dumps({k: v for k, v in result.items() if k != "steps"}, default=str))
+        summary = {k: v for k, v in result.items() if k != "modes"}
+        summary["median_steps"] = {m: r["median_step"] for m, r in result["modes"].items()}
+        print(json.dumps(summary, default=str))
         return
     from agentrl.train.megatron.trainer import MegatronTrainer
 
