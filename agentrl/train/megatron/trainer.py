@@ -131,6 +131,9 @@ class MegatronTrainer(CheckpointMixin):
         self.last_stage = self.pp_rank == self.pp_size - 1
         # What the schedules run: megatron's DDP wrappers, or the bare chunks (local reduction).
         self.train_chunks: list[Any] = self.chunks
+        self.step = 0  # before the optimizer: its first learning rate is `lr_at(config, 0)`
+        self.skipped_nonfinite = 0
+        self._clock: StepClock | None = None  # set for the length of a train_step
         self.optimizer: Any
         if self.megatron_ddp:
             self._megatron_optimizer()
@@ -142,9 +145,6 @@ class MegatronTrainer(CheckpointMixin):
                 eps=config.adam_eps,
                 weight_decay=config.weight_decay,
             )
-        self.step = 0
-        self.skipped_nonfinite = 0
-        self._clock: StepClock | None = None  # set for the length of a train_step
 
     def _build_chunks(self) -> list[Any]:
         vpp = self.settings.vpp or 1
