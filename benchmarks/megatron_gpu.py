@@ -212,6 +212,8 @@ def perf_run(
     from agentrl.train.megatron.trainer import MegatronTrainer
 
     on_gpu = device.type == "cuda"
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
     result: dict[str, Any] = {
         "args": vars(args),
         "model": model_summary(cfg),
@@ -773,6 +775,12 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=16, help="--perf-only: sequences a step")
     parser.add_argument(
         "--profile", action="store_true", help="--perf-only: one more step under the profiler"
+    )
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="--perf-only: fp32 matrix products on TF32 tensor cores (megatron's local DSA path computes "
+        "attention scores in fp32)",
     )
     parser.add_argument(
         "--old-logprobs",
