@@ -212,8 +212,6 @@ def perf_run(
     from agentrl.train.megatron.trainer import MegatronTrainer
 
     on_gpu = device.type == "cuda"
-    if args.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
     result: dict[str, Any] = {
         "args": vars(args),
         "model": model_summary(cfg),
@@ -244,8 +242,10 @@ def perf_run(
     # step first for each): the modes' medians side by side.
     result["modes"] = {}
     step = 0
-    for mode in args.old_logprobs.split(","):
-        tr.config.old_logprobs = mode
+    for mode in args.modes.split(","):
+        old, _, tf32 = mode.partition("/")
+        tr.config.old_logprobs = old
+        tr.settings.tf32 = {"on": True, "off": False}.get(tf32 or "auto")
         rows = []
         for _ in range(args.steps):
             step += 1
@@ -777,15 +777,10 @@ def main() -> None:
         "--profile", action="store_true", help="--perf-only: one more step under the profiler"
     )
     parser.add_argument(
-        "--tf32",
-        action="store_true",
-        help="--perf-only: fp32 matrix products on TF32 tensor cores (megatron's local DSA path computes "
-        "attention scores in fp32)",
-    )
-    parser.add_argument(
-        "--old-logprobs",
-        default="recompute,on_policy",
-        help="--perf-only: comma list of trainer.old_logprobs modes, each timed for --steps steps",
+        "--modes",
+        default="recompute/off,on_policy/off,on_policy/auto",
+        help="--perf-only: comma list of OLD_LOGPROBS/TF32 (trainer.old_logprobs / "
+        "trainer.megatron.tf32 auto, on or off), each timed for --steps steps on one trainer",
     )
     parser.add_argument(
         "--reference-json",

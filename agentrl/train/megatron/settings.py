@@ -32,6 +32,11 @@ class MegatronSettings:
     the GLM-5.2 RL recipe.
     `moe_token_dispatcher_type`: "allgather" runs everywhere (CPU included); "alltoall" needs CUDA.
     `params_dtype`: weights and compute dtype ("float32" on CPU, "bfloat16" on GPU).
+    `tf32`: fp32 matrix products of the trainer's passes on TF32 tensor cores (CUDA). None: on
+    with bf16 weights, where those products multiply bf16 values upcast (megatron's local DSA path
+    computes attention and indexer scores so), which TF32 holds exactly, and the rest (their
+    gradients) keep more precision than bf16 products would; measured 1.31x on a GLM-5.2-shaped
+    step (docs/megatron.md). Off with fp32 weights.
     `ddp`: how gradients are reduced and the optimizer steps. "megatron": megatron-core's
     `DistributedDataParallel` (contiguous fp32 gradient buffers) and `get_megatron_optimizer`
     (CUDA only: its buffers and the fused Adam live on the GPU); "local": the trainer's own
@@ -67,6 +72,7 @@ class MegatronSettings:
     dsa_indexer_loss_coeff: float | None = None
     moe_token_dispatcher_type: str = "allgather"
     params_dtype: str = "float32"
+    tf32: bool | None = None
     ddp: str = "auto"
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False

@@ -27,6 +27,7 @@ tensors on every rank (only one of them needs to push them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -461,7 +462,7 @@ class MegatronTrainer(CheckpointMixin):
                 else None
             )
         n = len(packed)
-        with schedule_device_shim():
+        with schedule_device_shim(), self._tf32():
             get_forward_backward_func()(
                 forward_step_func=step_func,
                 data_iterator=[iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n)),
@@ -599,6 +600,19 @@ class MegatronTrainer(CheckpointMixin):
             self._fill_old(batch)
             self._mark("batch")
         return batches, stats
+
+    @contextlib.contextmanager
+    def _tf32(self) -> Iterator[None]:
+        """fp32 products on TF32 tensor cores for the length of a schedule (`MegatronSettings.tf32`)."""
+        on = (
+            self.settings.tf32 if self.settings.tf32 is not None else self.settings.params_dtype == "bfloat16"
+        )
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = bool(on and self.device.type == "cuda")
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
 
     def _mark(self, phase: str | None) -> None:
         if self._clock is not None:
