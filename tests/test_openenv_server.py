@@ -270,21 +270,26 @@ async def test_an_idle_session_is_closed_with_its_sandbox_and_told_why() -> None
         assert server.hub.sandboxes == 0
 
 
-def test_stateless_http_episodes_and_mcp_are_refused_with_the_reason(server) -> None:  # type: ignore[no-untyped-def]
+def test_stateless_http_episodes_are_refused_with_the_reason_and_mcp_answers_json_rpc(server) -> None:  # type: ignore[no-untyped-def]
     url, _, provider = server
     with httpx.Client(base_url=url, trust_env=False) as http:
         for path in ("/reset", "/step"):
             resp = http.post(path, json={"action": {"action_type": "exec", "command": "true"}})
             assert resp.status_code == 501 and "connect to /ws" in resp.json()["detail"]
-        # MCP: a JSON-RPC error, as upstream's servers without MCP tools answer (HTTP 200).
+        # MCP over HTTP: the tools, and JSON-RPC 2.0 errors for what is not a request.
         mcp = http.post("/mcp", json={"jsonrpc": "2.0", "method": "tools/list", "id": 1})
         assert mcp.status_code == 200 and mcp.json()["jsonrpc"] == "2.0" and mcp.json()["id"] == 1
+        assert [t["name"] for t in mcp.json()["result"]["tools"]] == ["exec", "write_file", "evaluate"]
+        assert mcp.json()["result"]["tools"][0]["inputSchema"]["required"] == ["command"]
+        # A call outside any session has no episode: the session's refusal, in words.
+        lone = http.post(
+            "/mcp",
+            json={"jsonrpc": "2.0", "method": "tools/call", "id": 2,
+                  "params": {"name": "exec", "arguments": {"command": "true"}}},
+        ).json()  # fmt: skip
         assert (
-            mcp.json()["error"]["code"] == -32601
-            and "call_tool steps over /ws" in mcp.json()["error"]["message"]
+            lone["result"]["is_error"] and "reset(task_id=...) first" in lone["result"]["content"][0]["text"]
         )
-        session = http.post("/mcp", json={"jsonrpc": "2.0", "method": "openenv/session/create", "id": 2})
-        assert session.json()["error"]["code"] == -32601  # no sandbox outside a WebSocket
         assert http.post("/mcp", json={}).json()["error"]["code"] == -32600
         bad = http.post("/mcp", content=b"{not json", headers={"content-type": "application/json"})
         assert bad.status_code == 200 and bad.json()["error"]["code"] == -32700
@@ -294,6 +299,64 @@ def test_stateless_http_episodes_and_mcp_are_refused_with_the_reason(server) -> 
         assert big.status_code == 413 and "limit" in big.json()["detail"]
         assert http.get("/health").json()["status"] == "healthy"
     assert provider.live_sandboxes() == 0
+
+
+async def test_upstreams_mcp_tool_client_solves_a_task_over_http_mcp_sessions() -> None:
+    """openenv 0.10's MCPToolClient (production mode, unmodified): `openenv/session/create` on
+    POST /mcp, the reset over the WebSocket it attaches with that session id, `tools/list` and
+    `tools/call` over POST /mcp; the reference solution scores 1, nothing scores 0, a refused call
+    is the client's RuntimeError, and closing the client closes the session and its sandbox."""
+    from openenv.core.mcp_client import MCPToolClient
+
+    with fake_server() as (url, server, provider):
+        async with MCPToolClient(base_url=url) as env:
+            reset = await env.reset(task_id="hello-file")
+            assert "Hello, world!" in reset.observation.instruction
+            assert [t.name for t in await env.list_tools()] == ["exec", "write_file", "evaluate"]
+            assert provider.live_sandboxes() == 1
+            echoed = await env.call_tool("exec", command="echo hi")
+            assert echoed["structured_content"]["success"] and echoed["content"][0]["text"].startswith("hi")
+            assert (await env.call_tool("exec", command=HELLO))["structured_content"]["success"]
+            with pytest.raises(RuntimeError, match="Tool not found"):
+                await env.call_tool("rm_all")
+            with pytest.raises(RuntimeError, match="shell"):
+                await env.call_tool("exec", command="true", shell="zsh")
+            scored = await env.call_tool("evaluate")
+            assert (scored["reward"], scored["done"]) == (1.0, True)
+            # Another episode in the same session, through the same calls: nothing done scores 0.
+            await env.reset(task_id="hello-file")
+            assert (await env.call_tool("evaluate"))["reward"] == 0.0
+        assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0)
+        assert not server.app.mcp_sessions.idle_since  # closed by the client, forgotten by the guard
+
+
+async def test_an_http_mcp_session_left_by_its_client_is_closed_once_idle_with_its_sandbox() -> None:
+    """A client that opens a session, resets it over an attached WebSocket, then vanishes without
+    `openenv/session/close`: while the WebSocket is attached or a call runs the session stays;
+    idle_timeout_s after its last use it is closed through the package, with its sandbox."""
+    with fake_server(idle_timeout_s=0.5) as (url, server, provider):
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
+
+            async def rpc(method: str, **params: Any) -> dict[str, Any]:
+                body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                return (await http.post("/mcp", json=body)).json()
+
+            sid = (await rpc("openenv/session/create"))["result"]["session_id"]
+            async with connect(ws_url(url) + f"?session_id={sid}") as ws:
+                reset = await ask(ws, {"type": "reset", "data": {"task_id": "hello-file"}})
+                assert reset["type"] == "observation"
+                await asyncio.sleep(0.3)
+                called = await rpc(
+                    "tools/call", name="exec", arguments={"command": "echo hi"}, session_id=sid
+                )
+                assert called["result"]["content"][0]["text"].startswith("hi")
+                await asyncio.sleep(0.3)  # attached: not idle, whatever the clock says
+                assert provider.live_sandboxes() == 1 and sid in server.app.mcp_sessions.idle_since
+            # Gone without a close: the guard closes it once idle, and the package its sandbox.
+            assert await eventually(lambda: provider.live_sandboxes() == 0 and server.hub.sandboxes == 0)
+            assert not server.app.mcp_sessions.idle_since
+            gone = await rpc("tools/call", name="exec", arguments={"command": "true"}, session_id=sid)
+            assert "Unknown session_id" in gone["error"]["message"]
 
 
 def test_upstreams_validator_passes_our_server(server) -> None:  # type: ignore[no-untyped-def]
@@ -332,8 +395,7 @@ def test_serving_on_the_openenv_core_line_is_refused_with_the_way_back(monkeypat
 async def test_the_terminal_is_served_as_mcp_tools_over_the_session(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The terminal's actions as MCP tools (exec, write_file, evaluate) over /ws: the `openenv`
     plugin's own `protocol=mcp` solves hello-file through them (reward 1), and MCP's errors answer
-    an unknown tool or bad arguments. Upstream's MCPToolClient (0.10) speaks production-mode HTTP
-    MCP sessions only, which this server does not open (its sessions live as long as a WebSocket)."""
+    an unknown tool or bad arguments. (Upstream's MCPToolClient calls them over POST /mcp: above.)"""
     import json as _json
 
     from openenv.core.generic_client import GenericEnvClient

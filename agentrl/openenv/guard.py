@@ -13,10 +13,12 @@ can cost, and answers every refusal in words.
   is closed now rather than when a long command or the verifier would have finished.
 - HTTP: bodies over `max_http_body_bytes` get 413; the routes in `refused` get 501 with the reason
   (stateless HTTP episodes, which a sandbox-per-session environment does not serve).
-- `POST /mcp` with `no_mcp` set: answered as upstream's non-MCP servers answer it, HTTP 200 with a
-  JSON-RPC 2.0 error (-32700 parse error, -32600 invalid request, else -32601 method not found with
-  the reason), never passed to the package's handler (its `openenv/session/create` would open a
-  sandbox outside any WebSocket's lifetime). `openenv validate` checks exactly this answer
+- `POST /mcp` (MCP over HTTP, as upstream's MCPToolClient speaks it) goes to the package's handler,
+  with bodies up to `max_message_chars` (a tool call carries a command or a file). A session opened
+  there (`openenv/session/create`) lives while a call runs on it or a WebSocket is attached to it
+  (`/ws?session_id=`); when neither has happened for `idle_timeout_s`, the guard closes it through
+  the package's own `openenv/session/close`, which closes its sandbox, so a client that vanishes
+  without closing leaves nothing behind. `openenv validate` checks this route's answer
   (`openenv/cli/_validation.py`, criterion `mcp_endpoint`: status 200 and `"jsonrpc": "2.0"`).
 """
 
@@ -25,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
+from urllib.parse import parse_qs
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,6 +41,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]]
 
 CLOSE_IDLE = 4408  # private-use close code (4000-4999), after HTTP 408 Request Timeout
 MAX_DEPTH = 32  # JSON nesting of one message (an action needs 3 or 4)
+SESSION_METHODS = ("openenv/session/create", "openenv/session/close")
+log = logging.getLogger("agentrl.openenv")
 
 
 class Guard:
@@ -47,16 +54,17 @@ class Guard:
         idle_timeout_s: float,
         max_http_body_bytes: int,
         refused: dict[str, str] | None = None,
-        no_mcp: str | None = None,
     ) -> None:
-        """`refused`: "METHOD /path" (or "WS /path") -> why that route is not served; `no_mcp`: why
-        `POST /mcp` has no tools (a JSON-RPC error)."""
-        self.no_mcp = no_mcp
+        """`refused`: "METHOD /path" (or "WS /path") -> why that route is not served."""
         self.app = app
         self.max_message_chars = max_message_chars
         self.idle_timeout_s = idle_timeout_s
         self.max_http_body_bytes = max_http_body_bytes
         self.refused = dict(refused or {})
+        self.mcp_sessions = _McpSessions(self)
+
+    async def aclose(self) -> None:
+        await self.mcp_sessions.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -66,7 +74,8 @@ class Guard:
             why = self.refused.get(f"WS {scope['path']}")
             if why is not None:
                 await _refuse_websocket(receive, send, why)
-            else:
+                return
+            with self.mcp_sessions.using(_query(scope).get("session_id")):
                 await _Connection(self, scope, receive, send).run()
         else:
             await self.app(scope, receive, send)
@@ -76,8 +85,8 @@ class Guard:
         if why is not None:
             await _json_response(send, 501, {"detail": why})
             return
-        limit = self.max_http_body_bytes
-        mcp = self.no_mcp is not None and scope["method"] == "POST" and scope["path"] == "/mcp"
+        mcp = scope["method"] == "POST" and scope["path"] == "/mcp"
+        limit = self.max_message_chars if mcp else self.max_http_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _json_response(
@@ -100,19 +109,129 @@ class Guard:
             chunks.append(body)
             if not message.get("more_body"):
                 break
-        if mcp:
-            await _json_response(send, 200, _jsonrpc_refusal(b"".join(chunks), str(self.no_mcp)))
-            return
+        body = b"".join(chunks)
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        if mcp:
+            await self.mcp_sessions.call(scope, replay, send, body)
+        else:
+            await self.app(scope, replay, send)
+
+
+class _McpSessions:
+    """The sessions opened over `POST /mcp`, closed by the guard once idle (see the module's doc)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.idle_since: dict[str, float] = {}  # session id -> when its last use ended
+        self.users: dict[str, int] = {}  # session id -> calls running and WebSockets attached
+        self.reaper: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def using(self, session_id: Any) -> Any:
+        if not isinstance(session_id, str) or not session_id:
+            yield
+            return
+        self.users[session_id] = self.users.get(session_id, 0) + 1
+        try:
+            yield
+        finally:
+            self.users[session_id] -= 1
+            if not self.users[session_id]:
+                del self.users[session_id]
+            if session_id in self.idle_since:
+                self.idle_since[session_id] = time.monotonic()
+
+    async def call(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        """One `POST /mcp` request through the package's handler, noting the sessions it opens,
+        uses and closes."""
+        try:
+            request = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            request = None
+        method = request.get("method") if isinstance(request, dict) else None
+        params = request.get("params") if isinstance(request, dict) else None
+        named = params.get("session_id") if isinstance(params, dict) else None
+        answer: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.body" and method in SESSION_METHODS:
+                answer.append(message.get("body", b""))
+            await send(message)
+
+        with self.using(named):
+            await self.guard.app(scope, receive, capture)
+        try:
+            result = json.loads(b"".join(answer)).get("result") if answer else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            result = None
+        if not isinstance(result, dict):
+            return
+        if method == "openenv/session/create" and isinstance(result.get("session_id"), str):
+            self.idle_since.setdefault(result["session_id"], time.monotonic())
+            if self.reaper is None:
+                self.reaper = asyncio.create_task(self._reap(), name="openenv-mcp-sessions")
+        elif method == "openenv/session/close" and (result.get("closed") or result.get("closing")):
+            # "closing": a WebSocket was still attached; the package closes it when that detaches.
+            self.idle_since.pop(str(result.get("session_id")), None)
+
+    async def _reap(self) -> None:
+        idle = self.guard.idle_timeout_s
+        while True:
+            await asyncio.sleep(min(max(idle / 4, 0.05), 5.0))
+            now = time.monotonic()
+            for sid, since in list(self.idle_since.items()):
+                if sid not in self.users and now - since > idle:
+                    del self.idle_since[sid]
+                    await self._close(sid)
+
+    async def _close(self, session_id: str) -> None:
+        """`openenv/session/close` through the package's handler, as a client would send it."""
+        body = json.dumps(
+            {"jsonrpc": "2.0", "id": "agentrl-idle", "method": "openenv/session/close",
+             "params": {"session_id": session_id}}
+        ).encode()  # fmt: skip
+        scope: Scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/mcp", "raw_path": b"/mcp", "root_path": "", "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": None, "server": None,
+        }  # fmt: skip
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # nothing more: the request is whole
+            return {"type": "http.disconnect"}
+
+        async def discard(message: Message) -> None:
+            pass
+
+        try:
+            await self.guard.app(scope, receive, discard)
+        except Exception:  # the server is going down; its shutdown closes every sandbox
+            log.warning("closing idle MCP session %s failed", session_id, exc_info=True)
+        else:
+            log.info(
+                "MCP session %s idle for %gs: closed with its sandbox", session_id, self.guard.idle_timeout_s
+            )
+
+    async def aclose(self) -> None:
+        if self.reaper is not None:
+            self.reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.reaper
+            self.reaper = None
 
 
 class _Connection:
@@ -239,18 +358,9 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def _jsonrpc_refusal(body: bytes, why: str) -> dict[str, Any]:
-    """The JSON-RPC 2.0 error a server without MCP tools answers (codes of the JSON-RPC spec)."""
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
-    rid = request.get("id") if isinstance(request, dict) else None
-    if not isinstance(request, dict) or not isinstance(request.get("method"), str):
-        error = {"code": -32600, "message": "Invalid Request: a JSON-RPC 2.0 request names its method"}
-    else:
-        error = {"code": -32601, "message": f"Method not found: {request['method']}: {why}"}
-    return {"jsonrpc": "2.0", "id": rid if isinstance(rid, (str, int)) else None, "error": error}
+def _query(scope: Scope) -> dict[str, str]:
+    raw = scope.get("query_string") or b""
+    return {k: v[0] for k, v in parse_qs(raw.decode("latin-1")).items() if v}
 
 
 def _rejection(why: str) -> Message:

@@ -1,7 +1,8 @@
 """`agentrl env serve`: an environment plugin served as an OpenEnv environment server.
 
 The app is the `openenv` package's own (`create_fastapi_app`: `/ws` sessions, `/schema`, `/health`,
-`/metadata`, the Task API), around one `TerminalEnvironment` per WebSocket session, behind `Guard`
+`/metadata`, the Task API, MCP over `POST /mcp`), around one `TerminalEnvironment` per session (a
+WebSocket's, or one opened over `POST /mcp` as upstream's MCPToolClient does), behind `Guard`
 (payload sizes, idle sessions, refused routes). The package caps sessions (`max_sessions`): one over
 the cap is answered `CAPACITY_REACHED` and closed.
 
@@ -37,11 +38,12 @@ log = logging.getLogger("agentrl.openenv")
 class Server:
     """A built server: the ASGI app to run, and what it serves."""
 
-    app: Any
+    app: Guard
     hub: Any  # agentrl.openenv.terminal.TerminalHub
     environment: Any  # the plugin's built environment (owns the sandbox provider)
 
     async def aclose(self) -> None:
+        await self.app.aclose()
         await self.hub.aclose()
         await self.environment.aclose()
 
@@ -124,17 +126,18 @@ def build_server(config: ServeConfig, *, provider: SandboxProvider | None = None
         "stateless HTTP episodes are not served: a terminal episode keeps a sandbox, which lives as "
         "long as a WebSocket session; connect to /ws (openenv's EnvClient does)"
     )
-    no_mcp = (
-        "MCP over HTTP is not served (a terminal session lives as long as its WebSocket): call the "
-        "tools (exec, write_file, evaluate) as list_tools / call_tool steps over /ws"
+    no_ws_mcp = (
+        "MCP over the /mcp WebSocket is not served (an episode starts with a reset, which it cannot "
+        "send): call the tools (exec, write_file, evaluate) as list_tools / call_tool steps over /ws, "
+        "or over POST /mcp in a session opened there and reset over /ws?session_id= (upstream's "
+        "MCPToolClient does this)"
     )
     guarded = Guard(
         app,
         max_message_chars=config.max_message_chars,
         idle_timeout_s=config.idle_timeout_s,
         max_http_body_bytes=config.max_http_body_bytes,
-        refused={"POST /reset": stateless, "POST /step": stateless, "WS /mcp": no_mcp},
-        no_mcp=no_mcp,
+        refused={"POST /reset": stateless, "POST /step": stateless, "WS /mcp": no_ws_mcp},
     )
     server = Server(app=guarded, hub=hub, environment=environment)
     app.router.on_startup.append(hub.start)

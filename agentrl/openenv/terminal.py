@@ -29,7 +29,8 @@ import math
 import shlex
 import tempfile
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,52 @@ MCP_TOOLS = (
         input_schema={"type": "object", "properties": {}},
     ),
 )
+
+
+class ToolCallError(Exception):
+    """A tool call the session refused (unknown arguments, wrong types): the package's HTTP MCP
+    handler answers it as a JSON-RPC error with this message."""
+
+
+@dataclass(frozen=True)
+class SessionTool:
+    """One tool as the package's HTTP MCP handler reads a FastMCP tool: its name, description,
+    parameters (the input schema) and `fn`, awaited with the call's arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., Awaitable[dict[str, Any]]]
+
+
+class SessionTools:
+    """A session's tools where the package's `POST /mcp` handler looks for them (an environment's
+    `mcp_server`, read by `get_server_tools`: `get_tools()` -> {name: tool}). Upstream's
+    MCPToolClient (production mode) opens a session with `openenv/session/create`, resets it over
+    the WebSocket it attaches with that session id, and calls the tools here with the session id:
+    the same actions, checks and locks as the WebSocket's `call_tool` steps. A call's result is the
+    WebSocket's CallToolResult plus the step's reward and done; a call the session refuses raises
+    `ToolCallError`, which the handler answers as a JSON-RPC error."""
+
+    def __init__(self, env: TerminalEnvironment) -> None:
+        self._env = env
+
+    async def get_tools(self) -> dict[str, SessionTool]:
+        return {
+            t.name: SessionTool(t.name, t.description, dict(t.input_schema), self._caller(t.name))
+            for t in MCP_TOOLS
+        }
+
+    def _caller(self, name: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+        async def call(**arguments: Any) -> dict[str, Any]:
+            obs = await self._env.step_async(CallToolAction(tool_name=name, arguments=arguments))
+            assert isinstance(obs, CallToolObservation)
+            if obs.error is not None:
+                raise ToolCallError(obs.error.message)
+            return {**obs.result, "reward": obs.reward, "done": obs.done}
+
+        return call
+
 
 STATE_TEXT_LIMIT = 4096  # last_command / last_output kept in the state, characters
 UPLOAD_TIMEOUT_S = 120.0  # one write_file copy (at most max_file_bytes)
@@ -253,6 +300,10 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
         self._done = False
         self._busy = False
         self._closed = False
+        # One action at a time: over /ws the package sends them in order, but HTTP MCP calls on
+        # the same session (upstream's MCPToolClient) may arrive together.
+        self._lock = asyncio.Lock()
+        self.mcp_server = SessionTools(self)
 
     # -- the package's calls -----------------------------------------------------------------
 
@@ -328,6 +379,10 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
     async def reset_async(
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> TerminalObservation:
+        async with self._lock:
+            return await self._reset(seed, episode_id, **kwargs)
+
+    async def _reset(self, seed: int | None, episode_id: str | None, **kwargs: Any) -> TerminalObservation:
         del seed  # an episode is the task's image and the agent's commands: nothing to seed
         if self._closed:
             return self._refuse("reset", "session_closed", "this session is closed: open a new connection")
@@ -394,12 +449,16 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
         timeout_s: float | None = None,
         **kwargs: Any,
     ) -> TerminalObservation | ListToolsObservation | CallToolObservation:
-        # MCP clients (upstream's MCPToolClient over /ws, agentrl's env.protocol=mcp): the same
-        # actions as tools, each answered as MCP's CallToolResult.
+        # MCP clients (upstream's MCPToolClient, agentrl's env.protocol=mcp): the same actions as
+        # tools, each answered as MCP's CallToolResult.
         if isinstance(action, ListToolsAction):
             return ListToolsObservation(tools=list(MCP_TOOLS))
-        if isinstance(action, CallToolAction):
-            return await self._call_tool(action, timeout_s)
+        async with self._lock:
+            if isinstance(action, CallToolAction):
+                return await self._call_tool(action, timeout_s)
+            return await self._step(action, timeout_s)
+
+    async def _step(self, action: TerminalAction, timeout_s: float | None) -> TerminalObservation:
         self._state.step_count += 1
         self._state.last_action_type = action.action_type[:64]
         self._state.last_command = action.command[:STATE_TEXT_LIMIT]
@@ -421,7 +480,7 @@ class TerminalEnvironment(Environment[TerminalAction, TerminalObservation, Termi
         except (ValidationError, TypeError) as exc:
             error = ToolError(error_type=ToolErrorType.INVALID_ARGS, message=str(exc)[:2000])
             return CallToolObservation(tool_name=name, error=error)
-        obs = await self.step_async(step, timeout_s)
+        obs = await self._step(step, timeout_s)
         text = obs.output + (f"\n{obs.error}" if obs.error else "")
         result = {
             "content": [{"type": "text", "text": text}],
