@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -241,9 +243,18 @@ class SayIt(Environment[SayAction, SayObservation, State]):
 @contextlib.contextmanager
 def say_it_server() -> Iterator[str]:
     with serve_app(
-        create_fastapi_app(SayIt, SayAction, SayObservation, max_concurrent_envs=4, env_name="say_it")
+        upstream_app(SayIt, SayAction, SayObservation, max_concurrent_envs=4, env_name="say_it")
     ) as url:
         yield url
+
+
+def upstream_app(*args: Any, env_name: str, **kwargs: Any) -> Any:
+    """Upstream's app factory, on either package line: openenv 0.10 names the app (`env_name`, for
+    its Task API); openenv-core 0.3 (which upstream environment packages install) has no such
+    argument (`test_the_consumer_works_on_the_openenv_core_line` runs these tests on it)."""
+    if "env_name" in inspect.signature(create_fastapi_app).parameters:
+        kwargs["env_name"] = env_name
+    return create_fastapi_app(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -342,7 +353,7 @@ async def test_an_unknown_task_on_an_upstream_server_is_an_input_error_never_ret
     from agentrl.openenv.schema import TerminalAction, TerminalObservation
 
     tok = byte_tokenizer()
-    app = create_fastapi_app(
+    app = upstream_app(
         MissingTasks, TerminalAction, TerminalObservation, max_concurrent_envs=2, env_name="tb2"
     )
     with serve_app(app) as url:
@@ -357,3 +368,45 @@ async def test_an_unknown_task_on_an_upstream_server_is_an_input_error_never_ret
         with pytest.raises(OpenEnvInfraError) as infra:  # a failure to start the task stays infrastructure
             await runner.run(rows[1], group_id="g", sample_index=0)
         assert infra.value.code == "EXECUTION_ERROR" and "docker daemon unavailable" in str(infra.value)
+
+
+@pytest.mark.slow
+def test_the_consumer_works_on_the_openenv_core_line(tmp_path: Path) -> None:
+    """Every upstream environment package installs openenv-core 0.3 over the shared `openenv`
+    module. The `openenv` plugin (the consuming side) keeps working on it: the MCP tests and the
+    upstream-server tests of this file run again with openenv-core 0.3.0's module first on the path
+    (the wheel from the package registry, as a user's install would get it). Serving on that line is
+    refused instead (`tests/test_openenv_server.py`)."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    repo = Path(__file__).resolve().parents[1]
+    cache = Path.home() / ".cache" / "agentrl" / "wheels"
+    wheels = sorted(cache.glob("openenv_core-0.3.0-*.whl"))
+    if not wheels:
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "openenv-core==0.3.0", "-d", str(cache)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        wheels = sorted(cache.glob("openenv_core-0.3.0-*.whl"))
+        if not wheels:
+            pytest.skip(f"openenv-core 0.3.0 could not be downloaded here: {got.stderr[-500:]}")
+    with zipfile.ZipFile(wheels[-1]) as whl:
+        whl.extractall(tmp_path / "site")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(repo)])}
+    line = subprocess.run(
+        [sys.executable, "-c", "import inspect, openenv.core.env_server.http_server as h; "
+         "print('env_name' in inspect.signature(h.create_fastapi_app).parameters)"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=repo,
+    )  # fmt: skip
+    assert line.stdout.strip() == "False", line.stderr  # the 0.3 line's app factory is the one loaded
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-m", "",
+         "tests/test_openenv_mcp.py", "tests/test_openenv_consume.py",
+         "-k", "mcp or unknown_task or a_text_environment_that_does_not_match"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=repo,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert re.search(r"\b([4-9]|\d\d+) passed", run.stdout), run.stdout[-2000:]

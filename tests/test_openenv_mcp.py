@@ -18,7 +18,6 @@ pytest.importorskip("openenv.core.env_server.mcp_environment")
 pytest.importorskip("fastmcp")
 
 from fastmcp import FastMCP
-from openenv.core.env_server.http_server import create_fastapi_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Observation, State
@@ -30,7 +29,7 @@ from agentrl.episode.sample import Status
 from agentrl.rollout.environment import EnvContext
 from envs.openenv import OpenEnvConfig, OpenEnvEnvironment
 from tests.chat_tokenizer import GLM_STYLE_TEMPLATE, byte_tokenizer
-from tests.test_openenv_consume import serve_app
+from tests.test_openenv_consume import serve_app, upstream_app
 
 # The GLM-style test template, plus the `tools` block a tool-calling template renders.
 TOOLS_TEMPLATE = (
@@ -85,9 +84,7 @@ class Arithmetic(MCPEnvironment):
 @contextlib.contextmanager
 def arithmetic_server() -> Iterator[str]:
     with serve_app(
-        create_fastapi_app(
-            Arithmetic, CallToolAction, CallToolObservation, max_concurrent_envs=4, env_name="arith"
-        )
+        upstream_app(Arithmetic, CallToolAction, CallToolObservation, max_concurrent_envs=4, env_name="arith")
     ) as url:
         yield url
 

@@ -188,10 +188,10 @@ class OpenEnvEnvironment:
             )
 
     def _task_api_rows(self, split: str) -> list[dict[str, Any]]:
-        names = self._get("/list_environments")
-        if not names:
-            raise EnvironmentPluginError(f"{self.http_url} lists no environment")
-        try:
+        try:  # openenv 0.10's Task API; servers on the openenv-core 0.3 line have none
+            names = self._get("/list_environments")
+            if not names:
+                raise EnvironmentPluginError(f"{self.http_url} lists no environment")
             tasks = self._get(f"/{names[0]}/tasks", {"split": split})["tasks"]
         except EnvironmentPluginError as exc:
             what = "env.task_ids" if self.config.protocol == "tbench2" else "env.rows_file"
