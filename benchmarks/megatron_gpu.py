@@ -613,7 +613,7 @@ def write_engine_model(hf: Any, directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def start_engine(model_dir: Path, port: int, device: str) -> Any:
+def start_engine(model_dir: Path, port: int, device: str, extra: list[str] | None = None) -> Any:
     """`agentrl engine serve` in its own process (the same interpreter and source tree)."""
     import subprocess
 
@@ -624,7 +624,7 @@ def start_engine(model_dir: Path, port: int, device: str) -> Any:
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "agentrl.cli", "engine", "serve", "--model", str(model_dir)]
-    cmd += ["--port", str(port), "--device", device, "--no-request-log"]
+    cmd += ["--port", str(port), "--device", device, "--no-request-log", *(extra or [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
