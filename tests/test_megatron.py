@@ -113,6 +113,9 @@ TWO_RANK_LAYOUTS = [
     "cp2-indexer-loss",
     "cp2-gspo",
     "tp2-checkpoint",
+    "tp2-r3",
+    "cp2-r3",
+    "pp2-r3",
 ]
 
 
@@ -446,10 +449,20 @@ def test_routing_replay_brings_the_trainers_log_probs_to_the_engines(tmp_path: P
     assert r["train_step_skipped"] == 0.0
 
 
-def test_routing_replay_is_refused_where_it_is_not_implemented() -> None:
-    from agentrl.train.megatron.settings import MegatronSettings
-
-    MegatronSettings(routing_replay=True)
-    for layout in ({"tp": 2}, {"cp": 2}, {"recompute": "full"}):
-        with pytest.raises(ValueError, match=r"routing_replay \(R3\) is implemented for TP1 CP1"):
-            MegatronSettings(routing_replay=True, **layout)
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("layout", ["tp2-r3", "cp2-r3", "pp2-r3"])
+def test_routing_replay_takes_the_one_rank_step_under_tp_cp_and_pp(
+    one_rank_cases: dict, two_rank_layouts: dict, layout: str
+) -> None:
+    """R3 with random engine routes (nothing like the trainer's own): with TP=2 each rank's
+    routers get their sequence-parallel slice of the packed row, with CP=2 their zigzag share of
+    every sequence, with PP=2 (1F1B) each stage's routers the routes of the micro-batch they run;
+    each takes the one-rank replayed step. The replayed step is not the unreplayed one."""
+    refs = one_rank_cases["references"]
+    assert abs(refs["4-r3"]["grad_norm"] - refs["4"]["grad_norm"]) > 1e-3  # the routes matter
+    r = two_rank_layouts[layout]
+    assert (r["tp"], r["cp"], r["pp"]) == {"tp2-r3": (2, 1, 1), "cp2-r3": (1, 2, 1), "pp2-r3": (1, 1, 2)}[
+        layout
+    ]
+    _same_step(r)

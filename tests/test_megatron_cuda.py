@@ -45,3 +45,14 @@ def test_megatrons_distributed_optimizer_resumes_to_the_same_next_step(tmp_path:
     # parameter), and the weights after it equal the uninterrupted trainer's.
     assert r["adam_steps_after"] == [2.0] and r["trainer_steps"] == [2, 2]
     assert r["next_step_moved"] > 0 and r["after_next_step_max_abs_diff"] <= 1e-6 * r["next_step_moved"]
+
+
+def test_routing_replay_under_full_recompute_replays_each_micro_batchs_routes(tmp_path: Path) -> None:
+    """R3 with full activation recompute: the recompute in the backward pass replays the routes of
+    the micro-batch it recomputes (`agentrl/train/megatron/replay.py`), so the step equals the one
+    without recompute; without replay the step is another (the random routes matter)."""
+    from tests.megatron_venv import run_case
+
+    r = run_case("gpu_r3_recompute", tmp_path, interpreter=sys.executable)
+    assert r["recompute_vs_not_max_abs"] <= 1e-5 * max(1.0, r["grad_max_abs"])
+    assert r["replay_vs_not_max_abs"] > 1e-3

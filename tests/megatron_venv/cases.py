@@ -78,13 +78,20 @@ def tiny_hf(seed: int = 0, **changes: Any) -> Any:
     return hf
 
 
-def samples(seed: int = 1, vocab: int = 128) -> list[Sample]:
-    """Two GRPO groups of two single-segment episodes, of different lengths, advantages set."""
+def samples(seed: int = 1, vocab: int = 128, routes: tuple[int, int, int] | None = None) -> list[Sample]:
+    """Two GRPO groups of two single-segment episodes, of different lengths, advantages set.
+    `routes` (layers, experts, top-k): each token also carries seeded random experts per layer
+    (R3's `routed_experts`, as an engine that routes nothing like the trainer would)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (p, r) in enumerate([(5, 7), (3, 9), (6, 4), (8, 8)]):
         toks = torch.randint(0, vocab, (p + r,), generator=g).tolist()
         lps = (-torch.rand(r, generator=g) * 4).tolist()
+        chosen = None
+        if routes is not None:
+            layers, experts, k = routes
+            chosen = [[torch.randperm(experts, generator=g)[:k].tolist() for _ in range(layers)]
+                      for _ in range(p + r - 1)]  # fmt: skip
         out.append(
             Sample(
                 prompt_id="a" if i < 2 else "b",
@@ -94,6 +101,7 @@ def samples(seed: int = 1, vocab: int = 128) -> list[Sample]:
                 rollout_logprobs=lps,
                 reward=float(i % 2),
                 sample_index=i,
+                routed_experts=chosen,
             )
         )
     return with_advantages(out)
@@ -260,6 +268,17 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp2-indexer-loss": {"cp": 2, "dsa_indexer_loss_coeff": 0.05, "reference": "4-indexer-loss"},
     # GSPO: each sequence's ratio is the mean over its tokens, half of which are on the other rank
     "cp2-gspo": {"cp": 2, "loss": {"objective": "gspo"}, "reference": "4-gspo"},
+    # R3: each rank's routers replay the engine's routes of the tokens they see (random routes)
+    "tp2-r3": {"tp": 2, "routing_replay": True, "reference": "4-r3"},  # this TP rank's SP slice
+    "cp2-r3": {"cp": 2, "routing_replay": True, "reference": "4-r3"},  # this CP rank's zigzag share
+    # 1F1B: each stage's routers take the routes of the micro-batch they run
+    "pp2-r3": {
+        "pp": 2,
+        "first_stage_layers": 3,
+        "last_stage_layers": 1,
+        "routing_replay": True,
+        "reference": "4-r3",
+    },
     # torch_dist save at TP=2 and a resume in a fresh trainer (not a step against one rank)
     "tp2-checkpoint": {"tp": 2, "checkpoint": True},
     # Four ranks (by hand, not in CI: four processes on a two-core machine):
@@ -278,11 +297,17 @@ def grads_step(
     hf = tiny_hf(**_shape(layers))
     # A budget of 32 tokens makes two micro-batches: one per data-parallel rank at DP=2.
     tr = trainer(hf, mb_tokens=32, **settings)
-    batch = build_batch(samples(), max_tokens_per_micro_batch=32)
+    c = hf.config
+    routes = (
+        (c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok)
+        if settings.get("routing_replay")
+        else None
+    )
+    batch = build_batch(samples(routes=routes), max_tokens_per_micro_batch=32)
     tr.model.eval()
     with torch.no_grad():
         logp = torch.cat([tr.logprobs(mb)[0].flatten() for mb in batch.micro_batches])
-    metrics = tr.train_step(samples())
+    metrics = tr.train_step(samples(routes=routes))
     result = {
         "logp": logp,
         "loss": metrics["loss"],
@@ -422,6 +447,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "8": {"layers": 8},
     "4-indexer-loss": {"layers": 4, "dsa_indexer_loss_coeff": 0.05},
     "4-gspo": {"layers": 4, "loss": {"objective": "gspo"}},
+    "4-r3": {"layers": 4, "routing_replay": True},
 }
 
 
@@ -986,6 +1012,32 @@ def case_gpu(args: argparse.Namespace) -> dict[str, Any]:
     return {"logprob_max_abs_diff_bf16": diff, "loss": step["loss"], "skipped": step["skipped"]}
 
 
+def case_gpu_r3_recompute(args: argparse.Namespace) -> dict[str, Any]:
+    """GPU only: R3 under full recompute. A checkpointed layer's recompute (in the backward pass)
+    must replay its own micro-batch's routes, or its gradients are those of other experts than
+    its forward's. One GRPO step with random engine routes, fp32 weights, two micro-batches: with
+    recompute, without it, and with recompute but no replay (the routes matter)."""
+    hf = tiny_hf()
+    c = hf.config
+    routes = (c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok)
+    out: dict[str, Any] = {}
+    for name, settings in (
+        ("replay_recompute", {"routing_replay": True, "recompute": "full"}),
+        ("replay", {"routing_replay": True}),
+        ("recompute", {"recompute": "full"}),
+    ):
+        tr = trainer(hf, mb_tokens=32, **settings)
+        step = tr.train_step(samples(routes=routes))
+        out[name] = {"loss": step["loss"], "grad_norm": step["grad_norm"], "grads": hf_grads(tr)}
+    a, b, c_ = out["replay_recompute"], out["replay"], out["recompute"]
+    return {
+        "grad_norm": {k: v["grad_norm"] for k, v in out.items()},
+        "recompute_vs_not_max_abs": max_diff(a["grads"], b["grads"]),
+        "replay_vs_not_max_abs": max_diff(a["grads"], c_["grads"]),
+        "grad_max_abs": max(float(g.abs().max()) for g in b["grads"].values()),
+    }
+
+
 def _optimizer_state(tr: Any) -> list[dict[str, torch.Tensor]]:
     """Every wrapped optimizer's per-parameter state (fp32 main params, Adam moments, step), in
     parameter-group order: the same order in two trainers of one layout."""
@@ -1137,6 +1189,7 @@ def case_routing_replay(args: argparse.Namespace) -> dict[str, Any]:
 
 CASES = {
     "routing_replay": case_routing_replay,
+    "gpu_r3_recompute": case_gpu_r3_recompute,
     "build": case_build,
     "hf_parity": case_hf_parity,
     "grads": case_grads,

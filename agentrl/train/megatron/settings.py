@@ -26,7 +26,7 @@ class MegatronSettings:
     `recompute`: "none", "selective" or "full" (uniform, `recompute_num_layers` per chunk).
     `routing_replay` (R3): every MoE router takes the experts the engine chose for each token
     (the samples' `routed_experts`) instead of its own top-k, scoring them with its own weights
-    (megatron-core's `RouterReplay`); TP1 CP1 without recompute so far.
+    (megatron-core's `RouterReplay`), under every layout and recompute (`replay.py`).
     `dsa_indexer_loss_coeff`: the indexer's KL loss against the main attention (its inputs are
     detached, so without it the indexer does not train); None leaves the indexer frozen, as in
     the GLM-5.2 RL recipe.
@@ -90,12 +90,6 @@ class MegatronSettings:
             problems.append(f"vpp must be >= 1 or None (got {self.vpp})")
         if self.recompute not in ("none", "selective", "full"):
             problems.append(f"recompute={self.recompute!r}: choose none, selective or full")
-        if self.routing_replay and (self.tp > 1 or self.cp > 1 or self.recompute != "none"):
-            problems.append(
-                "routing_replay (R3) is implemented for TP1 CP1 layouts without recompute so far (each "
-                "router sees the whole packed row, routed once per forward): set tp=1, cp=1, "
-                "recompute=none, or routing_replay=false"
-            )
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall", "flex"):
             problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}")
         if self.params_dtype not in ("float32", "bfloat16"):

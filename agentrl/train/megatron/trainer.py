@@ -57,6 +57,7 @@ from agentrl.train.megatron.checkpointing import (
 from agentrl.train.megatron.fp8 import quantize_named
 from agentrl.train.megatron.model import build_model, layout_of, require_megatron, schedule_device_shim
 from agentrl.train.megatron.packing import PackedRows, _GatherContextParallel
+from agentrl.train.megatron.replay import RouteReplay
 from agentrl.train.megatron.settings import MegatronSettings
 from agentrl.train.torch_backend import bucket_named_tensors
 
@@ -104,7 +105,6 @@ class MegatronTrainer(CheckpointMixin):
         self.layout = layout_of(hf_config, self.settings)
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self._routers: dict[int, list[Any]] = {}  # R3: each model chunk's RouterReplay instances
         self.chunks = self._build_chunks()
         self.model = self.chunks[0]
         if hf_state is not None and self.settings.init_checkpoint:
@@ -128,6 +128,11 @@ class MegatronTrainer(CheckpointMixin):
         self.cp_group = ps.get_context_parallel_group()
         self.cp_size = ps.get_context_parallel_world_size()
         self.cp_rank = ps.get_context_parallel_rank()
+        self.replay = (
+            RouteReplay(recompute=self.settings.recompute, tp_size=self.tp_size,
+                        tp_rank=dist.get_rank(self.tp_group), device=self.device)
+            if self.settings.routing_replay else None
+        )  # fmt: skip
         self.pp_size = self.settings.pp
         self.last_stage = self.pp_rank == self.pp_size - 1
         # What the schedules run: megatron's DDP wrappers, or the bare chunks (local reduction).
@@ -347,6 +352,8 @@ class MegatronTrainer(CheckpointMixin):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         real = len(micro_batches)
+        if self.replay is not None:
+            self.replay.start(chunks)
         if len(chunks) > 1:
             # The interleaved schedule runs groups of `pp` micro-batches: idle copies fill the last.
             fill = -(-max(real, self.pp_size) // self.pp_size) * self.pp_size - real
@@ -410,8 +417,8 @@ class MegatronTrainer(CheckpointMixin):
             if split_clock is not None:
                 split_clock.mark("forward")
             rows = packed[i]
-            if self.settings.routing_replay:
-                self._replay_routes(model, rows, micro_batches[i])
+            if self.replay is not None:
+                self.replay.set(model, rows, micro_batches[i])
             input_ids, position_ids = rows.model_inputs()
             out = model(
                 input_ids,
@@ -472,38 +479,6 @@ class MegatronTrainer(CheckpointMixin):
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
-
-    def _replay_routes(self, model: Any, rows: PackedRows, mb: MicroBatch) -> None:
-        """R3: every router of `model` takes the engine's experts for this micro-batch's tokens
-        (megatron-core's `RouterReplay`, REPLAY_FORWARD: its own scores of those experts weight
-        them). Padding, a row's last token and anything the engine did not route get experts
-        0..k-1 (they reach no loss)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        key = id(model)
-        routers = self._routers.get(key)
-        if routers is None:
-            routers = [
-                m.router_replay
-                for m in _unwrap(model).modules()
-                if getattr(m, "router_replay", None) is not None
-            ]
-            self._routers[key] = routers
-        if mb.routed_experts is None:
-            raise ConfigError(
-                "trainer.megatron.routing_replay is on but the samples carry no routed_experts: the "
-                "engine must return them (SGLang --enable-return-routed-experts)"
-            )
-        k = int(mb.routed_experts.shape[-1])
-        fallback = torch.arange(k, dtype=torch.int32)
-        packed = rows.pack_tokens(mb.routed_experts.cpu(), fallback)  # [T, layers, k]
-        for router in routers:
-            chosen = packed[:, router.layer_number - 1, :].long()
-            unrouted = (chosen < 0).any(-1)
-            chosen[unrouted] = fallback.long()
-            router.clear_indices()
-            router.set_target_indices(chosen.to(self.device))
-            router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def logprobs(
         self, mb: MicroBatch, *, model: Any = None, with_entropy: bool = False
