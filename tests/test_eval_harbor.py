@@ -284,3 +284,7 @@ async def test_compose_and_separate_verifier_tasks_evaluate_into_a_job_harbor_re
         ("/logs/artifacts", "artifacts/logs/artifacts", "directory", "ok"),
         ("/app/out", "artifacts/app/out", "directory", "ok"),
     ]
+    # The verifier environment mode as Harbor resolves it: separate for the task with its own.
+    modes = {d.name.split("__")[0]: json.loads((d / "result.json").read_text())["verifier_environment_mode"]
+             for d in (tmp_path / "jobs" / "job").iterdir() if (d / "result.json").is_file() and d.name != "result.json"}  # fmt: skip
+    assert modes == {"sales-total-artifact": "separate", "kv-service-count": "shared"}

@@ -14,6 +14,7 @@ from agentrl.cli import safe_text as _safe
 from agentrl.episode.oracle import build_images, run_oracle
 from agentrl.errors import AgentRLError, TaskFormatError
 from agentrl.progress import progress_bar
+from agentrl.sandbox.base import tail
 from agentrl.sandbox.lint import lint_tasks, warning_kinds
 from agentrl.sandbox.registry import make_provider
 from agentrl.tasks.dataset import split_rows, write_jsonl
@@ -153,7 +154,9 @@ def oracle(
     console.print(table)
     bad = [r for r in results if not r.ok]
     for r in bad:
-        console.print(f"[red]{_safe(r.task_id)}[/red] ({_safe(r.cause or '')}): {_safe(r.detail[-1500:])}")
+        console.print(
+            f"[red]{_safe(r.task_id)}[/red] ({_safe(r.cause or '')}): {_safe(tail(r.detail, 1500))}"
+        )
     console.print(f"{len(results) - len(bad)}/{len(results)} tasks gave the expected reward")
     if bad:
         raise typer.Exit(1)

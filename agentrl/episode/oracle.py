@@ -19,7 +19,7 @@ from agentrl.episode.healthcheck import run_healthcheck
 from agentrl.episode.steps import StepOutcome, StepSetupError, run_phases
 from agentrl.episode.verify import footprint_path, load_footprint, save_footprint, verify_phase
 from agentrl.errors import AgentRLError, InfraError
-from agentrl.sandbox.base import SandboxProvider
+from agentrl.sandbox.base import SandboxProvider, tail
 from agentrl.tasks.config import resolve_env_templates
 from agentrl.tasks.task import Task, TaskStep, scripts_with_lf
 
@@ -83,17 +83,17 @@ async def oracle_one(
         if raise_infra:
             raise
         return OracleResult(
-            task.task_id, expected, None, time.monotonic() - start, exc.cause, str(exc)[-2000:]
+            task.task_id, expected, None, time.monotonic() - start, exc.cause, tail(str(exc), 2000)
         )
     except AgentRLError as exc:
         return OracleResult(task.task_id, expected, None, time.monotonic() - start, "task_format", str(exc))
     seconds = time.monotonic() - start
     if result.infra_failure:
         cause = "verifier_timeout" if result.outcome == "timeout" else "verifier_error"
-        detail = f"{result.error}\n{result.log_tail[-1500:]}".strip()
+        detail = f"{result.error}\n{tail(result.log_tail, 1500)}".strip()
     elif cause is None and result.reward != expected:
         cause = "wrong_reward"
-        detail = (detail + "\n" + result.log_tail[-1500:]).strip()
+        detail = (detail + "\n" + tail(result.log_tail, 1500)).strip()
     return OracleResult(task.task_id, expected, result.reward, seconds, cause, detail)
 
 
@@ -113,7 +113,7 @@ async def _solve(sandbox: Any, task: Task) -> str:
     if run.timed_out:
         return f"solve.sh ran past {timeout:.0f}s"
     if run.exit_code != 0:
-        return f"solve.sh exited {run.exit_code}: {(run.stderr or run.stdout)[-300:]}"
+        return f"solve.sh exited {run.exit_code}: {tail(run.stderr or run.stdout, 300)}"
     return ""
 
 

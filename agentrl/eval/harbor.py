@@ -421,8 +421,9 @@ class TrialRunner:
         task = self.tasks[row["metadata"]["task_path"]]
         key = (group_id, sample_index)
         trial = self.job.trial(
-            task.name, task.path, self.sources[str(task.path.resolve())], previous=self._last.get(key)
-        )
+            task.name, task.path, self.sources[str(task.path.resolve())], previous=self._last.get(key),
+            verifier_mode=None if task.steps else task.verifier_mode,  # Harbor: null for multi-step
+        )  # fmt: skip
         self._last[key] = trial
         config = self.config
         if seed is not None:

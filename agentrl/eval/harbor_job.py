@@ -497,14 +497,23 @@ class HarborJob:
         with (self.dir / "job.log").open("a", encoding="utf-8") as fh:
             fh.write(f"{_iso(_now())} {line}\n")
 
-    def trial(self, task_name: str, task_path: Path, source: str, previous: Trial | None = None) -> Trial:
+    def trial(
+        self,
+        task_name: str,
+        task_path: Path,
+        source: str,
+        previous: Trial | None = None,
+        verifier_mode: str | None = "shared",
+    ) -> Trial:
         """A new trial directory. A retry (`previous` given) removes the failed attempt's
-        directory first, as Harbor's queue does before a retry."""
+        directory first, as Harbor's queue does before a retry. `verifier_mode`: the task's
+        resolved verifier environment mode ("shared" / "separate"; None for a multi-step task)."""
         if previous is not None:
             self.outcomes.pop(previous.name, None)
             shutil.rmtree(previous.dir, ignore_errors=True)
             self.n_retries += 1
         trial = Trial(self, task_name, task_path, source)
+        trial.verifier_mode = verifier_mode
         self.running.add(trial.name)
         return trial
 
@@ -527,6 +536,7 @@ class Trial:
         self.task_name = task_name
         self.task_path = Path(task_path).resolve()
         self.source = source
+        self.verifier_mode: str | None = "shared"
         self.name = trial_name(task_name)
         while (job.dir / self.name).exists():
             self.name = trial_name(task_name)
@@ -686,7 +696,7 @@ class Trial:
             "agent_info": self.job.agent_info,
             "agent_result": {"n_input_tokens": n_in, "n_output_tokens": n_out, "metadata": metadata},
             "verifier_result": {"rewards": rewards} if rewards is not None else None,
-            "verifier_environment_mode": None if steps else "shared",  # Harbor: null for multi-step
+            "verifier_environment_mode": None if steps else self.verifier_mode,
             "step_results": steps or None,
             "exception_info": exc_info,
             "started_at": _iso(t0),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.progress import progress_bar
-from agentrl.sandbox.base import ImageBuildError
+from agentrl.sandbox.base import ImageBuildError, tail
 
 
 class StandinError(ImageBuildError):
@@ -329,7 +329,7 @@ def _run(cli: str, *args: str, timeout: float = 900, check: bool = True) -> subp
     proc = subprocess.run([cli, *args], capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise ImageBuildError(
-            f"{cli} {' '.join(args[:3])} failed", log_tail=(proc.stdout + proc.stderr)[-3000:]
+            f"{cli} {' '.join(args[:3])} failed", log_tail=tail(proc.stdout + proc.stderr, 3000)
         )
     return proc
 
@@ -370,7 +370,7 @@ def _rootfs_tarball(recipe: BaseRecipe, cache: Path, log) -> Path:
             timeout=1800,
         )
         if proc.returncode != 0:
-            raise ImageBuildError("debootstrap failed", log_tail=(proc.stdout + proc.stderr)[-3000:])
+            raise ImageBuildError("debootstrap failed", log_tail=tail(proc.stdout + proc.stderr, 3000))
         partial = tarball.with_suffix(".partial")
         subprocess.run(["tar", "-C", str(root), "-cf", str(partial), "."], check=True, timeout=600)
         partial.replace(tarball)
@@ -611,7 +611,7 @@ def remove_standins(
         if proc.returncode == 0:
             removed.append(item.name)
         else:
-            failed.append(f"{item.name}: {(proc.stderr or proc.stdout).strip()[-200:]}")
+            failed.append(f"{item.name}: {tail((proc.stderr or proc.stdout).strip(), 200)}")
     return removed, failed
 
 
@@ -652,5 +652,5 @@ def prune_task_images(
         if proc.returncode == 0:
             removed.append(image)
         else:
-            failed.append(f"{image.name}: {(proc.stderr or proc.stdout).strip()[-200:]}")
+            failed.append(f"{image.name}: {tail((proc.stderr or proc.stdout).strip(), 200)}")
     return removed, failed
