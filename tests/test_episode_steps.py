@@ -34,13 +34,13 @@ def commands(*cmds: str) -> list[str]:
     ]
 
 
-async def _episode(script: list[str], tmp_path: Path):  # type: ignore[no-untyped-def]
+async def _episode(script: list[str], tmp_path: Path, task: Path = TASK):  # type: ignore[no-untyped-def]
     tok = byte_tokenizer()
     provider = PodmanProvider()
     engine = ScriptedEngine(script, tok)
     try:
         result = await run_episode(
-            load_task(TASK),
+            load_task(task),
             provider=provider,
             engine=engine,
             renderer=ChatRenderer(tok),
@@ -95,3 +95,94 @@ async def test_a_step_under_its_min_reward_stops_the_task(tmp_path: Path) -> Non
     assert len(prompts) == 2 and all("inbox" not in p for p in prompts)  # step 2 never started
     lines = [json.loads(line) for line in result.record_path.read_text().splitlines()]
     assert [x["name"] for x in lines if x["type"] == "step"] == ["write"]
+
+
+def _variant(tmp_path: Path, old: str, new: str) -> Path:
+    """two-step-notes with one line of its task.toml changed."""
+    import shutil
+
+    d = tmp_path / "variant" / TASK.name
+    shutil.copytree(TASK, d)
+    toml = (d / "task.toml").read_text()
+    assert old in toml
+    (d / "task.toml").write_text(toml.replace(old, new))
+    return d
+
+
+async def test_the_final_strategy_takes_the_last_steps_reward(tmp_path: Path) -> None:
+    """`multi_step_reward_strategy = "final"`: the first step failed (no gate here), the second
+    passed, so the task scores 1 where "mean" would give 0.5."""
+    task = _variant(tmp_path, 'multi_step_reward_strategy = "mean"', 'multi_step_reward_strategy = "final"')
+    toml = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(toml.replace("min_reward = 1.0\n", ""))
+    result, prompts = await _episode(
+        commands("echo wrong > /app/notes.txt")
+        + commands("echo first > /app/notes.txt", "cat /app/inbox/extra.txt >> /app/notes.txt"),
+        tmp_path,
+        task,
+    )
+    assert len(prompts) == 4  # both steps ran
+    assert result.verify.reward == 1.0 and result.verify.outcome == "pass"
+
+
+async def test_a_min_reward_table_gates_on_the_keys_it_names(tmp_path: Path) -> None:
+    """`min_reward = { reward = 1.0 }` (Harbor's per-key form) gates like the float."""
+    task = _variant(tmp_path, "min_reward = 1.0", "min_reward = { reward = 1.0 }")
+    result, prompts = await _episode(
+        commands("echo wrong > /app/notes.txt") + commands("true"), tmp_path, task
+    )
+    assert result.verify.reward == 0.0 and len(prompts) == 2  # step 2 never started
+
+
+async def test_a_multi_step_episode_is_one_training_episode_in_the_rollout_manager() -> None:
+    """Through the rollout manager (the training path): a group of two on the two-step task, one
+    sample solving both steps, one giving up at once (the first step's gate stops it). The solver's
+    episode holds a segment per step, and all its samples get one advantage (one per episode, as
+    for split episodes)."""
+    from collections import Counter
+
+    from agentrl.episode.run import SandboxEpisodeRunner
+    from agentrl.rollout import RolloutConfig, RolloutManager
+    from agentrl.train.batch import training_samples
+
+    tok = byte_tokenizer()
+    calls: Counter[tuple[str, bool]] = Counter()
+
+    def reply(session_id: str | None, turn: int, ids: list[int]) -> str:
+        step2 = "A new note arrived" in tok.decode(ids)
+        key = (str(session_id), step2)
+        calls[key] += 1
+        if int(str(session_id).split(":")[-2]) != 0 or calls[key] > 1:
+            return FMT.render([], task_complete=True, analysis="done", plan="finish")
+        cmd = "cat /app/inbox/extra.txt >> /app/notes.txt" if step2 else "echo first > /app/notes.txt"
+        return FMT.render([cmd + "\n"], task_complete=False, analysis="a", plan="p")
+
+    provider = PodmanProvider()
+    engine = ScriptedEngine(reply, tok)
+    runner = SandboxEpisodeRunner(
+        provider=provider,
+        engine=engine,
+        renderer=ChatRenderer(tok),
+        config=EpisodeConfig(
+            agent=AgentConfig(max_turns=3, max_new_tokens=4096, max_total_tokens=32768, terminal="commands"),
+            sampling=SamplingParams(max_new_tokens=4096),
+        ),
+        run_id="steps-rollout",
+    )
+    rows = [{"prompt": "p", "metadata": {"task_id": TASK.name, "task_path": str(TASK)}}]
+    config = RolloutConfig(batch_size=2, n_samples_per_prompt=2, max_in_flight=2, max_staleness=None)
+    try:
+        async with RolloutManager(runner, engine, rows, config) as mgr:
+            (group,) = await mgr.get_batch(timeout=600)
+    finally:
+        await provider.aclose()
+    assert provider.live_sandboxes() == 0
+    episodes = sorted((e for e in group.episodes if e is not None), key=lambda e: e.sample_index)
+    assert [e.reward for e in episodes] == [1.0, 0.0]
+    assert len(episodes[0].segments) == 2  # one per step: each step is a fresh conversation
+    advantages: dict[str | None, set[float]] = {}
+    for s in training_samples([group.episodes]):
+        advantages.setdefault(s.episode_id, set()).add(round(float(s.advantage or 0.0), 6))
+    assert sorted(len(v) for v in advantages.values()) == [1, 1]  # one advantage per episode
+    low, high = sorted(next(iter(v)) for v in advantages.values())
+    assert high > 0 and low == -high  # the solver's above the group's mean, the other below

@@ -79,3 +79,23 @@ def test_cli_exit_codes() -> None:
     failing = runner.invoke(app, ["tasks", "oracle", str(FIXTURES / "no-reward"), "--run-id", run_id])
     assert failing.exit_code == 1 and "verifier_error" in failing.output
     assert left_behind(run_id) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["two-step-notes", "kv-service-count", "sales-total-artifact"])
+async def test_the_bundled_multi_step_compose_and_separate_verifier_tasks_score_one_and_zero(
+    name: str,
+) -> None:
+    """`agentrl tasks oracle` on the bundled tasks that exercise Harbor's newer features (steps,
+    compose services, a separate verifier image): the reference solution scores 1, no solution 0,
+    and nothing is left running."""
+    from tests.conftest import BUNDLED_TASKS
+
+    run_id = f"oracle-{uuid.uuid4().hex[:8]}"
+    task = load_task(BUNDLED_TASKS / name)
+    provider = PodmanProvider(cli=CLI)
+    [solved] = await run_oracle(provider, [task], run_id=run_id)
+    [unsolved] = await run_oracle(provider, [task], run_id=run_id, solution=False)
+    assert (solved.reward, solved.cause) == (1.0, None), solved.detail
+    assert (unsolved.reward, unsolved.cause) == (0.0, None), unsolved.detail
+    assert left_behind(run_id) == []
