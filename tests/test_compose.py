@@ -353,3 +353,44 @@ async def test_a_network_half_made_is_removed() -> None:
             PodmanProvider(), spec, f"agentrl-{(run_id := _run_id('half'))}", []
         )
     assert _leftovers(run_id) == []
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")
+async def test_a_services_files_count_against_the_tasks_storage_and_its_cpus_are_the_tasks(
+    tmp_path: Path,
+) -> None:
+    """Limits hold for every container of the task: a service that names no cpus gets the task's,
+    and what a service writes counts against the task's storage limit with main's (a service the
+    agent drives to fill the disk stops the episode as main filling it would: storage_exceeded,
+    a policy outcome), where the storage driver cannot cap the service's layer itself."""
+    from agentrl.sandbox.base import SandboxPolicyError
+
+    task_dir = tmp_path / "kv"
+    shutil.copytree(TASK, task_dir)
+    toml = (task_dir / "task.toml").read_text()
+    assert "storage_mb = 4096" in toml and "cpus = 1\n" in toml
+    (task_dir / "task.toml").write_text(toml.replace("storage_mb = 4096", "storage_mb = 64"))
+    provider = PodmanProvider(storage_check_s=0.5)
+    sandbox = await provider.create(load_task(task_dir), run_id=(run_id := _run_id("storage")))
+    try:
+        assert sandbox.compose is not None
+        db = sandbox.compose.containers["db"]
+        nano = (await asyncio.to_thread(subprocess.run, ["podman", "inspect", "--format", "{{.HostConfig.NanoCpus}}", db],
+                                        capture_output=True, text=True, check=True)).stdout.strip()  # fmt: skip
+        assert nano == str(10**9)  # the task's one CPU
+        fill = await asyncio.to_thread(subprocess.run, ["podman", "exec", db, "dd", "if=/dev/zero", "of=/srv/fill",
+                                       "bs=1M", "count=100"], capture_output=True, text=True)  # fmt: skip
+        if provider._storage_opt:  # the driver caps the service's layer: the write itself fails
+            assert fill.returncode != 0
+        else:
+            with pytest.raises(SandboxPolicyError) as stopped:
+                for _ in range(60):
+                    await sandbox.exec("true", timeout=10)
+                    await asyncio.sleep(0.5)
+            assert stopped.value.cause == "storage_exceeded"
+    finally:
+        await sandbox.close()
+        await provider.aclose()
+    assert _leftovers(run_id) == []

@@ -38,8 +38,11 @@ class PodmanProvider(Protocol):
 
     cli: str
     pids_limit: int
+    default_cpus: float | None
     default_memory_mb: int | None
+    default_storage_mb: int | None
     _podman: bool
+    _storage_opt: bool | None
 
     async def image_for(self, task: Task) -> str: ...
 
@@ -145,14 +148,21 @@ async def start_services(
         name = f"{sandbox}-{svc.name}"
         net.containers[svc.name] = name
         args = ["run", "-d", "--name", name, *net.run_args(svc.name), *labels]
-        # the service's own limits, within agentrl's process cap
+        # The service's own limits, within the task's: agentrl's process cap, the task's cpus (a
+        # service that names none gets them, one that names more is held to them). Its writable
+        # layer counts against the task's storage limit: capped by the storage driver where it
+        # can, else measured from the host with main's (`PodmanSandbox._measure_storage`).
+        env = task.config.environment
         args += ["--pids-limit", str(min(svc.pids or provider.pids_limit, provider.pids_limit))]
         if provider._podman:
             args.append("--http-proxy=false")
         if memory := svc.memory_mb or provider.default_memory_mb:
             args += ["--memory", f"{memory}m", "--memory-swap", f"{memory}m"]
-        if svc.cpus:
-            args += ["--cpus", f"{svc.cpus:g}"]
+        if cpus := [c for c in (svc.cpus, env.cpus or provider.default_cpus) if c]:
+            args += ["--cpus", f"{min(cpus):g}"]
+        storage = env.storage_mb or provider.default_storage_mb
+        if storage and provider._storage_opt:
+            args += ["--storage-opt", f"size={storage}m"]
         for k, v in svc.environment.items():
             args += ["-e", f"{k}={v}"]
         args += _volume_args(svc, volumes)

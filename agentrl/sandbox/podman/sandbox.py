@@ -284,6 +284,7 @@ class PodmanSandbox(_Container, Sandbox):
         self._resolvers: tuple[str, ...] | None = None  # its nameservers, read before the agent ran
         self.compose: ComposeNet | None = None  # a compose task's network and other services
         self._service_pids: dict[str, int] = {}  # their inits' host pids (their network namespaces)
+        self._service_uppers: dict[str, str] = {}  # their writable layers (measured with main's)
         self._egress: str | None = None  # the nft script of the network policy last set
         if storage_mb is not None and upper_dir is not None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_storage())
@@ -595,12 +596,22 @@ class PodmanSandbox(_Container, Sandbox):
     async def add_service(self, service: str, container: str) -> None:
         """A compose task's service, just started: the sandbox's network policy goes on its
         namespace too, before anything waits on it."""
-        rc, out, err = await run_cli(self.cli, "inspect", "--format", "{{.State.Pid}}", container, timeout=60)
-        if rc != 0 or not out.strip().isdigit() or out.strip() == "0":
+        rc, out, err = await run_cli(
+            self.cli,
+            "inspect",
+            "--format",
+            "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}",
+            container,
+            timeout=60,
+        )
+        found, _, upper = out.strip().partition("\t")
+        if rc != 0 or not found.isdigit() or found == "0":
             raise SandboxError(
                 f"service {service} of {self.sandbox_id} is not running: {tail(err.strip(), 300)}"
             )
-        pid = self._service_pids[service] = int(out.strip())
+        pid = self._service_pids[service] = int(found)
+        if os.path.isdir(upper):
+            self._service_uppers[service] = upper
         if self._egress is not None:
             await netns.apply(pid, self._egress, what=f"{self.sandbox_id} service {service}")
 
@@ -666,9 +677,12 @@ class PodmanSandbox(_Container, Sandbox):
         if self.storage_mb is None or self._upper_dir is None or self._storage_used is not None:
             return
         limit = self.storage_mb * 2**20
-        used = await asyncio.to_thread(_tree_bytes, self._upper_dir, limit)
-        if used > limit:
-            self._storage_used = used
+        used = 0  # main's writable layer and a compose task's services': one budget, the task's
+        for upper in (self._upper_dir, *self._service_uppers.values()):
+            used += await asyncio.to_thread(_tree_bytes, upper, limit - used)
+            if used > limit:
+                self._storage_used = used
+                return
 
     async def _watch_storage(self) -> None:
         """Where the storage driver cannot cap a container's writable layer (overlay on ext4), the
@@ -685,6 +699,8 @@ class PodmanSandbox(_Container, Sandbox):
                 log.warning("%s exceeded its storage limit of %s MiB", self.sandbox_id, self.storage_mb)
                 with contextlib.suppress(SandboxError, TimeoutError):
                     await run_cli(self.cli, "exec", self.sandbox_id, "bash", "-c", KILL_ALL, timeout=60)
+                    if self.compose is not None and self.compose.containers:
+                        await run_cli(self.cli, "kill", *self.compose.containers.values(), timeout=60)
                 return
             await asyncio.sleep(max(self.provider.storage_check_s, 20 * spent))
 
