@@ -228,6 +228,48 @@ def test_lint_says_when_the_offline_stand_in_is_too_old_for_the_tasks_toolchain(
     assert any("lock-file version 4" in w for w in warnings), warnings
 
 
+def test_lint_checks_python_and_node_versions_and_says_how_each_task_builds(tmp_path: Path) -> None:
+    """The stand-ins hold Python 3.11 and Node.js 18 whatever the tag says: a task whose own files
+    ask for more cannot build offline, and `build_plan` says so beside how each FROM would build."""
+    from agentrl.sandbox.lint import build_plan
+
+    py = corpus_task(tmp_path, "py")
+    df = py / "environment" / "Dockerfile"
+    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM python:3.13-slim"))
+    (py / "environment" / "COPY_ME").write_text("")
+    ok, how = build_plan(load_task(py))
+    assert ok and any("FROM python:3.13-slim: stand-in localhost/agentrl-base/bookworm" in h and "Python 3.11" in h
+                      for h in how), how  # fmt: skip
+    (py / "environment" / "pyproject.toml").write_text('[project]\nname = "x"\nrequires-python = ">=3.12"\n')
+    warnings = lint_task(load_task(py)).warnings
+    assert any(
+        w.startswith("toolchain: environment/pyproject.toml asks for Python 3.12") for w in warnings
+    ), warnings
+    ok, how = build_plan(load_task(py))
+    assert not ok and any("asks for Python 3.12" in h for h in how)
+    (py / "environment" / "pyproject.toml").write_text('[project]\nname = "x"\nrequires-python = ">=3.10"\n')
+    assert not any(w.startswith("toolchain:") for w in lint_task(load_task(py)).warnings)
+
+    node = corpus_task(tmp_path, "node")
+    df = node / "environment" / "Dockerfile"
+    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM node:22-bookworm-slim"))
+    (node / "environment" / "COPY_ME").write_text("")
+    (node / "environment" / "package.json").write_text('{"name": "x", "engines": {"node": ">=20.0.0"}}')
+    warnings = lint_task(load_task(node)).warnings
+    assert any("asks for Node.js 20, but the offline node stand-in has Node.js 18" in w for w in warnings), (
+        warnings
+    )
+    (node / "environment" / "package.json").write_text('{"name": "x", "engines": {"node": "^18 || ^20"}}')
+    assert not any(w.startswith("toolchain:") for w in lint_task(load_task(node)).warnings)
+
+    unknown = corpus_task(tmp_path, "unknown")
+    df = unknown / "environment" / "Dockerfile"
+    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM nowhere.example/base:1"))
+    (unknown / "environment" / "COPY_ME").write_text("")
+    ok, how = build_plan(load_task(unknown))
+    assert not ok and "cannot build offline (no stand-in serves it)" in how[0]
+
+
 async def test_a_steps_healthcheck_runs_after_its_setup_and_a_failure_is_said(tmp_path: Path) -> None:
     from agentrl.episode.steps import prepare_step
     from agentrl.testing.sandbox import FakeSandboxProvider

@@ -15,7 +15,7 @@ from agentrl.episode.oracle import build_images, run_oracle
 from agentrl.errors import AgentRLError, TaskFormatError
 from agentrl.progress import progress_bar
 from agentrl.sandbox.base import tail
-from agentrl.sandbox.lint import lint_tasks, warning_kinds
+from agentrl.sandbox.lint import build_plan, lint_tasks, warning_kinds
 from agentrl.sandbox.registry import make_provider
 from agentrl.tasks.dataset import split_rows, write_jsonl
 from agentrl.tasks.task import discover_tasks
@@ -42,27 +42,43 @@ def lint(
     dirs: list[Path] = typer.Argument(..., help="Task directories, or directories of tasks."),
     show_ok: bool = typer.Option(False, help="List tasks without errors or warnings too."),
     strict: bool = typer.Option(False, help="Exit 1 on warnings too."),
+    builds: bool = typer.Option(
+        False, "--builds", help="Say for every task how this machine would build it (or why it cannot)."
+    ),
 ) -> None:
     """Check tasks against the format and what would fail later; exit 1 on an error (or, with
     --strict, a warning)."""
     tasks = _discover(dirs)
     results = lint_tasks(tasks)
-    table = Table(title=f"{len(results)} tasks", show_lines=False)
+    table = Table(title=f"{len(results)} tasks", show_lines=builds)
     table.add_column("task")
     table.add_column("status")
     table.add_column("details", overflow="fold")
-    n_err = n_warn = 0
+    if builds:
+        table.add_column("builds here", overflow="fold")
+    n_err = n_warn = n_unbuildable = 0
     for r in results:
         n_err += bool(r.errors)
         n_warn += bool(r.warnings)
+        row: list[str] = []
+        if builds and not r.errors:
+            ok, how = build_plan(r.task)
+            n_unbuildable += not ok
+            row = [("[green]yes[/green]\n" if ok else "[red]no[/red]\n") + _safe("\n".join(how))]
+        elif builds:
+            row = ["-"]
         if r.errors:
-            table.add_row(r.task.task_id, "[red]error[/red]", _safe("\n".join(r.errors + r.warnings)))
+            table.add_row(r.task.task_id, "[red]error[/red]", _safe("\n".join(r.errors + r.warnings)), *row)
         elif r.warnings:
-            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", _safe("\n".join(r.warnings)))
-        elif show_ok:
-            table.add_row(r.task.task_id, "[green]ok[/green]", "")
+            table.add_row(r.task.task_id, "[yellow]warning[/yellow]", _safe("\n".join(r.warnings)), *row)
+        elif show_ok or builds:
+            table.add_row(r.task.task_id, "[green]ok[/green]", "", *row)
     if table.row_count:
         console.print(table)
+    if builds:
+        console.print(
+            f"{len(results) - n_err - n_unbuildable} tasks build on this machine, {n_unbuildable} cannot"
+        )
     kinds = warning_kinds(results)
     if len(results) > 1 and any(n > 1 for n in kinds.values()):
         console.print("warnings by kind: " + _safe("; ".join(f"{k} ({n})" for k, n in kinds.most_common())))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agentrl.errors import TaskFormatError
 from agentrl.sandbox import images
@@ -111,12 +113,50 @@ def unservable_bases(task: Task) -> list[str]:
     ]
 
 
-# What the language stand-ins really hold (Debian bookworm's packages, sandbox_images/bases.toml's
-# `has`): Go 1.19; cargo 1.63, which reads Cargo.lock versions up to 3 (version 4 needs 1.78).
+# What the stand-ins really hold (Debian bookworm's packages, sandbox_images/bases.toml's `has`):
+# Python 3.11 (every family), Node.js 18, Go 1.19; cargo 1.63, which reads Cargo.lock versions up
+# to 3 (version 4 needs 1.78).
+STANDIN_PYTHON = (3, 11)
+STANDIN_NODE = 18
 STANDIN_GO = (1, 19)
 STANDIN_CARGO_LOCK = 3
 _GO_DIRECTIVE = re.compile(r"^go\s+(\d+)\.(\d+)", re.MULTILINE)
 _LOCK_VERSION = re.compile(r"^version\s*=\s*(\d+)", re.MULTILINE)
+_REQUIRES_PYTHON = re.compile(
+    r"^\s*requires-python\s*=\s*[\"']\s*(?:>=|~=|==|\^)\s*(\d+)\.(\d+)", re.MULTILINE
+)
+_VERSION_FILE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?")
+_NODE_ENGINE = re.compile(r"(?:>=|\^|~|=)?\s*v?(\d+)")
+
+
+def build_plan(task: Task) -> tuple[bool, list[str]]:
+    """Whether this machine can build `task`'s image(s) offline, and how, per FROM: the image as it
+    is here, or the stand-in base that answers for its repository and what that really holds, or
+    why not (no stand-in, or a toolchain the stand-in is too old for)."""
+    recipe = images.load_recipe()
+    lines: list[str] = []
+    ok = True
+    for name, env in task.environments():
+        where = "" if env is task else f" ({name})"
+        if env.dockerfile is None:
+            lines.append(f"image{where}: {env.config.environment.docker_image or 'none'} (prebuilt)")
+            continue
+        text = env.dockerfile.read_text(encoding="utf-8", errors="replace")
+        for line in images.from_lines(text):
+            if _present_locally(line.image):
+                lines.append(f"FROM {line.written}{where}: present here")
+                continue
+            family = recipe.family_for(line.image)
+            if family is None:
+                ok = False
+                lines.append(f"FROM {line.written}{where}: cannot build offline (no stand-in serves it)")
+                continue
+            holds = family.has or f"Debian {family.suite}, Python {STANDIN_PYTHON[0]}.{STANDIN_PYTHON[1]}"
+            lines.append(f"FROM {line.written}{where}: stand-in {family.standin} ({holds})")
+        gaps = toolchain_gaps(env)
+        ok = ok and not gaps
+        lines += gaps
+    return ok, lines
 
 
 def toolchain_gaps(task: Task) -> list[str]:
@@ -134,6 +174,25 @@ def toolchain_gaps(task: Task) -> list[str]:
             families.add(family.family)
     out: list[str] = []
     env = task.environment_dir
+    if families:  # every stand-in is Debian bookworm's Python 3.11
+        for path in sorted([*env.rglob("pyproject.toml"), *env.rglob(".python-version")]):
+            text = path.read_text(errors="replace")
+            m = _REQUIRES_PYTHON.search(text) if path.name == "pyproject.toml" else _VERSION_FILE.match(text)
+            if m and m.group(2) is not None and (int(m.group(1)), int(m.group(2))) > STANDIN_PYTHON:
+                out.append(
+                    f"toolchain: {path.relative_to(task.path)} asks for Python {m.group(1)}.{m.group(2)}, but "
+                    f"the offline stand-in has Python {STANDIN_PYTHON[0]}.{STANDIN_PYTHON[1]}: this machine "
+                    "cannot build the task offline (load the real image, or build with a registry)"
+                )
+    if any(f.endswith("node") for f in families):
+        for path in sorted([*env.rglob("package.json"), *env.rglob(".nvmrc")]):
+            wanted = _node_major(path)
+            if wanted is not None and wanted > STANDIN_NODE:
+                out.append(
+                    f"toolchain: {path.relative_to(task.path)} asks for Node.js {wanted}, but the offline "
+                    f"node stand-in has Node.js {STANDIN_NODE}: this machine cannot build the task offline "
+                    "(load the real image, or build with a registry)"
+                )
     if any(f.endswith("golang") for f in families):
         for mod in sorted(env.rglob("go.mod")):
             m = _GO_DIRECTIVE.search(mod.read_text(errors="replace"))
@@ -153,6 +212,23 @@ def toolchain_gaps(task: Task) -> list[str]:
                     "offline (load the real image, or build with a registry)"
                 )
     return out
+
+
+def _node_major(path: Path) -> int | None:
+    """The lowest Node.js major a package.json's `engines.node` (or an .nvmrc) admits, or None."""
+    text = path.read_text(errors="replace")
+    if path.name == ".nvmrc":
+        m = _VERSION_FILE.match(text)
+        return int(m.group(1)) if m else None
+    try:
+        engines = json.loads(text).get("engines") or {}
+    except (ValueError, AttributeError):
+        return None
+    spec = engines.get("node") if isinstance(engines, dict) else None
+    if not isinstance(spec, str):
+        return None
+    m = _NODE_ENGINE.match(spec.strip().split("||")[0].strip())
+    return int(m.group(1)) if m else None
 
 
 def lint_task(task: Task) -> LintResult:
