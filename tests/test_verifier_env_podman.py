@@ -321,3 +321,45 @@ async def test_a_steps_own_agent_network_applies_to_that_step_only(tmp_path: Pat
     assert result.verify.reward == 1.0, result.verify.log_tail
     outputs = [o.stdout.strip() for t in result.run.turns for o in t.outputs]
     assert outputs == ["blocked", "open"] and seen == [b"second\n"]
+
+
+async def test_a_steps_own_verifier_image_bundles_its_tests_and_gets_only_its_artifacts(
+    tmp_path: Path,
+) -> None:
+    """Harbor's per-step resolution run for real: the second step of two-step-notes verified in a
+    separate environment built from `steps/append/tests/Dockerfile` (its bundled tests), which gets
+    only that step's artifacts; the first step is verified in the shared sandbox as before. The
+    reference solution scores 1, no solution 0; the step's verifier never sees the agent's other
+    files."""
+    from agentrl.episode.oracle import oracle_one
+
+    d = tmp_path / "two-step-notes"
+    shutil.copytree(TASK.parent / "two-step-notes", d)
+    tests = d / "steps" / "append" / "tests"
+    (tests / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pytest"
+        " && rm -rf /var/lib/apt/lists/*\n"
+        "WORKDIR /app\nCOPY test.sh test_outputs.py /tests/\n"
+    )
+    with (tests / "test_outputs.py").open("a") as fh:
+        fh.write("\n\ndef test_only_the_artifacts_came_over():\n"
+                 "    assert not Path('/app/secret.txt').exists()\n")  # fmt: skip
+    toml = (d / "task.toml").read_text()
+    marker = '[[steps]]\nname = "append"\n'
+    assert marker in toml and toml.endswith("[steps.verifier]\ntimeout_sec = 120.0\n")  # the last step's
+    toml = toml.replace(marker, marker + 'artifacts = ["/app/notes.txt", "/app/inbox"]\n')
+    (d / "task.toml").write_text(toml + 'environment_mode = "separate"\n')
+    solve = d / "steps" / "write" / "solution" / "solve.sh"
+    solve.write_text(solve.read_text() + "\necho planted > /app/secret.txt\n")
+    task = load_task(d)
+    assert [s.verifier_mode for s in task.steps] == ["shared", "separate"]
+    provider = PodmanProvider()
+    try:
+        solved = await oracle_one(provider, task, run_id="step-verifier")
+        unsolved = await oracle_one(provider, task, run_id="step-verifier", solution=False)
+    finally:
+        await provider.aclose()
+    assert (solved.reward, solved.cause) == (1.0, None), solved.detail
+    assert (unsolved.reward, unsolved.cause) == (0.0, None), unsolved.detail
+    assert provider.live_sandboxes() == 0
