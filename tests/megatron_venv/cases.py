@@ -1026,7 +1026,8 @@ def case_gpu_r3_recompute(args: argparse.Namespace) -> dict[str, Any]:
         ("replay", {"routing_replay": True}),
         ("recompute", {"recompute": "full"}),
     ):
-        tr = trainer(hf, mb_tokens=32, **settings)
+        # the local reduction keeps gradients on the parameters (megatron's DDP moves them to its buffers)
+        tr = trainer(hf, mb_tokens=32, ddp="local", distributed_optimizer=False, **settings)
         step = tr.train_step(samples(routes=routes))
         out[name] = {"loss": step["loss"], "grad_norm": step["grad_norm"], "grads": hf_grads(tr)}
     a, b, c_ = out["replay_recompute"], out["replay"], out["recompute"]
