@@ -254,7 +254,16 @@ def test_summaries_are_recorded_before_the_turn_they_replaced(tmp_path) -> None:
             "index": 1,
             "dropped_messages": 2,
             "prompt": "p",
-            "calls": [{"name": "short", "prompt_tokens": 5, "output_tokens": 1}],
+            "calls": [
+                {
+                    "name": "short",
+                    "prompt_tokens": 5,
+                    "output_tokens": 1,
+                    "prompt": "",
+                    "reply": "",
+                    "copied": 0,
+                }
+            ],
         }
     ]
 

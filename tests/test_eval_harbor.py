@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from agentrl.eval.harbor import run_harbor_eval
+from agentrl.eval.harbor_job import AGENT_NAME
 from agentrl.testing.sandbox import FakeSandboxProvider
 from tests.test_eval_cli import IDLE, SOLVE, ScriptedChat, _grader, _settings
 
@@ -122,6 +123,42 @@ async def test_harbor_reads_a_trajectory_whose_context_was_summarised(tmp_path: 
     (t,) = harbor_check(tmp_path / "jobs", "job")["trials"].values()
     assert t["viewer_trial"] == 200 and t["viewer_steps"] == len(t["sources"])
     assert t["sources"] == ["system", "user", "agent", "agent", "system", "user", "agent"]
+    # The three sub-calls' trajectories beside it, as Terminus-2 writes them, read by Harbor's model
+    # and referred to from the main trajectory's summarization step.
+    (subs,) = harbor_check(tmp_path / "jobs", "job", HARBOR_SUBAGENTS_CHECK)
+    assert subs["files"] == [
+        f"trajectory.summarization-1-{n}.json" for n in ("answers", "questions", "summary")
+    ]
+    assert subs["refs"] == [
+        f"trajectory.summarization-1-{n}.json" for n in ("summary", "questions", "answers")
+    ]
+    assert subs["agents"]["summary"] == f"{AGENT_NAME}-summarization-summary"  # Harbor: terminus-2-...
+    # summary and answers are sent the agent's history (copied), questions only its own prompt
+    assert subs["copied"] == {"answers": True, "questions": False, "summary": True}
+    assert all(n > 0 for n in subs["completion_tokens"].values())
+
+
+HARBOR_SUBAGENTS_CHECK = r"""
+import json, sys, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+from harbor.models.trajectories.trajectory import Trajectory
+job = Path(sys.argv[1]) / sys.argv[2]
+out = []
+for d in sorted(p for p in job.iterdir() if p.is_dir()):
+    main = Trajectory.model_validate_json((d / "agent" / "trajectory.json").read_text())
+    refs = [r.trajectory_path for s in main.steps if s.observation for x in s.observation.results
+            for r in x.subagent_trajectory_ref or []]
+    files = sorted(p.name for p in (d / "agent").glob("trajectory.summarization-*.json"))
+    subs = {f.split("-")[-1][:-5]: Trajectory.model_validate_json((d / "agent" / f).read_text()) for f in files}
+    out.append({
+        "files": files, "refs": refs,
+        "agents": {k: t.agent.name for k, t in subs.items()},
+        "copied": {k: any(s.is_copied_context for s in t.steps) for k, t in subs.items()},
+        "completion_tokens": {k: t.final_metrics.total_completion_tokens for k, t in subs.items()},
+    })
+print(json.dumps(out))
+"""
 
 
 HARBOR_STEPS_CHECK = r"""

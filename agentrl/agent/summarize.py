@@ -85,6 +85,9 @@ class SubCall:
     prompt_tokens: int
     output_tokens: int
     segment: Any = None  # agentrl.agent.tokens.Segment (None for API models)
+    prompt: str = ""  # the call's own last message (what it asked)
+    reply: str = ""
+    copied: int = 0  # messages of the agent's history it was sent before its prompt
 
 
 @dataclass
@@ -108,7 +111,14 @@ class Summary:
             "dropped_messages": self.dropped_messages,
             "prompt": self.prompt,
             "calls": [
-                {"name": c.name, "prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens}
+                {
+                    "name": c.name,
+                    "prompt_tokens": c.prompt_tokens,
+                    "output_tokens": c.output_tokens,
+                    "prompt": c.prompt,
+                    "reply": c.reply,
+                    "copied": c.copied,
+                }
                 for c in self.calls
             ],
         }
@@ -135,11 +145,18 @@ class Summarizer:
         self.instruction = instruction
         self.limit = limit
         self.threshold = threshold
-        self._call = call
+        self._ask = call
         self._count = count
         self._screen = screen
         self.count = 0  # Harbor's summarization_count
         self.summaries: list[Summary] = []
+
+    async def _call(self, name: str, messages: Messages) -> tuple[str, SubCall]:
+        """One sub-call, with what it asked and answered kept for the records (Harbor writes each
+        as a trajectory of its own)."""
+        text, sub = await self._ask(name, messages)
+        sub.prompt, sub.reply, sub.copied = str(messages[-1]["content"]), text, len(messages) - 1
+        return text, sub
 
     def wants_proactive(self, history: Messages) -> bool:
         return self.limit - self._count(history) < self.threshold

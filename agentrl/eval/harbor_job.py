@@ -203,10 +203,14 @@ class TrajectoryInfo:
 
 
 def build_trajectory(
-    record: dict[str, Any], info: TrajectoryInfo, step_index: int | None = None
+    record: dict[str, Any],
+    info: TrajectoryInfo,
+    step_index: int | None = None,
+    subagents: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """An ATIF trajectory (Harbor's `Trajectory` model, `extra` keys forbidden everywhere): the
-    whole episode's, or (`step_index`) one step's of a multi-step task, as Harbor writes one per step."""
+    whole episode's, or (`step_index`) one step's of a multi-step task, as Harbor writes one per step.
+    `subagents` gets the summarisation sub-calls' trajectories by file name, to be written beside it."""
     header = record["header"] or {}
     started = header.get("created_at")
     clock = datetime.fromtimestamp(started, UTC) if started else _now()
@@ -230,7 +234,10 @@ def build_trajectory(
         clock += timedelta(seconds=float(turn.get("engine_s") or 0.0))
         k = turn["index"]
         for summary in (x for x in summaries if x.get("before_turn") == k):
-            steps += _summary_steps(summary, len(steps), clock)
+            subs = _subagent_trajectories(summary, steps, header.get("session_id"), info, clock)
+            if subagents is not None:
+                subagents.update(subs)
+            steps += _summary_steps(summary, len(steps), clock, subs)
         action = turn.get("action") or {}
         text = turn.get("model_text") or ""
         step: dict[str, Any] = {
@@ -316,18 +323,33 @@ def build_trajectory(
     }
 
 
-def _summary_steps(summary: dict[str, Any], done: int, clock: datetime) -> list[dict[str, Any]]:
+def _summary_steps(
+    summary: dict[str, Any], done: int, clock: datetime, subs: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Where a context summary replaced the history, as Terminus-2 records it: a `system` step that
-    says so (`context_management`: compaction, replace), then the `user` step of the new prompt."""
-    note = {k: v for k, v in summary.items() if k != "prompt"}
+    says so (`context_management`: compaction, replace) and refers to the sub-calls' trajectories,
+    then the `user` step of the new prompt."""
+    note = {k: v for k, v in summary.items() if k not in ("prompt", "calls")}
+    note["calls"] = [
+        {k: v for k, v in c.items() if k not in ("prompt", "reply")} for c in summary.get("calls") or []
+    ]
+    system: dict[str, Any] = {
+        "step_id": done + 1,
+        "timestamp": _iso(clock),
+        "source": "system",
+        "message": "Performed context summarization and handoff to continue task.",
+        "extra": {"context_management": {"type": "compaction", "boundary": "replace"}, "summary": note},
+    }
+    if subs:
+        n = summary.get("index")
+        refs = [
+            {"session_id": t["session_id"], "trajectory_path": name,
+             "extra": {"summary": f"Context summarization {n}: {SUBAGENT_NOTES.get(name.rsplit('-', 1)[-1][:-5], name)}"}}
+            for name, t in subs.items()
+        ]  # fmt: skip
+        system["observation"] = {"results": [{"subagent_trajectory_ref": refs}]}
     return [
-        {
-            "step_id": done + 1,
-            "timestamp": _iso(clock),
-            "source": "system",
-            "message": "Performed context summarization and handoff to continue task.",
-            "extra": {"context_management": {"type": "compaction", "boundary": "replace"}, "summary": note},
-        },
+        system,
         {
             "step_id": done + 2,
             "timestamp": _iso(clock),
@@ -335,6 +357,62 @@ def _summary_steps(summary: dict[str, Any], done: int, clock: datetime) -> list[
             "message": summary.get("prompt") or "",
         },
     ]
+
+
+# Terminus-2's words for each sub-call in its refs (`terminus_2.py`, `_summarize`).
+SUBAGENT_NOTES = {
+    "summary": "Step 1 - Summary generation",
+    "questions": "Step 2 - Question asking",
+    "answers": "Step 3 - Answer providing",
+}
+
+
+def _subagent_trajectories(
+    summary: dict[str, Any],
+    before: list[dict[str, Any]],
+    session: str | None,
+    info: TrajectoryInfo,
+    clock: datetime,
+) -> dict[str, dict[str, Any]]:
+    """Harbor's `trajectory.summarization-<n>-<name>.json` per sub-call of a full summary: the
+    agent's history it was sent (the main trajectory's steps so far, marked copied, metrics
+    removed), its own prompt and its reply."""
+    n = summary.get("index")
+    out: dict[str, dict[str, Any]] = {}
+    if summary.get("kind") != "full" or n is None:
+        return out
+    for call in summary.get("calls") or []:
+        name = str(call.get("name"))
+        copied = [
+            {k: v for k, v in step.items() if k not in ("metrics", "llm_call_count")}
+            | {"is_copied_context": True}
+            for step in (before if call.get("copied") else [])
+        ]
+        steps = [*copied, {"source": "user", "message": call.get("prompt") or ""}]
+        steps.append({
+            "source": "agent", "model_name": info.model_name, "message": call.get("reply") or "",
+            "metrics": {"prompt_tokens": call.get("prompt_tokens"), "completion_tokens": call.get("output_tokens")},
+            "llm_call_count": 1,
+        })  # fmt: skip
+        for i, step in enumerate(steps, start=1):
+            step["step_id"], step["timestamp"] = i, step.get("timestamp") or _iso(clock)
+        out[f"trajectory.summarization-{n}-{name}.json"] = {
+            "schema_version": ATIF_VERSION,
+            "session_id": f"{session}-summarization-{n}-{name}",
+            "agent": {
+                "name": f"{AGENT_NAME}-summarization-{name}",
+                "version": info.agent_version,
+                "model_name": info.model_name,
+                "extra": {"parent_session_id": session, "summarization_index": n},
+            },
+            "steps": steps,
+            "final_metrics": {
+                "total_prompt_tokens": call.get("prompt_tokens"),
+                "total_completion_tokens": call.get("output_tokens"),
+                "total_steps": len(steps),
+            },
+        }
+    return out
 
 
 # --- job and trials ----------------------------------------------------------------------------
@@ -613,8 +691,11 @@ class Trial:
         n_in = n_out = None
         step_tokens: dict[int, tuple[int | None, int | None]] = {}
         if record is not None and record["header"] is not None and not record["steps"]:
-            trajectory = build_trajectory(record, info)
+            subagents: dict[str, dict[str, Any]] = {}
+            trajectory = build_trajectory(record, info, subagents=subagents)
             _write_json(self.agent_dir / "trajectory.json", trajectory)
+            for name, sub in subagents.items():
+                _write_json(self.agent_dir / name, sub)
             final = trajectory["final_metrics"]
             n_in, n_out = final.get("total_prompt_tokens"), final.get("total_completion_tokens")
         elif record is not None and record["header"] is not None:
@@ -628,8 +709,12 @@ class Trial:
                     "terminal": {"initial_state": step.get("initial_state")},
                     "step_name": step["name"],
                 }
-                trajectory = build_trajectory(per_step, info, step_index=k)
-                _write_json(self.dir / "steps" / str(step["name"]) / "agent" / "trajectory.json", trajectory)
+                subagents = {}
+                trajectory = build_trajectory(per_step, info, step_index=k, subagents=subagents)
+                where = self.dir / "steps" / str(step["name"]) / "agent"
+                _write_json(where / "trajectory.json", trajectory)
+                for name, sub in subagents.items():
+                    _write_json(where / name, sub)
                 final = trajectory["final_metrics"]
                 step_tokens[k] = (final.get("total_prompt_tokens"), final.get("total_completion_tokens"))
             if step_tokens and all(None not in v for v in step_tokens.values()):
