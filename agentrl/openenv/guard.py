@@ -110,15 +110,7 @@ class Guard:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        replay = _replayed(body, receive)
         if mcp:
             await self.mcp_sessions.call(scope, replay, send, body)
         else:
@@ -204,15 +196,12 @@ class _McpSessions:
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
             "client": None, "server": None,
         }  # fmt: skip
-        sent = False
 
-        async def receive() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def never() -> Message:
             await asyncio.Event().wait()  # nothing more: the request is whole
             return {"type": "http.disconnect"}
+
+        receive = _replayed(body, never)
 
         async def discard(message: Message) -> None:
             pass
@@ -356,6 +345,20 @@ def _deeper_than(value: Any, limit: int) -> bool:
                     return True
                 stack.append((child, depth + 1))
     return False
+
+
+def _replayed(body: bytes, then: Receive) -> Receive:
+    """A `receive` that gives a request's whole `body` once, then whatever `then` gives."""
+    given = False
+
+    async def receive() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+
+    return receive
 
 
 def _query(scope: Scope) -> dict[str, str]:

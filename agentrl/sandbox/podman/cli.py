@@ -194,6 +194,17 @@ class _HeadTail:
         return _bounded(bytes(self.head), bytes(self.tail), self.size)
 
 
+async def init_and_layer(cli: str, container: str) -> tuple[int | None, str | None, str]:
+    """One inspect for both: a container's init's host pid (None if it does not run) and its
+    writable layer on the host (None where the storage driver shows none), with the CLI's error."""
+    rc, out, err = await run_cli(
+        cli, "inspect", "--format", "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}", container, timeout=60
+    )
+    pid, _, upper = out.strip().partition("\t")
+    alive = rc == 0 and pid.isdigit() and pid != "0"
+    return (int(pid) if alive else None), (upper if rc == 0 and os.path.isdir(upper) else None), err
+
+
 async def run_cli_bounded(
     cli: str, *args: str, timeout: float, limit: int = DEFAULT_OUTPUT_LIMIT
 ) -> tuple[int, str, str]:

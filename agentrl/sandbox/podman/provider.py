@@ -44,6 +44,7 @@ from agentrl.sandbox.podman.cli import (
     build_ca_dir,
     context_hash,
     find_init,
+    init_and_layer,
     is_podman,
     rm_args,
     run_cli,
@@ -442,18 +443,9 @@ class PodmanProvider(SandboxProvider):
                 raise SandboxCreateError(
                     f"starting a container for {task.task_id} failed", log_tail=tail(err, 2000)
                 )
-            # One inspect for both: the writable layer (storage measured from the host) and the
-            # init's host pid (the verifier kills the agent's processes by its PID namespace).
-            rc, out, err = await run_cli(
-                self.cli,
-                "inspect",
-                "--format",
-                "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}",
-                name,
-                timeout=60,
-            )
-            pid, _, upper_out = out.strip().partition("\t")
-            upper = upper_out if rc == 0 and os.path.isdir(upper_out) else None
+            # The writable layer (storage measured from the host) and the init's host pid (the
+            # verifier kills the agent's processes by its PID namespace).
+            pid, upper, err = await init_and_layer(self.cli, name)
             if storage and not self._storage_opt and upper is None:
                 raise SandboxCreateError(
                     f"{task.task_id} asks for storage_mb={storage}, which this host can enforce neither "
@@ -473,7 +465,7 @@ class PodmanProvider(SandboxProvider):
                 limit_args=tuple(self._limit_args(task)),
                 storage_limit_mb=storage,
             )
-            sandbox._init_pid = int(pid) if pid.isdigit() else None
+            sandbox._init_pid = pid
             sandbox.network = "bridge" if net else self._network(task)
             sandbox.compose = net
             first = (task.steps or [task])[0].config  # the first agent phase's policy

@@ -42,6 +42,7 @@ from agentrl.sandbox.podman.cli import (
     _tree_bytes,
     _untar_tails,
     cli_cwd,
+    init_and_layer,
     run_cli,
     run_cli_bounded,
 )
@@ -596,21 +597,13 @@ class PodmanSandbox(_Container, Sandbox):
     async def add_service(self, service: str, container: str) -> None:
         """A compose task's service, just started: the sandbox's network policy goes on its
         namespace too, before anything waits on it."""
-        rc, out, err = await run_cli(
-            self.cli,
-            "inspect",
-            "--format",
-            "{{.State.Pid}}\t{{.GraphDriver.Data.UpperDir}}",
-            container,
-            timeout=60,
-        )
-        found, _, upper = out.strip().partition("\t")
-        if rc != 0 or not found.isdigit() or found == "0":
+        pid, upper, err = await init_and_layer(self.cli, container)
+        if pid is None:
             raise SandboxError(
                 f"service {service} of {self.sandbox_id} is not running: {tail(err.strip(), 300)}"
             )
-        pid = self._service_pids[service] = int(found)
-        if os.path.isdir(upper):
+        self._service_pids[service] = pid
+        if upper is not None:
             self._service_uppers[service] = upper
         if self._egress is not None:
             await netns.apply(pid, self._egress, what=f"{self.sandbox_id} service {service}")
