@@ -32,6 +32,15 @@ def corpus_task(root: Path, name: str, *, toml_extra: str = "", dockerfile_extra
     return d
 
 
+def based_on(root: Path, name: str, image: str) -> Path:
+    """A corpus task whose Dockerfile starts FROM `image` (its COPY source present)."""
+    d = corpus_task(root, name)
+    df = d / "environment" / "Dockerfile"
+    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", f"FROM {image}"))
+    (d / "environment" / "COPY_ME").write_text("")
+    return d
+
+
 def test_non_executable_and_crlf_scripts_lint_as_warnings(tmp_path: Path) -> None:
     d = corpus_task(tmp_path, "crlf")
     script = d / "solution" / "solve.sh"
@@ -210,19 +219,14 @@ def test_environment_env_templates_come_from_the_host(tmp_path: Path, monkeypatc
 
 
 def test_lint_says_when_the_offline_stand_in_is_too_old_for_the_tasks_toolchain(tmp_path: Path) -> None:
-    go = corpus_task(tmp_path, "go")
-    df = go / "environment" / "Dockerfile"
-    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM golang:1.24-bookworm"))
+    go = based_on(tmp_path, "go", "golang:1.24-bookworm")
     (go / "environment" / "go.mod").write_text("module example.com/x\n\ngo 1.24\n")
-    (go / "environment" / "COPY_ME").write_text("")
     warnings = lint_task(load_task(go)).warnings
     assert any(w.startswith("toolchain: environment/go.mod asks for Go 1.24") for w in warnings), warnings
     (go / "environment" / "go.mod").write_text("module example.com/x\n\ngo 1.18\n")
     assert not any(w.startswith("toolchain:") for w in lint_task(load_task(go)).warnings)
 
-    rust = corpus_task(tmp_path, "rust")
-    df = rust / "environment" / "Dockerfile"
-    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM rust:1.80-slim-bookworm"))
+    rust = based_on(tmp_path, "rust", "rust:1.80-slim-bookworm")
     (rust / "environment" / "Cargo.lock").write_text("# generated\nversion = 4\n")
     warnings = lint_task(load_task(rust)).warnings
     assert any("lock-file version 4" in w for w in warnings), warnings
@@ -233,10 +237,7 @@ def test_lint_checks_python_and_node_versions_and_says_how_each_task_builds(tmp_
     ask for more cannot build offline, and `build_plan` says so beside how each FROM would build."""
     from agentrl.sandbox.lint import build_plan
 
-    py = corpus_task(tmp_path, "py")
-    df = py / "environment" / "Dockerfile"
-    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM python:3.13-slim"))
-    (py / "environment" / "COPY_ME").write_text("")
+    py = based_on(tmp_path, "py", "python:3.13-slim")
     ok, how = build_plan(load_task(py))
     assert ok and any("FROM python:3.13-slim: stand-in localhost/agentrl-base/bookworm" in h and "Python 3.11" in h
                       for h in how), how  # fmt: skip
@@ -250,10 +251,7 @@ def test_lint_checks_python_and_node_versions_and_says_how_each_task_builds(tmp_
     (py / "environment" / "pyproject.toml").write_text('[project]\nname = "x"\nrequires-python = ">=3.10"\n')
     assert not any(w.startswith("toolchain:") for w in lint_task(load_task(py)).warnings)
 
-    node = corpus_task(tmp_path, "node")
-    df = node / "environment" / "Dockerfile"
-    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM node:22-bookworm-slim"))
-    (node / "environment" / "COPY_ME").write_text("")
+    node = based_on(tmp_path, "node", "node:22-bookworm-slim")
     (node / "environment" / "package.json").write_text('{"name": "x", "engines": {"node": ">=20.0.0"}}')
     warnings = lint_task(load_task(node)).warnings
     assert any("asks for Node.js 20, but the offline node stand-in has Node.js 18" in w for w in warnings), (
@@ -262,10 +260,7 @@ def test_lint_checks_python_and_node_versions_and_says_how_each_task_builds(tmp_
     (node / "environment" / "package.json").write_text('{"name": "x", "engines": {"node": "^18 || ^20"}}')
     assert not any(w.startswith("toolchain:") for w in lint_task(load_task(node)).warnings)
 
-    unknown = corpus_task(tmp_path, "unknown")
-    df = unknown / "environment" / "Dockerfile"
-    df.write_text(df.read_text().replace("FROM debian:bookworm-slim", "FROM nowhere.example/base:1"))
-    (unknown / "environment" / "COPY_ME").write_text("")
+    unknown = based_on(tmp_path, "unknown", "nowhere.example/base:1")
     ok, how = build_plan(load_task(unknown))
     assert not ok and "cannot build offline (no stand-in serves it)" in how[0]
 

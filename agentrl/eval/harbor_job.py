@@ -234,10 +234,10 @@ def build_trajectory(
         clock += timedelta(seconds=float(turn.get("engine_s") or 0.0))
         k = turn["index"]
         for summary in (x for x in summaries if x.get("before_turn") == k):
-            subs = _subagent_trajectories(summary, steps, header.get("session_id"), info, clock)
+            subs, refs = _subagent_trajectories(summary, steps, header.get("session_id"), info, clock)
             if subagents is not None:
                 subagents.update(subs)
-            steps += _summary_steps(summary, len(steps), clock, subs)
+            steps += _summary_steps(summary, len(steps), clock, refs)
         action = turn.get("action") or {}
         text = turn.get("model_text") or ""
         step: dict[str, Any] = {
@@ -324,7 +324,7 @@ def build_trajectory(
 
 
 def _summary_steps(
-    summary: dict[str, Any], done: int, clock: datetime, subs: dict[str, dict[str, Any]]
+    summary: dict[str, Any], done: int, clock: datetime, refs: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Where a context summary replaced the history, as Terminus-2 records it: a `system` step that
     says so (`context_management`: compaction, replace) and refers to the sub-calls' trajectories,
@@ -340,13 +340,7 @@ def _summary_steps(
         "message": "Performed context summarization and handoff to continue task.",
         "extra": {"context_management": {"type": "compaction", "boundary": "replace"}, "summary": note},
     }
-    if subs:
-        n = summary.get("index")
-        refs = [
-            {"session_id": t["session_id"], "trajectory_path": name,
-             "extra": {"summary": f"Context summarization {n}: {SUBAGENT_NOTES.get(name.rsplit('-', 1)[-1][:-5], name)}"}}
-            for name, t in subs.items()
-        ]  # fmt: skip
+    if refs:
         system["observation"] = {"results": [{"subagent_trajectory_ref": refs}]}
     return [
         system,
@@ -373,14 +367,15 @@ def _subagent_trajectories(
     session: str | None,
     info: TrajectoryInfo,
     clock: datetime,
-) -> dict[str, dict[str, Any]]:
-    """Harbor's `trajectory.summarization-<n>-<name>.json` per sub-call of a full summary: the
-    agent's history it was sent (the main trajectory's steps so far, marked copied, metrics
-    removed), its own prompt and its reply."""
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Harbor's `trajectory.summarization-<n>-<name>.json` per sub-call of a full summary (the
+    agent's history it was sent: the main trajectory's steps so far, marked copied, metrics
+    removed; its own prompt and its reply), by file name, and the main trajectory's refs to them."""
     n = summary.get("index")
     out: dict[str, dict[str, Any]] = {}
+    refs: list[dict[str, Any]] = []
     if summary.get("kind") != "full" or n is None:
-        return out
+        return out, refs
     for call in summary.get("calls") or []:
         name = str(call.get("name"))
         copied = [
@@ -396,7 +391,10 @@ def _subagent_trajectories(
         })  # fmt: skip
         for i, step in enumerate(steps, start=1):
             step["step_id"], step["timestamp"] = i, step.get("timestamp") or _iso(clock)
-        out[f"trajectory.summarization-{n}-{name}.json"] = {
+        path = f"trajectory.summarization-{n}-{name}.json"
+        refs.append({"session_id": f"{session}-summarization-{n}-{name}", "trajectory_path": path,
+                     "extra": {"summary": f"Context summarization {n}: {SUBAGENT_NOTES.get(name, name)}"}})  # fmt: skip
+        out[path] = {
             "schema_version": ATIF_VERSION,
             "session_id": f"{session}-summarization-{n}-{name}",
             "agent": {
@@ -412,7 +410,7 @@ def _subagent_trajectories(
                 "total_steps": len(steps),
             },
         }
-    return out
+    return out, refs
 
 
 # --- job and trials ----------------------------------------------------------------------------
