@@ -4,9 +4,9 @@ algorithms and hardware rules (shared/reference/glm45.md), as the `RecipeSpec`s 
 code (`agentrl.cluster`) plans and launches. The launchers are `glm45_dapo_math.py` (the Python
 launcher), `glm45_dapo_math_gspo.py` (the bash launcher) and `glm45_air_dapo_math.py` (Air).
 
-agentrl's Megatron backend builds `glm_moe_dsa` models only, so these plans print with `--dry-run`
-and `prepare --no-convert` stages the checkpoint and data; `train` on a cluster refuses with that
-reason (`agentrl.cluster.recipe.check_trainable`) until the backend builds `glm4_moe`.
+agentrl's Megatron backend builds `glm4_moe` (grouped-query attention with its packed core
+attention, `agentrl.train.megatron.gqa`), so `prepare` converts the checkpoint and `train` launches
+as for GLM-5.2.
 """
 
 from __future__ import annotations

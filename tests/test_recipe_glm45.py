@@ -103,12 +103,15 @@ def test_invalid_combinations_fail_with_the_reason(recipe: str, args: str, reaso
     assert reason in " ".join(result.output.split()), result.output
 
 
-def test_train_and_convert_refuse_a_model_the_megatron_backend_cannot_build(tmp_path: Path) -> None:
+def test_train_and_convert_plan_glm4_moe_on_the_megatron_backend(tmp_path: Path) -> None:
+    """The backend builds `glm4_moe` (tests/test_megatron.py: HF parity and the TP / CP / PP
+    steps), so `train` writes its node scripts and `prepare` plans the conversion."""
     train = CliRunner().invoke(APPS["glm45_gspo"], ["train", "--root", str(tmp_path), "--write-scripts"])
-    assert train.exit_code == 2 and "'glm4_moe' model" in train.output and "glm_moe_dsa only" in train.output
-    assert not (tmp_path / "runs").exists()  # nothing written
+    assert train.exit_code == 0, train.output
+    assert (tmp_path / "runs" / "glm45_gspo" / "launch" / "plan.json").exists()
     convert = CliRunner().invoke(APPS["glm45_air"], ["prepare", "--dry-run", "--root", "/x"])
-    assert convert.exit_code == 2 and "prepare --no-convert" in convert.output
+    assert convert.exit_code == 0, convert.output
+    assert "convert HF -> Megatron torch_dist (TP2 PP1 CP1 EP32 ETP1" in convert.output
     staged = CliRunner().invoke(APPS["glm45_air"], ["prepare", "--no-convert", "--dry-run", "--root", "/x"])
     assert staged.exit_code == 0, staged.output
     assert "download zai-org/GLM-4.5-Air -> /x/hf/GLM-4.5-Air" in staged.stdout

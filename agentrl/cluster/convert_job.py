@@ -97,7 +97,7 @@ def main() -> None:
         for p in model.parameters():
             if p.dtype == torch.float32:
                 p.data = p.data.to(torch.bfloat16)
-    convert.load_hf_into(hf, model, stage_layers=layers, num_experts=cfg.n_routed_experts)
+    convert.load_hf_into(hf, model, stage_layers=layers, arch=convert.Arch.of(cfg))
     loaded_names, loaded_bytes = set(hf.names_read), hf.bytes_read
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = Path(args.out)
@@ -121,7 +121,7 @@ def main() -> None:
     worst, exported, compared, mismatched = 0.0, set(), set(), []
     with torch.no_grad():
         for name, tensor in convert.megatron_to_hf(
-            model, stage_layers=layers, num_experts=cfg.n_routed_experts, layout=layout
+            model, stage_layers=layers, arch=convert.Arch.of(cfg), layout=layout
         ):
             exported.add(name)
             owner = expert_owner if _EXPERT.search(name) else dense_owner

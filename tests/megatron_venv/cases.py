@@ -60,18 +60,52 @@ def tiny_config(**changes: Any) -> Any:
     return GlmMoeDsaConfig(**kw)
 
 
-def tiny_hf(seed: int = 0, **changes: Any) -> Any:
-    """The HF model with every weight non-trivial: norms off 1, router and expert bias random."""
-    from transformers import GlmMoeDsaForCausalLM
+def tiny_glm4_config(**changes: Any) -> Any:
+    """A tiny `glm4_moe` (GLM-4.5's architecture): 4 layers (1 dense + 3 MoE, 4 experts top-2, a
+    shared expert), 4 query heads in 2 groups of head size 16, QKV bias, QK norm, half-rotary RoPE."""
+    from transformers import Glm4MoeConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        attention_bias=True,
+        use_qk_norm=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    kw.update(changes)
+    return Glm4MoeConfig(**kw)
+
+
+def tiny_hf(seed: int = 0, model: str = "dsa", **changes: Any) -> Any:
+    """The HF model (`model`: "dsa", a glm_moe_dsa; "glm4", a glm4_moe) with every weight
+    non-trivial: norms off 1, router, expert bias and QKV biases random."""
+    from transformers import Glm4MoeForCausalLM, GlmMoeDsaForCausalLM
 
     torch.manual_seed(seed)
-    hf = GlmMoeDsaForCausalLM(tiny_config(**changes)).float().eval()
+    if model == "glm4":
+        hf = Glm4MoeForCausalLM(tiny_glm4_config(**changes)).float().eval()
+    else:
+        hf = GlmMoeDsaForCausalLM(tiny_config(**changes)).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("gate.weight"):
                 p.normal_(0, 0.3)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.05)
@@ -199,7 +233,15 @@ def case_build(args: argparse.Namespace) -> dict[str, Any]:
 def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
     """Packed (THD) log-probs and entropy against GlmMoeDsaForCausalLM row by row (fp32), and the
     HF -> megatron -> HF round trip."""
-    hf = tiny_hf()
+    return hf_parity(tiny_hf(), Path(args.tmp) / "dsa")
+
+
+def case_glm4_parity(args: argparse.Namespace) -> dict[str, Any]:
+    """The same against Glm4MoeForCausalLM (grouped-query attention, QKV bias, QK norm, half RoPE)."""
+    return hf_parity(tiny_hf(model="glm4"), Path(args.tmp) / "glm4")
+
+
+def hf_parity(hf: Any, tmp: Path) -> dict[str, Any]:
     tr = trainer(hf)
     tr.model.eval()
     batch = build_batch(samples(), max_tokens_per_micro_batch=64)
@@ -223,8 +265,8 @@ def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
     # The checkpoint layout is what transformers' save_pretrained writes (and SGLang loads).
     from safetensors.torch import load_file
 
-    hf.save_pretrained(Path(args.tmp) / "saved")
-    saved = load_file(str(Path(args.tmp) / "saved" / "model.safetensors"))
+    hf.save_pretrained(tmp / "saved")
+    saved = load_file(str(tmp / "saved" / "model.safetensors"))
     tr.settings.export_layout = "checkpoint"
     ckpt = {k: t for b in tr.export_weights() for k, t in b}
     tr.settings.export_layout = "transformers"
@@ -279,6 +321,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "routing_replay": True,
         "reference": "4-r3",
     },
+    # glm4_moe (grouped-query attention): query groups split over TP with SP; every sequence over
+    # two CP ranks (keys and values gathered); two pipeline stages
+    "glm4-tp2": {"model": "glm4", "tp": 2, "reference": "glm4"},
+    "glm4-cp2": {"model": "glm4", "cp": 2, "reference": "glm4"},
+    "glm4-pp2": {"model": "glm4", "pp": 2, "reference": "glm4"},
     # torch_dist save at TP=2 and a resume in a fresh trainer (not a step against one rank)
     "tp2-checkpoint": {"tp": 2, "checkpoint": True},
     # Four ranks (by hand, not in CI: four processes on a two-core machine):
@@ -289,12 +336,17 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 
 def grads_step(
-    *, layers: int = 4, save: str | None = None, reference: str | None = None, **settings: Any
+    *,
+    layers: int = 4,
+    model: str = "dsa",
+    save: str | None = None,
+    reference: str | None = None,
+    **settings: Any,
 ) -> dict[str, Any]:
     """One GRPO step: old log-probs, loss, gradient norm, the gradients and the updated weights in
     HF layout. With `save`, stores them (the one-rank reference); with `reference`, reports the
     largest differences from it."""
-    hf = tiny_hf(**_shape(layers))
+    hf = tiny_hf(model=model, **(_shape(layers) if model == "dsa" else {}))
     # A budget of 32 tokens makes two micro-batches: one per data-parallel rank at DP=2.
     tr = trainer(hf, mb_tokens=32, **settings)
     c = hf.config
@@ -336,7 +388,7 @@ def grads_step(
         "stage_layers": [[i + 1 for i in c.agentrl_stage_layers] for c in tr.chunks],
         # Global numbers of the layers whose indexer weights this rank's chunks own.
         "indexer_layers": [
-            sorted(
+            sorted(  # (none in glm4_moe)
                 {
                     c.agentrl_stage_layers[int(n.split(".")[2])] + 1
                     for n, _ in c.named_parameters()
@@ -371,8 +423,28 @@ def grads_step(
             grad_max_abs_diff=max_diff(result["grads"], ref["grads"]),
             grad_max_abs=max(float(g.abs().max()) for g in ref["grads"].values()),
             weight_max_abs_diff=max_diff(result["weights"], ref["weights"]),
+            weight_max_abs_diff_at=max(
+                ref["weights"], key=lambda k: float((result["weights"][k] - ref["weights"][k]).abs().max())
+            ),
+            # Adam's first step is g / (|g| + eps): where the reference gradient is near eps (1e-8)
+            # a last-bit difference of the gradient moves the weight by a sizeable share of the lr,
+            # so those elements say nothing of the layout. The weights elsewhere, and how many:
+            **_conditioned_weight_diff(result, ref),
         )
     return out
+
+
+def _conditioned_weight_diff(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    worst, ill = 0.0, 0
+    for k, w in ref["weights"].items():
+        diff = (result["weights"][k].float() - w.float()).abs()
+        g = ref["grads"].get(k)
+        if g is not None:
+            tiny = g.abs() < 1e-6
+            ill += int(tiny.sum())
+            diff = diff.masked_fill(tiny, 0.0)
+        worst = max(worst, float(diff.max()))
+    return {"weight_max_abs_diff_conditioned": worst, "weight_elements_at_adam_eps": ill}
 
 
 def packed_rows_of(tr: Any, mb: Any) -> Any:
@@ -386,7 +458,9 @@ def case_grads(args: argparse.Namespace) -> dict[str, Any]:
     settings = dict(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, vpp=args.vpp, cp=args.cp)
     settings.update(first_stage_layers=args.first, last_stage_layers=args.last)
     settings.update(dsa_indexer_loss_coeff=args.indexer_loss)
-    return grads_step(layers=args.layers, save=args.save, reference=args.reference, **settings)
+    return grads_step(
+        layers=args.layers, model=args.model, save=args.save, reference=args.reference, **settings
+    )
 
 
 def case_references(args: argparse.Namespace) -> dict[str, Any]:
@@ -448,6 +522,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "4-indexer-loss": {"layers": 4, "dsa_indexer_loss_coeff": 0.05},
     "4-gspo": {"layers": 4, "loss": {"objective": "gspo"}},
     "4-r3": {"layers": 4, "routing_replay": True},
+    "glm4": {"model": "glm4"},
 }
 
 
@@ -1193,6 +1268,7 @@ CASES = {
     "gpu_r3_recompute": case_gpu_r3_recompute,
     "build": case_build,
     "hf_parity": case_hf_parity,
+    "glm4_parity": case_glm4_parity,
     "grads": case_grads,
     "references": case_references,
     "head_loss": case_head_loss,
@@ -1223,6 +1299,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=None)
     parser.add_argument("--last", type=int, default=None)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", default="dsa", help="dsa (glm_moe_dsa) or glm4 (glm4_moe)")
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--indexer-loss", type=float, default=None)
     parser.add_argument("--layouts", default="")

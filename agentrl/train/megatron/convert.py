@@ -1,7 +1,8 @@
-"""Hugging Face `glm_moe_dsa` <-> megatron-core names, shapes and shards.
+"""Hugging Face `glm_moe_dsa` / `glm4_moe` <-> megatron-core names, shapes and shards.
 
-One table (`_LAYER_RULES`) maps each megatron parameter of a decoder layer to its HF tensor(s) and
-says how it is cut over tensor-parallel ranks; both directions read it:
+One table per model type (`_DSA_RULES`, `_GQA_RULES`; `Arch.of(hf_config)` picks it) maps each
+megatron parameter of a decoder layer to its HF tensor(s) and says how it is cut over
+tensor-parallel ranks; both directions read it:
 
 - `hf_to_megatron(hf_state, model, ...)` / `load_hf_into`: every rank cuts its own shard out of
   the HF tensors, reading only what it holds: its stage's layers, its experts, and (from a
@@ -13,8 +14,9 @@ says how it is cut over tensor-parallel ranks; both directions read it:
   at a time under the files' names).
 
 Shard kinds: "dup" (the same on every TP rank), "col" (rows split over TP), "row" (columns split),
-"glu" (megatron's fc1 holds [gate; up] per rank: rank r has gate_r then up_r), "vocab" (rows of
-the embedding / LM head split over TP). The HF <-> Megatron name table is in
+"glu" (megatron's fc1 holds [gate; up] per rank: rank r has gate_r then up_r), "qkv" (megatron's
+fused `linear_qkv` holds, per query group, the group's query heads then its key and its value head;
+TP splits the groups), "vocab" (rows of the embedding / LM head split over TP). The HF <-> Megatron name table is in
 `shared/reference/megatron_glm5.md`; megatron-bridge's GLM5Bridge is not used (see docs/megatron.md).
 """
 
@@ -42,9 +44,25 @@ class _Rule:
     kind: str
 
 
-_LAYER_RULES = [
+_NORMS = [
     _Rule("input_layernorm.weight", ("input_layernorm.weight",), "dup"),
     _Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "dup"),
+]
+_MLP = [
+    _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
+    _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
+    _Rule("mlp.router.weight", ("mlp.gate.weight",), "dup"),
+    _Rule("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), "dup"),
+    _Rule(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        "glu",
+    ),
+    _Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), "row"),
+]
+_DSA_RULES = [
+    *_NORMS,
+    *_MLP,
     _Rule("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), "dup"),
     _Rule("self_attention.q_layernorm.weight", ("self_attn.q_a_layernorm.weight",), "dup"),
     _Rule("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), "col"),
@@ -63,18 +81,17 @@ _LAYER_RULES = [
         ("self_attn.indexer.weights_proj.weight",),
         "dup",
     ),
-    _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
-    _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
-    _Rule("mlp.router.weight", ("mlp.gate.weight",), "dup"),
-    _Rule("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), "dup"),
-    _Rule(
-        "mlp.shared_experts.linear_fc1.weight",
-        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
-        "glu",
-    ),
-    _Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), "row"),
 ]
-_BY_MEGATRON = {r.megatron: r for r in _LAYER_RULES}
+_QKV = tuple(f"self_attn.{p}_proj" for p in "qkv")
+_GQA_RULES = [
+    *_NORMS,
+    *_MLP,
+    _Rule("self_attention.linear_qkv.weight", tuple(f"{p}.weight" for p in _QKV), "qkv"),
+    _Rule("self_attention.linear_qkv.bias", tuple(f"{p}.bias" for p in _QKV), "qkv"),
+    _Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "dup"),
+    _Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "dup"),
+    _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
+]
 _TOP = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", "vocab"),
     "decoder.final_layernorm.weight": ("model.norm.weight", "dup"),
@@ -84,6 +101,43 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 # Megatron state that is not a weight of the HF model.
 _SKIP = re.compile(r"(local_tokens_per_expert|_extra_state)$")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What a conversion needs of the model: its layer rules (by megatron suffix), its routed
+    expert count, and for the fused QKV its query heads, query groups and head size."""
+
+    rules: Mapping[str, _Rule]
+    num_experts: int
+    heads: int = 0
+    groups: int = 0
+    head_dim: int = 0
+
+    @classmethod
+    def of(cls, hf_config: Any) -> Arch:
+        if getattr(hf_config, "model_type", None) == "glm_moe_dsa":
+            return cls({r.megatron: r for r in _DSA_RULES}, int(hf_config.n_routed_experts))
+        heads, groups = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return cls(
+            {r.megatron: r for r in _GQA_RULES}, int(hf_config.n_routed_experts), heads, groups, head_dim
+        )
+
+    def split_groups(self, fused: torch.Tensor, tp_size: int = 1) -> list[torch.Tensor]:
+        """megatron's fused QKV rows (of `groups / tp_size` groups) -> [q, k, v] rows."""
+        if self.groups % tp_size:
+            raise ConversionError(f"{self.groups} query groups do not split over {tp_size} TP ranks")
+        per = self.heads // self.groups
+        g = fused.reshape(self.groups // tp_size, (per + 2) * self.head_dim, *fused.shape[1:])
+        q, k, v = g.split([per * self.head_dim, self.head_dim, self.head_dim], dim=1)
+        return [t.reshape(-1, *fused.shape[1:]) for t in (q, k, v)]
+
+    def fuse_groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`split_groups`' inverse: [q, k, v] rows of some query groups -> megatron's fused rows."""
+        n = k.shape[0] // self.head_dim
+        parts = [t.reshape(n, -1, *t.shape[1:]) for t in (q, k, v)]
+        return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -147,12 +201,12 @@ def _hf_values(
     hf_state: Mapping[str, torch.Tensor],
     model: torch.nn.Module,
     stage_layers: Sequence[int],
-    num_experts: int,
+    arch: Arch,
     ranks: Ranks,
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(megatron key, this rank's value from HF, the model's own tensor) for every weight of
     `model`, reading from `hf_state` only the tensors (and TP slices) this rank holds."""
-    local_experts = num_experts // ranks.ep_size
+    local_experts = arch.num_experts // ranks.ep_size
     for key, target in model.state_dict().items():
         if _SKIP.search(key):
             continue
@@ -171,9 +225,13 @@ def _hf_values(
                 value = _expert_value(
                     hf_state, prefix, ranks.ep * local_experts + int(e.group(1)), e.group(2), ranks
                 )
-            elif rest in _BY_MEGATRON:
-                rule = _BY_MEGATRON[rest]
-                if rule.kind == "glu":
+            elif rest in arch.rules:
+                rule = arch.rules[rest]
+                if rule.kind == "qkv":
+                    value = arch.fuse_groups(
+                        *(_read(hf_state, prefix + n, "col", ranks.tp, ranks.tp_size) for n in rule.hf)
+                    )
+                elif rule.kind == "glu":
                     value = _read_glu(
                         hf_state, prefix + rule.hf[0], prefix + rule.hf[1], ranks.tp, ranks.tp_size
                     )
@@ -216,7 +274,7 @@ def hf_to_megatron(
     model: torch.nn.Module,
     *,
     stage_layers: Sequence[int],
-    num_experts: int,
+    arch: Arch,
     ranks: Ranks | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's megatron state dict (the keys of `model.state_dict()` that hold weights) cut
@@ -228,7 +286,7 @@ def hf_to_megatron(
     ranks = ranks or Ranks.current()
     return {
         key: value.to(target.dtype)
-        for key, value, target in _hf_values(hf_state, model, stage_layers, num_experts, ranks)
+        for key, value, target in _hf_values(hf_state, model, stage_layers, arch, ranks)
     }
 
 
@@ -237,14 +295,14 @@ def load_hf_into(
     model: torch.nn.Module,
     *,
     stage_layers: Sequence[int],
-    num_experts: int,
+    arch: Arch,
     ranks: Ranks | None = None,
 ) -> None:
     """Copy the HF weights into `model` in place, one tensor at a time (strict: every weight of the
     model is set; peak memory is the model plus one tensor, whatever `hf_state` holds)."""
     ranks = ranks or Ranks.current()
     with torch.no_grad():
-        for _, value, target in _hf_values(hf_state, model, stage_layers, num_experts, ranks):
+        for _, value, target in _hf_values(hf_state, model, stage_layers, arch, ranks):
             target.copy_(value)
 
 
@@ -273,7 +331,7 @@ def megatron_to_hf(
     model: torch.nn.Module,
     *,
     stage_layers: Sequence[int],
-    num_experts: int,
+    arch: Arch,
     layout: str = "stacked",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's weights as full HF tensors, in the model's order; every rank of the stage's
@@ -289,7 +347,7 @@ def megatron_to_hf(
     tp_group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     etp_group, etp_size = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
     ep_group, ep_size = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
-    local_experts = num_experts // ep_size
+    local_experts = arch.num_experts // ep_size
     pending: dict[int, dict[str, list[torch.Tensor | None]]] = {}
     for key, local in model.state_dict(keep_vars=False).items():
         if _SKIP.search(key):
@@ -325,10 +383,14 @@ def megatron_to_hf(
             if all(t is not None for v in slots.values() for t in v):
                 yield from _experts_to_hf(prefix, pending.pop(layer), etp_group, etp_size, ep_group, ep_size)
             continue
-        rule = _BY_MEGATRON.get(rest)
+        rule = arch.rules.get(rest)
         if rule is None:
             raise ConversionError(f"no HF name for megatron weight {key}")
-        if rule.kind == "glu":
+        if rule.kind == "qkv":
+            fused = torch.cat(_all_gather(local, tp_group, tp_size), dim=0)
+            for name, part in zip(rule.hf, arch.split_groups(fused), strict=True):
+                yield prefix + name, part
+        elif rule.kind == "glu":
             gate, up = _unshard_glu(local, tp_group, tp_size)
             yield prefix + rule.hf[0], gate
             yield prefix + rule.hf[1], up

@@ -23,7 +23,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 DEFAULT_TARGETS = re.compile(
     r"^model\.layers\.\d+\.("
-    r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|indexer\.wq_b|indexer\.wk)"
+    r"self_attn\.(q_proj|k_proj|v_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|indexer\.wq_b|indexer\.wk)"
     r"|mlp\.(gate_proj|up_proj|down_proj)"
     r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)"
     r"|mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)"

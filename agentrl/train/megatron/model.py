@@ -1,6 +1,8 @@
-"""A `glm_moe_dsa` model on megatron-core's own modules, from a Hugging Face config.
+"""The Megatron backend's models on megatron-core's own modules, from a Hugging Face config:
+`glm_moe_dsa` (GLM-5) here, `glm4_moe` (GLM-4.5: grouped-query attention) with its core attention
+in `gqa.py`; both share the MoE (a sigmoid router with expert bias and a shared expert).
 
-MLA (the absorbed form megatron uses for DSA), MoE with a sigmoid router, expert bias and a shared
+`glm_moe_dsa`: MLA (the absorbed form megatron uses for DSA), MoE with a sigmoid router, expert bias and a shared
 expert, and the experimental attention variant `dsa` with index sharing
 (`dsa_indexer_topk_freq` / `dsa_indexer_skip_topk_offset`). Nothing here re-implements a layer:
 the module specs are megatron-core's (`get_transformer_layer_with_experimental_attention_variant_spec`)
@@ -23,6 +25,7 @@ from agentrl.train.megatron.plan import (
     ModelConfigError,
     PipelineLayout,
     check_pipeline_split,
+    has_dsa,
     megatron_index_sharing,
     pipeline_layout,
 )
@@ -102,6 +105,12 @@ def check_hf_config(hf_config: Any) -> None:
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         raise ModelConfigError(f"rope_type {rope.get('rope_type')!r}: only the default RoPE is mapped")
+    if not has_dsa(hf_config):
+        # glm4_moe: its checkpoints' MTP layer is not part of `Glm4MoeForCausalLM` (transformers
+        # builds none), so it is not trained here either; only the QKV projections have biases.
+        if getattr(hf_config, "mlp_bias", False):
+            raise ModelConfigError("mlp_bias: glm4_moe models have bias-free MLPs")
+        return
     if getattr(hf_config, "num_nextn_predict_layers", 0):
         raise ModelConfigError("MTP layers (num_nextn_predict_layers > 0) are not built by this backend")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
@@ -116,35 +125,117 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     return [1 if t == "sparse" else 0 for t in types]
 
 
-def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
-    """The `MLATransformerConfig` that makes megatron compute what `GlmMoeDsaForCausalLM` computes."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    check_hf_config(hf_config)
-    freq, offset = megatron_index_sharing(hf_config)
-    rope = dict(hf_config.rope_parameters)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.params_dtype]
-    n_group = int(getattr(hf_config, "n_group", 1) or 1)
-    recompute: dict[str, Any] = {}
+def _recompute(settings: MegatronSettings) -> dict[str, Any]:
     if settings.recompute != "none" and not torch.cuda.is_available():
         raise ModelConfigError(
             f"recompute={settings.recompute!r} needs CUDA (megatron's activation checkpointing saves the "
             "CUDA RNG state): use recompute='none' on a CPU"
         )
-    if settings.recompute != "none":
-        recompute = {
-            "recompute_granularity": settings.recompute,
-            **(
-                {"recompute_method": "uniform", "recompute_num_layers": settings.recompute_num_layers}
-                if settings.recompute == "full"
-                else {}
-            ),
-        }
-    return MLATransformerConfig(
+    if settings.recompute == "none":
+        return {}
+    return {
+        "recompute_granularity": settings.recompute,
+        **(
+            {"recompute_method": "uniform", "recompute_num_layers": settings.recompute_num_layers}
+            if settings.recompute == "full"
+            else {}
+        ),
+    }
+
+
+def _shared_fields(hf_config: Any, settings: MegatronSettings) -> dict[str, Any]:
+    """What both model types set alike: the decoder's shape and norms, the MoE (sigmoid scores,
+    expert bias for choice only, top-k weights renormalised then scaled), the parallel layout,
+    precision and recompute."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.params_dtype]
+    n_group = int(getattr(hf_config, "n_group", 1) or 1)
+    return dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
+        apply_rope_fusion=False,  # DSA requires it off; the unfused RoPE runs everywhere
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=hf_config.initializer_range,
+        num_moe_experts=hf_config.n_routed_experts,
+        moe_layer_freq=moe_layer_pattern(hf_config),
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # RL: the bias stays as loaded
+        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_num_groups=n_group if n_group > 1 else None,
+        moe_router_group_topk=int(hf_config.topk_group) if n_group > 1 else None,
+        moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
+        moe_enable_routing_replay=settings.routing_replay,  # R3: megatron-core's RouterReplay per router
+        moe_grouped_gemm=False,
+        tensor_model_parallel_size=settings.tp,
+        pipeline_model_parallel_size=settings.pp,
+        virtual_pipeline_model_parallel_size=settings.vpp,
+        num_layers_in_first_pipeline_stage=settings.first_stage_layers,
+        num_layers_in_last_pipeline_stage=settings.last_stage_layers,
+        context_parallel_size=settings.cp,
+        expert_model_parallel_size=settings.ep,
+        expert_tensor_parallel_size=settings.etp,
+        sequence_parallel=settings.tp > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        transformer_impl="local",
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        **_recompute(settings),
+    )
+
+
+def rotary(hf_config: Any) -> tuple[float, float]:
+    """(base, fraction of each head's dimensions rotated) of a glm4_moe config; transformers 5
+    keeps both in `rope_parameters`, older configs at the top level."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    base = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    fraction = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return float(base), float(fraction)
+
+
+def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
+    """The megatron config that makes megatron compute what HF's `GlmMoeDsaForCausalLM` /
+    `Glm4MoeForCausalLM` computes."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    check_hf_config(hf_config)
+    shared = _shared_fields(hf_config, settings)
+    if not has_dsa(hf_config):
+        if settings.dsa_indexer_loss_coeff:
+            raise ModelConfigError(
+                f"dsa_indexer_loss_coeff={settings.dsa_indexer_loss_coeff}: a {hf_config.model_type} "
+                "model has no DSA indexer; leave it unset"
+            )
+        return TransformerConfig(
+            **shared,
+            # grouped-query attention: q/k/v fused per query group, bias on them only
+            num_query_groups=hf_config.num_key_value_heads,
+            kv_channels=getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads,
+            add_qkv_bias=bool(hf_config.attention_bias),
+            add_bias_linear=False,
+            qk_layernorm=bool(getattr(hf_config, "use_qk_norm", False)),
+        )
+    freq, offset = megatron_index_sharing(hf_config)
+    rope = dict(hf_config.rope_parameters)
+    return MLATransformerConfig(
+        **shared,
         # MLA
         multi_latent_attention=True,
         q_lora_rank=hf_config.q_lora_rank,
@@ -158,33 +249,7 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
         rotary_scaling_factor=1.0,
         mscale=1.0,
         mscale_all_dim=1.0,
-        apply_rope_fusion=False,  # DSA requires it off
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
         add_bias_linear=False,  # DSA requires it; HF GLM-5 has no biases
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=hf_config.initializer_range,
-        # MoE: sigmoid scores, expert bias for choice only, top-k weights renormalised then scaled
-        num_moe_experts=hf_config.n_routed_experts,
-        moe_layer_freq=moe_layer_pattern(hf_config),
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts,
-        moe_router_topk=hf_config.num_experts_per_tok,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,  # GLM-5.2 RL: the bias stays as loaded
-        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_router_num_groups=n_group if n_group > 1 else None,
-        moe_router_group_topk=int(hf_config.topk_group) if n_group > 1 else None,
-        moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
-        moe_enable_routing_replay=settings.routing_replay,  # R3: megatron-core's RouterReplay per router
-        moe_grouped_gemm=False,
         # DSA with index sharing; GLM-5's indexer: interleaved RoPE, LayerNorm eps 1e-6, no Hadamard
         experimental_attention_variant="dsa",
         dsa_indexer_n_heads=hf_config.index_n_heads,
@@ -197,26 +262,7 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
         dsa_indexer_k_norm_epsilon=1e-6,
         dsa_indexer_loss_coeff=settings.dsa_indexer_loss_coeff,
         dsa_kernel_backend="none",
-        # parallelism
-        tensor_model_parallel_size=settings.tp,
-        pipeline_model_parallel_size=settings.pp,
-        virtual_pipeline_model_parallel_size=settings.vpp,
-        num_layers_in_first_pipeline_stage=settings.first_stage_layers,
-        num_layers_in_last_pipeline_stage=settings.last_stage_layers,
-        context_parallel_size=settings.cp,
-        expert_model_parallel_size=settings.ep,
-        expert_tensor_parallel_size=settings.etp,
-        sequence_parallel=settings.tp > 1,  # the absorbed MLA requires it with TP > 1
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype,
-        transformer_impl="local",
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
         cp_comm_type="allgather" if settings.cp > 1 else None,
-        **recompute,
     )
 
 
@@ -338,7 +384,14 @@ def build_model(hf_config: Any, settings: MegatronSettings, *, vp_stage: int | N
     pp = settings.pp
     stage = (vp_stage or 0) * pp + pp_rank
     backend = spec_provider()
-    specs = get_transformer_layer_with_experimental_attention_variant_spec(config=config, backend=backend)
+    dsa = has_dsa(hf_config)
+    if dsa:
+        specs = get_transformer_layer_with_experimental_attention_variant_spec(config=config, backend=backend)
+    else:
+        from agentrl.train.megatron import gqa
+
+        specs = gqa.layer_specs(config, backend)
+        base, fraction = rotary(hf_config)
     local = list(layout.stages[stage])
     block = TransformerBlockSubmodules(
         layer_specs=[specs[i] for i in local],
@@ -355,7 +408,13 @@ def build_model(hf_config: Any, settings: MegatronSettings, *, vp_stage: int | N
         post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=False,
-        position_embedding_type="none",  # MLA applies its own RoPE
         vp_stage=vp_stage,
+        # MLA applies its own RoPE; grouped-query attention takes GPTModel's (rotate-half, the
+        # first `fraction` of each head's dimensions, as HF's glm4_moe)
+        **(
+            {"position_embedding_type": "none"}
+            if dsa
+            else {"position_embedding_type": "rope", "rotary_percent": fraction, "rotary_base": base}
+        ),
     )
     return model

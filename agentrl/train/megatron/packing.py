@@ -11,6 +11,18 @@ import torch.distributed as dist
 from agentrl.train.batch import MicroBatch
 
 
+def zigzag(lengths: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Global packed indices of CP rank `rank`'s tokens: of every sequence (its length a multiple
+    of 2 x cp), its chunk `rank` then its chunk 2 x cp - 1 - rank of 2 x cp equal chunks."""
+    out, start = [], 0
+    for n in lengths:
+        half = n // (2 * cp)
+        out.append(torch.arange(start + rank * half, start + (rank + 1) * half))
+        out.append(torch.arange(start + n - (rank + 1) * half, start + n - rank * half))
+        start += n
+    return torch.cat(out)
+
+
 class PackedRows:
     """A micro-batch's rows packed into one THD row: real tokens only, positions restarting per
     sequence, `cu_seqlens` at the boundaries, plus a padding sequence up to `length` and to a
@@ -57,20 +69,9 @@ class PackedRows:
         self.cu_seqlens = cu.to(device)
         self.width = mb.input_ids.shape[1]
         if cp > 1:
-            every = [self._zigzag(r) for r in range(cp)]
+            every = [zigzag(self.lengths, cp, r) for r in range(cp)]
             self.local = every[cp_rank].to(device)
             self.gather_order = torch.argsort(torch.cat(every)).to(device)
-
-    def _zigzag(self, rank: int) -> torch.Tensor:
-        """Global packed indices of CP rank `rank`'s tokens: per sequence, its chunk `rank` then
-        its chunk 2 x cp - 1 - rank."""
-        out, start = [], 0
-        for n in self.lengths:
-            half = n // (2 * self.cp)
-            out.append(torch.arange(start + rank * half, start + (rank + 1) * half))
-            out.append(torch.arange(start + n - (rank + 1) * half, start + n - rank * half))
-            start += n
-        return torch.cat(out)
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and position_ids [1, T] of this CP rank (all of them without CP)."""

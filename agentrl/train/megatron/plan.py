@@ -1,4 +1,4 @@
-"""Parallel layout of a `glm_moe_dsa` model and the DSA pipeline-split rule, without megatron.
+"""Parallel layout of a model of the Megatron backend and the DSA pipeline-split rule, without megatron.
 
 GLM-5's DeepSeek Sparse Attention computes its top-k token indices only on some layers
 ("computing" layers: HF `indexer_types[i] == "full"`) and the following layers reuse them. The
@@ -18,9 +18,15 @@ from typing import Any
 
 from agentrl.errors import AgentRLError
 
-# The Hugging Face model types this backend builds (model and converter); the cluster recipes
-# refuse to launch training of any other.
-MODEL_TYPES = ("glm_moe_dsa",)
+# The Hugging Face model types this backend builds (model and converter): `glm_moe_dsa` (MLA + DSA
+# + MoE, GLM-5) and `glm4_moe` (grouped-query attention + MoE, GLM-4.5); the cluster recipes refuse
+# to launch training of any other.
+MODEL_TYPES = ("glm_moe_dsa", "glm4_moe")
+
+
+def has_dsa(hf_config: Any) -> bool:
+    """Whether the model has DeepSeek Sparse Attention (an indexer: `glm_moe_dsa`)."""
+    return getattr(hf_config, "model_type", None) == "glm_moe_dsa"
 
 
 class PipelineSplitError(AgentRLError):
@@ -133,6 +139,8 @@ def check_pipeline_split(hf_config: Any, layout: PipelineLayout | Sequence[Seque
     """Raise `PipelineSplitError` unless every stage starts on a computing layer (or holds the
     computing layer of every sharing layer it has, in order)."""
     stages = layout.stages if isinstance(layout, PipelineLayout) else tuple(tuple(s) for s in layout)
+    if not has_dsa(hf_config):
+        return  # no indices shared between layers: any split
     types = indexer_types(hf_config)
     for k, stage in enumerate(stages):
         seen_full = False

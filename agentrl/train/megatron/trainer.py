@@ -223,7 +223,7 @@ class MegatronTrainer(CheckpointMixin):
                     hf_state,
                     chunk,
                     stage_layers=chunk.agentrl_stage_layers,
-                    num_experts=self.hf_config.n_routed_experts,
+                    arch=convert.Arch.of(self.hf_config),
                 )
 
     def load_init_checkpoint(self, path: str | Path) -> None:
@@ -286,7 +286,7 @@ class MegatronTrainer(CheckpointMixin):
                 yield from convert.megatron_to_hf(
                     chunk,
                     stage_layers=chunk.agentrl_stage_layers,
-                    num_experts=self.hf_config.n_routed_experts,
+                    arch=convert.Arch.of(self.hf_config),
                     layout=converted,
                 )
 
