@@ -489,8 +489,9 @@ def _run_overrides(
         "trainer.megatron.export_layout": "checkpoint",
         "trainer.megatron.export_quantization": "fp8_block128" if fp8 else "none",
         "trainer.megatron.init_checkpoint": local_model_dir(o, "megatron"),
-        "trainer.megatron.ddp": "megatron",
-        "trainer.megatron.distributed_optimizer": True,
+        # LoRA steps its adapters on the trainer's own reduction and AdamW (auto picks it)
+        "trainer.megatron.ddp": "auto" if spec.lora_rank else "megatron",
+        "trainer.megatron.distributed_optimizer": not spec.lora_rank,
         "trainer.megatron.optimizer_cpu_offload": offload,
         "trainer.max_tokens_per_micro_batch": lay.max_tokens_per_gpu,
         "sync.transport": "distributed",
@@ -547,12 +548,6 @@ def check_trainable(spec: RecipeSpec, model_name: str) -> None:
     """`RecipeError` unless the Megatron backend builds this model (plans of other models print with
     --dry-run; their training needs the backend to support the architecture first)."""
     model_type = spec.model(model_name).config.get("model_type")
-    if spec.lora_rank:
-        raise RecipeError(
-            f"trainer.lora.rank={spec.lora_rank}: LoRA on agentrl's Megatron backend is not implemented "
-            "(LoRA trains on the torch backend: a single-process model); this plan prints with --dry-run "
-            "to show the layout and what LoRA would save"
-        )
     if model_type not in MODEL_TYPES:
         raise RecipeError(
             f"{model_name} is a {model_type!r} model and agentrl's Megatron backend builds "

@@ -64,9 +64,7 @@ def build_transport(cfg: RunConfig, engine: Any, trainer: Any = None) -> Any:
         return ws.TensorTransport([engine], tp_size=s.tp_size, timeout=s.timeout_s)
     if s.transport == "lora_adapter":
         if trainer is None or not hasattr(trainer, "adapter_config"):
-            raise AgentRLError(
-                "sync.transport=lora_adapter needs the torch trainer with trainer.lora.rank > 0"
-            )
+            raise AgentRLError("sync.transport=lora_adapter needs a trainer with trainer.lora.rank > 0")
         return ws.AdapterTransport(
             [engine], s.directory or str(cfg.out_dir / "adapters"), trainer.adapter_config(),
             keep=s.keep, timeout=s.timeout_s,
@@ -95,11 +93,6 @@ def build_trainer(cfg: RunConfig, *, engine_policy: bool = True) -> tuple[Any, A
     model_dir = check_model_source(cfg.engine.model, "engine.model")
     tok_dir = check_model_source(cfg.engine.tokenizer or cfg.engine.model, "engine.tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    if cfg.trainer.backend == "megatron" and cfg.trainer.lora.enabled:
-        raise AgentRLError(
-            "trainer.lora on the megatron backend is not implemented: LoRA trains on the torch backend "
-            "(trainer.backend=torch), or set trainer.lora.rank=0"
-        )
     if cfg.trainer.backend == "megatron":
         # Needs Python >= 3.12 and megatron-core (docs/megatron.md). The initial weights: the
         # torch_dist checkpoint of trainer.megatron.init_checkpoint (what `prepare` converted; the

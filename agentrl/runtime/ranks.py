@@ -89,6 +89,10 @@ class DriverTrainer:
         self.calls.send(("export_weights", dtype, bucket_bytes))
         yield from self.trainer.export_weights(dtype, bucket_bytes=bucket_bytes)
 
+    def export_adapter(self, dtype: torch.dtype | None = None) -> Iterator[Any]:
+        self.calls.send(("export_adapter", dtype))
+        yield from self.trainer.export_adapter(dtype)
+
     def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
         self.calls.send(("save", str(root)))
         return Path(self.trainer.save(root, buffer_state=buffer_state))
@@ -123,6 +127,9 @@ def follow(trainer: Any, calls: RankCalls) -> Followed:
         elif name == "export_weights":
             for _ in trainer.export_weights(args[0], bucket_bytes=args[1]):
                 pass  # the gathers inside are collectives; rank 0 pushes the buckets
+        elif name == "export_adapter":
+            for _ in trainer.export_adapter(args[0]):
+                pass
         elif name == "save":
             trainer.save(args[0])
         elif name == "load":

@@ -150,6 +150,8 @@ def trainer(
     logprob_impl: str = "auto",
     loss: dict[str, Any] | None = None,
     old_logprobs: str = "auto",
+    lora: dict[str, Any] | None = None,
+    grad_clip: float = 1.0,
     **settings: Any,
 ) -> Any:
     from agentrl.train.megatron.settings import MegatronSettings
@@ -162,6 +164,8 @@ def trainer(
         logprob_impl=logprob_impl,
         loss=loss or {},
         old_logprobs=old_logprobs,
+        lora=lora or {},
+        grad_clip=grad_clip,
     )
     return MegatronTrainer(
         hf.config,
@@ -179,6 +183,27 @@ def hf_grads(tr: Any) -> dict[str, torch.Tensor]:
         p.data = p.grad
     try:
         return {k: v.clone() for k, v in tr.hf_weights()}
+    finally:
+        for p, d in zip(params, saved, strict=True):
+            p.data = d
+
+
+def _tensors(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _adapters(tr: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for bucket in tr.export_adapter() for k, v in bucket]
+
+
+def adapter_grads(tr: Any) -> dict[str, torch.Tensor]:
+    """The LoRA adapters' current gradients under PEFT's names (gathered like the adapters)."""
+    params = [p for p in tr.lora.parameters() if p.grad is not None]
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    try:
+        return {k: v.clone() for k, v in _adapters(tr)}
     finally:
         for p, d in zip(params, saved, strict=True):
             p.data = d
@@ -234,6 +259,110 @@ def case_hf_parity(args: argparse.Namespace) -> dict[str, Any]:
     """Packed (THD) log-probs and entropy against GlmMoeDsaForCausalLM row by row (fp32), and the
     HF -> megatron -> HF round trip."""
     return hf_parity(tiny_hf(), Path(args.tmp) / "dsa")
+
+
+def case_lora(args: argparse.Namespace) -> dict[str, Any]:
+    """LoRA on both model types against brute force: the adapters' gradients against the full
+    model's gradient at the merged weights W' = W + s B A (dL/dB = s G A^T, dL/dA = s sum B^T G over
+    a fused group), the merged export against W + s B A from the exported adapters, the adapters
+    as an engine loads them (`agentrl.engine.lora`) into the HF model giving the trainer's
+    log-probs, only adapters in the optimizer, and a checkpoint of adapters alone that resumes."""
+    return {m: lora_against_brute_force(m, Path(args.tmp) / f"lora-{m}") for m in ("dsa", "glm4")}
+
+
+def lora_against_brute_force(model: str, tmp: Path) -> dict[str, Any]:
+    from agentrl.engine.lora import adapter_updates
+
+    hf = tiny_hf(model=model)
+    rank, alpha = 4, 8.0
+    scale = alpha / rank
+    tr = trainer(hf, lora={"rank": rank, "alpha": alpha}, grad_clip=0.0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in tr.lora.parameters():
+            if not p.any():  # B: non-zero, so that A has a gradient
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    base = {k: v.clone() for k, v in hf.state_dict().items()}
+    frozen = {k: v.clone() for k, v in _tensors(tr.model).items()}
+    adapters = {k: v.clone() for k, v in _adapters(tr)}  # the export is of the live adapters
+    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in adapters})
+    delta = {m: scale * adapters[f"base_model.model.{m}.lora_B.weight"] @ adapters[f"base_model.model.{m}.lora_A.weight"]
+             for m in modules}  # fmt: skip
+    merged = {k: (v + delta[k.removesuffix(".weight")] if k.removesuffix(".weight") in delta else v)
+              for k, v in base.items()}  # fmt: skip
+    exported = dict(tr.hf_weights())
+    merged_export_diff = max_diff(exported, merged)
+    # What an engine does with the adapter: agentrl's SGLang-compatible loader, into the HF model.
+    config = tr.adapter_config()
+    updates = adapter_updates(hf, config, adapters)
+    engine_hf = tiny_hf(model=model)
+    with torch.no_grad():
+        for name, upd in updates.items():
+            engine_hf.get_submodule(name).weight.add_(upd)
+    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+    tr.model.eval()
+    lp_diff = 0.0
+    with torch.no_grad():
+        for mb in batch.micro_batches:
+            logp, _ = tr.logprobs(mb)
+            for r in range(mb.num_rows):
+                n = int(mb.attention_mask[r].sum())
+                ids = mb.input_ids[r : r + 1, :n]
+                ref = torch.log_softmax(engine_hf(ids).logits[0, :-1].float(), -1).gather(
+                    1, ids[0, 1:, None]
+                )[:, 0]
+                lp_diff = max(lp_diff, float((logp[r, 1:n] - ref).abs().max()))
+    # One step; the adapters' gradients against the full model's at the merged weights.
+    tr.train_step(samples())
+    got = adapter_grads(tr)
+    full_hf = tiny_hf(model=model)
+    full_hf.load_state_dict(merged)
+    full = trainer(full_hf, grad_clip=0.0)
+    full.train_step(samples())
+    G = hf_grads(full)
+    want: dict[str, torch.Tensor] = {}
+    for m in modules:
+        A = adapters[f"base_model.model.{m}.lora_A.weight"]
+        want[f"base_model.model.{m}.lora_B.weight"] = scale * G[f"{m}.weight"] @ A.t()
+
+    def fused(m: str) -> tuple[str, str]:  # megatron's fused projections share one A
+        parent, leaf = m.rsplit(".", 1)
+        return parent, {
+            "q_proj": "qkv",
+            "k_proj": "qkv",
+            "v_proj": "qkv",
+            "gate_proj": "fc1",
+            "up_proj": "fc1",
+        }.get(leaf, leaf)
+
+    for m in modules:
+        group = [n for n in modules if fused(n) == fused(m)]
+        want[f"base_model.model.{m}.lora_A.weight"] = sum(
+            scale * adapters[f"base_model.model.{n}.lora_B.weight"].t() @ G[f"{n}.weight"] for n in group
+        )
+    trainable = sum(p.numel() for group in tr.optimizer.param_groups for p in group["params"])
+    # A checkpoint holds the adapters alone and resumes to the same next step.
+    saved = tr.save(tmp / "ckpt")
+    files = sorted(p.name for p in (saved / "model").iterdir())
+    nxt = tr.train_step(samples())
+    again = trainer(tiny_hf(model=model), lora={"rank": rank, "alpha": alpha}, grad_clip=0.0)
+    again.load(saved)
+    resumed = again.train_step(samples())
+    return {
+        "adapted_modules": modules,
+        "targets": config["target_modules"],
+        "merged_export_max_abs_diff": merged_export_diff,
+        "engine_logprob_max_abs_diff": lp_diff,
+        "grad_max_abs_diff": max_diff(got, want),
+        "grad_max_abs": max(float(v.abs().max()) for v in want.values()),
+        "trainable_params": trainable,
+        "adapter_params": sum(p.numel() for p in tr.lora.parameters()),
+        "model_params": sum(p.numel() for p in tr.model.parameters()),
+        "frozen_weights_unchanged": all(torch.equal(v, frozen[k]) for k, v in _tensors(tr.model).items()),
+        "checkpoint_files": files,
+        "resume_loss_abs_diff": abs(nxt["loss"] - resumed["loss"]),
+        "resume_grad_norm_abs_diff": abs(nxt["grad_norm"] - resumed["grad_norm"]),
+    }
 
 
 def case_glm4_parity(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,6 +455,18 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "glm4-tp2": {"model": "glm4", "tp": 2, "reference": "glm4"},
     "glm4-cp2": {"model": "glm4", "cp": 2, "reference": "glm4"},
     "glm4-pp2": {"model": "glm4", "pp": 2, "reference": "glm4"},
+    # LoRA: adapters cut like their linears (A whole and B by rows on column-parallel ones, A by
+    # columns and B whole on row-parallel ones), the low-rank products gathered / reduce-scattered
+    "lora-tp2": {"tp": 2, "lora": {"rank": 4, "alpha": 8.0}, "reference": "4-lora"},
+    "lora-cp2": {"cp": 2, "lora": {"rank": 4, "alpha": 8.0}, "reference": "4-lora"},
+    "lora-pp2": {
+        "pp": 2,
+        "first_stage_layers": 3,
+        "last_stage_layers": 1,
+        "lora": {"rank": 4, "alpha": 8.0},
+        "reference": "4-lora",
+    },
+    "glm4-lora-tp2": {"model": "glm4", "tp": 2, "lora": {"rank": 4, "alpha": 8.0}, "reference": "glm4-lora"},
     # torch_dist save at TP=2 and a resume in a fresh trainer (not a step against one rank)
     "tp2-checkpoint": {"tp": 2, "checkpoint": True},
     # Four ranks (by hand, not in CI: four processes on a two-core machine):
@@ -356,6 +497,8 @@ def grads_step(
         else None
     )
     batch = build_batch(samples(routes=routes), max_tokens_per_micro_batch=32)
+    if tr.lora is not None:  # B is 0 at first: the second step is the one that moves A too
+        tr.train_step(samples(routes=routes))
     tr.model.eval()
     with torch.no_grad():
         logp = torch.cat([tr.logprobs(mb)[0].flatten() for mb in batch.micro_batches])
@@ -364,15 +507,18 @@ def grads_step(
         "logp": logp,
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
-        "grads": hf_grads(tr),
+        "grads": adapter_grads(tr) if tr.lora is not None else hf_grads(tr),
         "weights": {k: v.clone() for k, v in tr.hf_weights()},
     }
+    if tr.lora is not None:
+        result["weights"].update({k: v.clone() for k, v in _adapters(tr)})
     # The checkpoint layout's export (experts streamed one local slot at a time over EP / expert
     # TP, never a layer's stack) equals the stacked export split per expert.
     from agentrl.train.megatron import convert
 
     streamed = dict(tr.hf_weights("checkpoint"))
-    split = dict(convert.checkpoint_layout(iter(result["weights"].items())))
+    hf_only = ((k, v) for k, v in result["weights"].items() if not k.startswith("base_model."))
+    split = dict(convert.checkpoint_layout(hf_only))
     exact_here = set(streamed) == set(split) and all(torch.equal(streamed[k], split[k]) for k in split)
     checkpoint_layout_exact = _max_over_ranks(float(not exact_here)) == 0.0
     from megatron.core import parallel_state as ps
@@ -523,6 +669,8 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "4-gspo": {"layers": 4, "loss": {"objective": "gspo"}},
     "4-r3": {"layers": 4, "routing_replay": True},
     "glm4": {"model": "glm4"},
+    "4-lora": {"layers": 4, "lora": {"rank": 4, "alpha": 8.0}},
+    "glm4-lora": {"model": "glm4", "lora": {"rank": 4, "alpha": 8.0}},
 }
 
 
@@ -1269,6 +1417,7 @@ CASES = {
     "build": case_build,
     "hf_parity": case_hf_parity,
     "glm4_parity": case_glm4_parity,
+    "lora": case_lora,
     "grads": case_grads,
     "references": case_references,
     "head_loss": case_head_loss,

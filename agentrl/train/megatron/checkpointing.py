@@ -118,7 +118,8 @@ def _torch_adam_unshare_steps(optimizer: Any) -> None:
 
 
 class CheckpointMixin:
-    """`save` and `load` of `MegatronTrainer`."""
+    """`save` and `load` of `MegatronTrainer`. With LoRA a checkpoint holds the adapters (one file
+    per rank) and their optimizer state, not the frozen model."""
 
     def save(self, root: str | Path, *, buffer_state: dict[str, Any] | None = None) -> Path:
         """`root/step-NNNNNNNN/`: the model as megatron's distributed checkpoint (`torch_dist`,
@@ -135,7 +136,12 @@ class CheckpointMixin:
         if dist.get_rank() == 0:
             (tmp / "model").mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(), str(tmp / "model"))
+        if self.lora is not None:
+            # LoRA: the adapters alone, each rank its own (the frozen weights are the initial
+            # ones, which the run's settings name)
+            torch.save(self.lora.state_dict(), tmp / "model" / f"adapters-rank{dist.get_rank():05d}.pt")
+        else:
+            dist_checkpointing.save(self._sharded_state_dict(), str(tmp / "model"))
         if self.megatron_ddp:
             # megatron's optimizer (the distributed one's shards too) as a distributed checkpoint
             _torch_adam_checkpoint_fixes(self.optimizer)
@@ -171,6 +177,13 @@ class CheckpointMixin:
         dist.barrier()
         return final
 
+    def _load_model(self, state: dict[str, Any]) -> None:
+        if len(self.chunks) == 1:
+            self.model.load_state_dict(state, strict=False)
+        else:
+            for i, chunk in enumerate(self.chunks):
+                chunk.load_state_dict(state[f"model{i}"], strict=False)
+
     def _sharded_state_dict(self) -> dict[str, Any]:
         """The model's sharded state dict (keys carry global layer numbers, so stages and virtual
         stages merge into one checkpoint); one entry per chunk with virtual stages."""
@@ -197,12 +210,19 @@ class CheckpointMixin:
                 f"{path} was saved with {saved} on {raw.get('world_size')} ranks; this trainer runs "
                 f"{self.settings.layout_dict()} on {dist.get_world_size()}: the optimizer state is per rank"
             )
-        state = dist_checkpointing.load(self._sharded_state_dict(), str(path / "model"))
-        if len(self.chunks) == 1:
-            self.model.load_state_dict(state, strict=False)
+        if self.lora is not None:
+            adapters = path / "model" / f"adapters-rank{dist.get_rank():05d}.pt"
+            if not adapters.is_file():
+                raise CheckpointError(
+                    f"{path} holds no LoRA adapters for this rank ({adapters.name}): saved without LoRA?"
+                )
+            self.lora.load_state_dict(torch.load(adapters, map_location=self.device, weights_only=True))
+        elif any((path / "model").glob("adapters-rank*.pt")):
+            raise CheckpointError(
+                f"{path} holds LoRA adapters only: resume it with the same trainer.lora settings"
+            )
         else:
-            for i, chunk in enumerate(self.chunks):
-                chunk.load_state_dict(state[f"model{i}"], strict=False)
+            self._load_model(dist_checkpointing.load(self._sharded_state_dict(), str(path / "model")))
         if self.megatron_ddp:
             _torch_adam_checkpoint_fixes(self.optimizer)
             opt_sd = self.optimizer.sharded_state_dict(

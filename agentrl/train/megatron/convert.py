@@ -23,7 +23,7 @@ TP splits the groups), "vocab" (rows of the embedding / LM head split over TP). 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,13 +333,15 @@ def megatron_to_hf(
     stage_layers: Sequence[int],
     arch: Arch,
     layout: str = "stacked",
+    fold: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's weights as full HF tensors, in the model's order; every rank of the stage's
     TP / EP groups must iterate it together (the gathers are collectives). `layout="stacked"`:
     transformers' in-memory names, a layer's experts as two stacked tensors once its last expert
     is seen (every EP rank then holds the layer's experts); `layout="checkpoint"`: the checkpoint
     files' names, one tensor per expert, gathered one local expert slot at a time (at most EP
-    experts held: what a streaming export of a large model needs)."""
+    experts held: what a streaming export of a large model needs). `fold(key, local)` replaces each
+    local tensor before it is gathered (LoRA: the adapter folded into its weight's shard)."""
     if layout not in ("stacked", "checkpoint"):
         raise ValueError(f"layout {layout!r}: 'stacked' or 'checkpoint'")
     from megatron.core import parallel_state as ps
@@ -353,6 +355,8 @@ def megatron_to_hf(
         if _SKIP.search(key):
             continue
         local = local.detach()
+        if fold is not None:
+            local = fold(key, local)
         if key in _TOP:
             hf_name, kind = _TOP[key]
             yield hf_name, _unshard(local, kind, tp_group, tp_size)

@@ -41,9 +41,10 @@ class MegatronSettings:
     `DistributedDataParallel` (contiguous fp32 gradient buffers) and `get_megatron_optimizer`
     (CUDA only: its buffers and the fused Adam live on the GPU); "local": the trainer's own
     flat all-reduces over the same process groups and torch AdamW (what runs on a CPU over gloo);
-    "auto": megatron on CUDA, local otherwise. `distributed_optimizer` shards the optimizer state
-    over data-parallel ranks (megatron only); `optimizer_cpu_offload` keeps it and the Adam step
-    on the CPU (megatron only, needs the distributed optimizer).
+    "auto": megatron on CUDA, local otherwise (and always with LoRA, which refuses "megatron": its
+    adapters are a few MB, nothing for megatron's buffers to save). `distributed_optimizer`
+    shards the optimizer state over data-parallel ranks (megatron only); `optimizer_cpu_offload`
+    keeps it and the Adam step on the CPU (megatron only, needs the distributed optimizer).
     `export_layout`: the names `export_weights` yields. "transformers": the in-memory names of
     `GlmMoeDsaForCausalLM` (experts stacked), which agentrl's engine server loads; "checkpoint":
     the names of HF checkpoint files (one tensor per expert and projection), which SGLang loads.

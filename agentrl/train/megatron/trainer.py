@@ -47,6 +47,7 @@ from agentrl.overrides import ConfigError
 from agentrl.train.batch import MicroBatch, TrainBatch, add_loss_metrics, loss_terms, run_steps, step_batches
 from agentrl.train.clock import StepClock
 from agentrl.train.config import TrainConfig, lr_at
+from agentrl.train.lora import LoraError
 from agentrl.train.megatron import convert, parallel
 from agentrl.train.megatron.checkpointing import (
     _PREPARE_HINT,
@@ -55,6 +56,7 @@ from agentrl.train.megatron.checkpointing import (
     init_checkpoint_dir,
 )
 from agentrl.train.megatron.fp8 import quantize_named
+from agentrl.train.megatron.lora import MegatronLora
 from agentrl.train.megatron.model import build_model, layout_of, require_megatron, schedule_device_shim
 from agentrl.train.megatron.packing import PackedRows, _GatherContextParallel
 from agentrl.train.megatron.replay import RouteReplay
@@ -87,10 +89,18 @@ class MegatronTrainer(CheckpointMixin):
         self.hf_config = hf_config
         self.config = config
         self.settings = settings or MegatronSettings()
+        self.arch = convert.Arch.of(hf_config)
         if hf_config.vocab_size % self.settings.tp:
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={self.settings.tp}")
         cuda = torch.cuda.is_available()
-        self.megatron_ddp = self.settings.ddp == "megatron" or (self.settings.ddp == "auto" and cuda)
+        if config.lora.enabled and self.settings.ddp == "megatron":
+            raise ConfigError(
+                "trainer.lora with trainer.megatron.ddp='megatron': LoRA steps the adapters on the trainer's "
+                "own reduction and AdamW (a few MB: nothing for megatron's buffers to save); use ddp='auto'"
+            )
+        self.megatron_ddp = not config.lora.enabled and (
+            self.settings.ddp == "megatron" or (self.settings.ddp == "auto" and cuda)
+        )
         if self.megatron_ddp and not cuda:
             raise ConfigError(
                 "trainer.megatron.ddp='megatron' needs CUDA (megatron's gradient buffers and fused Adam live "
@@ -135,6 +145,15 @@ class MegatronTrainer(CheckpointMixin):
         )  # fmt: skip
         self.pp_size = self.settings.pp
         self.last_stage = self.pp_rank == self.pp_size - 1
+        # LoRA: adapters on the projections (`lora.py`), every weight of the model frozen.
+        self.lora: MegatronLora | None = None
+        if config.lora.enabled:
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+            self.lora = MegatronLora(
+                self.chunks, self.arch, config.lora,
+                tp_size=self.tp_size, tp_rank=dist.get_rank(self.tp_group), seed=config.seed,
+            )  # fmt: skip
         # What the schedules run: megatron's DDP wrappers, or the bare chunks (local reduction).
         self.train_chunks: list[Any] = self.chunks
         self.step = 0  # before the optimizer: its first learning rate is `lr_at(config, 0)`
@@ -210,6 +229,10 @@ class MegatronTrainer(CheckpointMixin):
             group["lr"] = lr_at(self.config, self.step)
 
     def _params(self) -> Iterator[torch.nn.Parameter]:
+        """What trains: the adapters with LoRA, else every weight of this rank's chunks."""
+        if self.lora is not None:
+            yield from self.lora.parameters()
+            return
         for chunk in self.chunks:
             yield from chunk.parameters()
 
@@ -223,7 +246,7 @@ class MegatronTrainer(CheckpointMixin):
                     hf_state,
                     chunk,
                     stage_layers=chunk.agentrl_stage_layers,
-                    arch=convert.Arch.of(self.hf_config),
+                    arch=self.arch,
                 )
 
     def load_init_checkpoint(self, path: str | Path) -> None:
@@ -282,14 +305,22 @@ class MegatronTrainer(CheckpointMixin):
         converted = "stacked" if layout == "transformers" else "checkpoint"
 
         def mine() -> Iterator[tuple[str, torch.Tensor]]:
-            for chunk in self.chunks:
+            for i, chunk in enumerate(self.chunks):
                 yield from convert.megatron_to_hf(
                     chunk,
                     stage_layers=chunk.agentrl_stage_layers,
-                    arch=convert.Arch.of(self.hf_config),
+                    arch=self.arch,
                     layout=converted,
+                    fold=self.lora.fold(i) if self.lora is not None else None,
                 )
 
+        return self._from_every_stage(mine)
+
+    def _from_every_stage(
+        self, mine: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`mine()` of every pipeline stage in stage order, broadcast from the stage that makes it,
+        so every rank yields every tensor (every rank iterates it to the end together)."""
         if self.pp_size == 1:
             yield from mine()
             return
@@ -312,6 +343,22 @@ class MegatronTrainer(CheckpointMixin):
                     t = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(t, src=ranks[owner], group=group)
                 yield name, t
+
+    def export_adapter(self, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The trained adapters alone, whole, under PEFT's names, in one bucket
+        (`sync.transport=lora_adapter`); every rank iterates it together."""
+        lora = self._lora("export_adapter")
+        named = self._from_every_stage(lambda: lora.hf_adapters(self.tp_group, self.arch))
+        return bucket_named_tensors(named, dtype=dtype, bucket_bytes=1 << 62)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The adapters' `adapter_config.json` (PEFT's fields)."""
+        return self._lora("adapter_config").adapter_config()
+
+    def _lora(self, what: str) -> MegatronLora:
+        if self.lora is None:
+            raise LoraError(f"{what} needs trainer.lora.rank > 0")
+        return self.lora
 
     def export_weights(
         self, dtype: torch.dtype | None = None, *, bucket_bytes: int = 512 * 2**20
