@@ -330,15 +330,19 @@ def runtime_steps(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.megatron_venv import free_port, run_case
 
     tmp = tmp_path_factory.mktemp("megatron-runtime")
-    return run_case("runtime", tmp, "--port", str(free_port()), "--transport", "tensor,distributed,disk")
+    transports = "tensor,distributed,disk,lora_adapter"
+    return run_case("runtime", tmp, "--port", str(free_port()), "--transport", transports)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
+@pytest.mark.parametrize("transport", ["tensor", "distributed", "disk", "lora_adapter"])
 def test_a_grpo_step_through_the_runtime_syncs_an_engine_serve_process(
     runtime_steps: dict, transport: str
 ) -> None:
+    """lora_adapter: the Megatron trainer's LoRA adapters alone (PEFT names), loaded by the server
+    (`--enable-lora`) by name and named in the request: the engine with the adapter equals the
+    trainer with it."""
     r = runtime_steps[transport]
     assert r["steps"] == 1 and r["trainer"]["skipped_steps"] == 0 and r["trainer"]["step"] == 1
     assert r["version"] == 1 and r["engine_version"] == "1"

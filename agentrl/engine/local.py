@@ -374,19 +374,22 @@ class LocalEngine(Engine):
         finally:
             self._parked.clear()
 
-    async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, input_ids: list[int], *, lora: str | None = _ACTIVE) -> list[float]:
         """log p(input_ids[j] | input_ids[:j]) for j >= 1 from the raw logits (no temperature), as
-        SGLang's `input_token_logprobs`. Queues with generation on the worker thread."""
+        SGLang's `input_token_logprobs`, with the request's adapter (`lora`, as `generate`: a name
+        already checked there, None for the base weights, by default the current adapter).
+        Queues with generation on the worker thread."""
         if not input_ids:
             raise EngineBadRequest("input_ids cannot be empty.")
-        fn = functools.partial(self._prompt_logprobs_sync, list(input_ids))
+        lora = self.active_lora if lora is _ACTIVE else lora
+        fn = functools.partial(self._prompt_logprobs_sync, list(input_ids), lora)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    def _prompt_logprobs_sync(self, input_ids: list[int]) -> list[float]:
+    def _prompt_logprobs_sync(self, input_ids: list[int], lora: str | None) -> list[float]:
         import torch
 
-        if self.lora is not None:  # the policy an in-process caller samples from
-            self.lora.activate(self.active_lora)
+        if self.lora is not None:
+            self.lora.activate(lora)
         with torch.no_grad():
             ids = torch.tensor([input_ids], device=self.device)
             logits = self.model(ids).logits[0, :-1].float()

@@ -887,7 +887,7 @@ def case_split(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _engine_serve(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _engine_serve(model: Path, port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
     """An `agentrl engine serve` process of `model` on `port` (its output in `log`), once it
     answers /health."""
     import urllib.request
@@ -904,6 +904,7 @@ def _engine_serve(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
                 str(model),
                 "--port",
                 str(port),
+                *flags,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -952,7 +953,8 @@ def case_runtime(args: argparse.Namespace) -> dict[str, Any]:
 
     model = Path(tiny_model_dir())
     port = int(args.port)
-    server = _engine_serve(model, port, Path(args.tmp) / "engine-serve.log")
+    lora = ["--enable-lora"] if "lora_adapter" in args.transport.split(",") else []
+    server = _engine_serve(model, port, Path(args.tmp) / "engine-serve.log", *lora)
     url = f"http://127.0.0.1:{port}"
     try:
         out = {}
@@ -997,7 +999,10 @@ def _runtime_step(
                 "max_in_flight": 4,
                 "max_staleness": 1,
             },
-            "trainer": {"backend": "megatron", "lr": 1e-3},
+            # lora_adapter: the trainer's LoRA adapters alone, loaded by the server by name
+            "trainer": {"backend": "megatron", "lr": 1e-3}
+            if transport != "lora_adapter"
+            else {"backend": "megatron", "lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}},
             "sync": {"transport": transport, "master_port": sync_port},
             "eval": {"before": False, "after": False},
         },
@@ -1016,6 +1021,12 @@ def _runtime_step(
                 "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
                 "return_logprob": True,
                 "logprob_start_len": 0,
+                # the adapter the runtime pushed (AdapterTransport's name for the version)
+                **(
+                    {"lora_path": f"agentrl-policy-v{rows[0]['extra']['version']}"}
+                    if transport == "lora_adapter"
+                    else {}
+                ),
             }
         ).encode()
         req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})

@@ -450,7 +450,8 @@ class EngineServer(OpenAIEndpoints, ControlPlane):
         if want_lp:
             meta["input_token_logprobs"] = []
             if start_len >= 0 and not waiting_abort:
-                lps = await self.engine.prompt_logprobs(prompt)
+                # with the request's adapter, as SGLang scores the prompt with it
+                lps = await self.engine.prompt_logprobs(prompt, lora=body.get("lora_path"))
                 entries = [None, *lps][start_len:]
                 meta["input_token_logprobs"] = [
                     [None if j == 0 else lp, tok, self._piece(tok) if with_text else None]

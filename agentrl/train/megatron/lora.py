@@ -263,8 +263,10 @@ class MegatronLora:
             prefix = f"{_PEFT_PREFIX}model.layers.{a.layer}."
             for name, b in zip(hf, Bs, strict=True):
                 module = prefix + name.removesuffix(".weight")
-                yield f"{module}.lora_A.weight", A
-                yield f"{module}.lora_B.weight", b
+                # Copies: a fused group's projections share A, and safetensors refuses tensors
+                # that share memory (the adapters are small).
+                yield f"{module}.lora_A.weight", A.clone()
+                yield f"{module}.lora_B.weight", b.clone()
 
     def adapter_config(self) -> dict[str, Any]:
         """`adapter_config.json` as PEFT writes it for these adapters."""
