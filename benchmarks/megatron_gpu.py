@@ -83,6 +83,8 @@ def model_config(args: argparse.Namespace) -> Any:
 
     if args.shape == "glm52":
         return glm52_proxy_config(args)
+    if args.shape == "glm45":
+        return glm45_proxy_config(args)
     tiny = args.tiny
     layers = args.layers or (4 if tiny else 8)
     hidden = args.hidden or (64 if tiny else 1024)
@@ -146,6 +148,34 @@ def glm52_proxy_config(args: argparse.Namespace) -> Any:
         index_skip_topk_offset=2,
         max_position_embeddings=max(8192, args.seq_len),
         rope_parameters={"rope_type": "default", "rope_theta": 8000000.0},
+    )
+
+
+def glm45_proxy_config(args: argparse.Namespace) -> Any:
+    """GLM-4.5's layer shapes (`glm4_moe`, shared/reference/glm45.md, recipes/_glm45.py): hidden
+    5120, 96 query heads in 8 groups of 128, QKV bias, half-rotary RoPE (base 1e6), dense FFN 12288,
+    expert FFN 1536 top-8 plus a shared expert. Fewer layers (default 4: 1 dense + 3 MoE), routed
+    experts (default 8: each token still runs 8 experts, as in GLM-4.5) and a smaller vocabulary."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=5120,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=args.layers or 4,
+        first_k_dense_replace=args.dense_layers,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        attention_bias=True,
+        use_qk_norm=False,
+        n_shared_experts=1,
+        n_routed_experts=args.experts or 8,
+        num_experts_per_tok=args.experts_per_token or 8,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=max(8192, args.seq_len),
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     )
 
 
@@ -220,10 +250,11 @@ def perf_run(
     result["matmul_tflops"] = matmul_tflops(device)
     print(f"matmul: {result['matmul_tflops']:.1f} TFLOP/s", flush=True)
     hf = hf_model(cfg)
+    lora = args.lora_rank > 0  # adapters only: the trainer's own reduction and AdamW (ddp auto)
     settings = MegatronSettings(  # as the main run: CPU = fp32 and the local reduction
         params_dtype="bfloat16" if on_gpu else "float32",
-        ddp="megatron" if on_gpu else "local",
-        distributed_optimizer=on_gpu,
+        ddp="megatron" if on_gpu and not lora else ("auto" if lora else "local"),
+        distributed_optimizer=on_gpu and not lora,
         moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         **parallel,
     )
@@ -232,6 +263,7 @@ def perf_run(
         max_tokens_per_micro_batch=args.mb_tokens,
         loss=LossConfig(use_tis=True, tis_clip=2.0),
         grad_clip=1.0,
+        lora={"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank} if lora else {},
     )
     t0 = time.perf_counter()
     tr = MegatronTrainer(cfg, config, settings, hf_state=hf.state_dict())
@@ -309,8 +341,9 @@ def model_summary(cfg: Any) -> dict[str, Any]:
         "hidden": cfg.hidden_size,
         "experts": cfg.n_routed_experts,
         "experts_per_token": cfg.num_experts_per_tok,
-        "index_topk": cfg.index_topk,
-        "index_topk_freq": cfg.index_topk_freq,
+        "model_type": cfg.model_type,
+        "index_topk": getattr(cfg, "index_topk", None),
+        "index_topk_freq": getattr(cfg, "index_topk_freq", None),
         "vocab": cfg.vocab_size,
     }
 
@@ -382,7 +415,12 @@ def hf_model(cfg: Any, seed: int = 0) -> Any:
     from transformers import GlmMoeDsaForCausalLM
 
     torch.manual_seed(seed)
-    hf = GlmMoeDsaForCausalLM(cfg).float().eval()
+    if cfg.model_type == "glm4_moe":
+        from transformers import Glm4MoeForCausalLM
+
+        hf = Glm4MoeForCausalLM(cfg).float().eval()
+    else:
+        hf = GlmMoeDsaForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("gate.weight"):
@@ -766,7 +804,13 @@ def main() -> None:
         "--index-topk-freq", type=int, default=None, help="DSA index sharing: 1 = none (default 2; glm52: 4)"
     )
     parser.add_argument(
-        "--shape", choices=["small", "glm52"], default="small", help="glm52: GLM-5.2's layer shapes"
+        "--shape",
+        choices=["small", "glm52", "glm45"],
+        default="small",
+        help="glm52: GLM-5.2's layer shapes (glm_moe_dsa); glm45: GLM-4.5's (glm4_moe)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="--perf-only: LoRA adapters of this rank (alpha 2 x rank)"
     )
     parser.add_argument(
         "--perf-only", action="store_true", help="time the bf16 step on random sequences only"

@@ -24,11 +24,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_bf16_logprobs_match_hf_and_a_grpo_step_runs_on_the_gpu(tmp_path: Path) -> None:
+    """Both model types (glm_moe_dsa, glm4_moe), with and without LoRA."""
     from tests.megatron_venv import run_case
 
-    r = run_case("gpu", tmp_path, interpreter=sys.executable)
-    assert r["logprob_max_abs_diff_bf16"] < 0.1  # bf16 weights and activations on both sides
-    assert r["skipped"] == 0 and r["loss"] == r["loss"]
+    for model, r in run_case("gpu", tmp_path, interpreter=sys.executable).items():
+        assert r["logprob_max_abs_diff_bf16"] < 0.1, model  # bf16 weights and activations on both sides
+        assert r["skipped"] == 0 and r["loss"] == r["loss"]
+        # LoRA on CUDA: its own reduction (not megatron's DDP), two finite steps that move B; the
+        # first step's loss is the full model's (B = 0: the same forward)
+        assert not r["lora_megatron_ddp"] and r["lora_skipped"] == [0, 0], model
+        assert all(x == x for x in r["lora_losses"]) and r["lora_b_moved"] > 0
+        assert r["lora_first_loss_equals_full"] <= 1e-3
 
 
 def test_megatrons_distributed_optimizer_resumes_to_the_same_next_step(tmp_path: Path) -> None:

@@ -1219,31 +1219,42 @@ def _from_checkpoint_names(state: dict[str, torch.Tensor], hf: Any) -> dict[str,
 
 def case_gpu(args: argparse.Namespace) -> dict[str, Any]:
     """GPU only (never run in CI): bf16 weights, the all-to-all MoE dispatcher and full recompute;
-    packed log-probs against the HF model in bf16, and one GRPO step."""
-    hf = tiny_hf().cuda()
-    tr = trainer(
-        hf.float(),
-        params_dtype="bfloat16",
-        moe_token_dispatcher_type="alltoall",
-        recompute="full",
-    )
-    batch = build_batch(samples(), max_tokens_per_micro_batch=64)
-    tr.model.eval()
-    diff = 0.0
-    with torch.no_grad():
-        hf_bf16 = hf.to(torch.bfloat16)
-        for mb in batch.micro_batches:
-            mb = mb.to(tr.device)
-            logp = tr.logprobs(mb)[0]
-            for r in range(mb.num_rows):
-                n = int(mb.attention_mask[r].sum())
-                ids = mb.input_ids[r : r + 1, :n]
-                ref = torch.log_softmax(hf_bf16(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[
-                    :, 0
-                ]
-                diff = max(diff, float((logp[r, 1:n] - ref).abs().max()))
-    step = tr.train_step(samples())
-    return {"logprob_max_abs_diff_bf16": diff, "loss": step["loss"], "skipped": step["skipped"]}
+    packed log-probs against the HF model in bf16, and one GRPO step; the same with LoRA (two steps,
+    the trainer's own reduction on CUDA, the absorbed MLA's folded adapter under recompute); for
+    `glm_moe_dsa` and `glm4_moe` (the packed SDPA core attention on CUDA)."""
+    out = {}
+    for model in ("dsa", "glm4"):
+        hf = tiny_hf(model=model).cuda()
+        gpu = {"params_dtype": "bfloat16", "moe_token_dispatcher_type": "alltoall", "recompute": "full"}
+        tr = trainer(hf.float(), **gpu)
+        batch = build_batch(samples(), max_tokens_per_micro_batch=64)
+        tr.model.eval()
+        diff = 0.0
+        with torch.no_grad():
+            hf_bf16 = hf.to(torch.bfloat16)
+            for mb in batch.micro_batches:
+                mb = mb.to(tr.device)
+                logp = tr.logprobs(mb)[0]
+                for r in range(mb.num_rows):
+                    n = int(mb.attention_mask[r].sum())
+                    ids = mb.input_ids[r : r + 1, :n]
+                    ref = torch.log_softmax(hf_bf16(ids).logits[0, :-1].float(), -1)
+                    ref = ref.gather(1, ids[0, 1:, None])[:, 0]
+                    diff = max(diff, float((logp[r, 1:n] - ref).abs().max()))
+        step = tr.train_step(samples())
+        lora = trainer(tiny_hf(model=model), lora={"rank": 4, "alpha": 8.0}, **gpu)
+        steps = [lora.train_step(samples()) for _ in range(2)]
+        out[model] = {
+            "logprob_max_abs_diff_bf16": diff,
+            "loss": step["loss"],
+            "skipped": step["skipped"],
+            "lora_megatron_ddp": lora.megatron_ddp,
+            "lora_losses": [s["loss"] for s in steps],
+            "lora_skipped": [s["skipped"] for s in steps],
+            "lora_first_loss_equals_full": abs(steps[0]["loss"] - step["loss"]),
+            "lora_b_moved": max(float(a.B.abs().max()) for a in lora.lora.adapters),
+        }
+    return out
 
 
 def case_gpu_r3_recompute(args: argparse.Namespace) -> dict[str, Any]:
