@@ -114,6 +114,10 @@ class MegatronLora:
                     chunk.get_submodule(name.rsplit(".", 1)[0]) if rule.megatron in _WEIGHT_READ else None
                 )
                 self.adapters.append(self._adapt(c, f"{name}.weight", layer, rule, module, seed, parent))
+        for chunk in chunks:
+            embedding = getattr(chunk, "embedding", None)  # the first pipeline stage's
+            if embedding is not None:
+                embedding.register_forward_hook(_require_grad)
         if not self.adapters:
             raise LoraError(
                 f"trainer.lora.targets {sorted(targets)} match no projection of this model; its "
@@ -285,6 +289,15 @@ class MegatronLora:
             "base_model_name_or_path": None,
             "modules_to_save": None,
         }
+
+
+def _require_grad(_module: Any, _args: Any, out: Any) -> Any:
+    """The frozen embedding's output made to require a gradient: megatron's activation
+    recompute (a reentrant autograd function) runs no backward for a block whose inputs need no
+    gradient, so without it the adapters inside a recomputed layer would get none."""
+    if torch.is_tensor(out) and not out.requires_grad:
+        return out.requires_grad_(True)
+    return out
 
 
 def _split(p: torch.Tensor, *, dim: int) -> None:
