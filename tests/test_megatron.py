@@ -161,6 +161,10 @@ def test_packed_logprobs_equal_transformers_and_the_hf_round_trip_is_exact(
     attention: fused QKV with bias, QK norm, half-rotary RoPE, our packed core attention) against
     Glm4MoeForCausalLM."""
     r = one_rank_cases[case]
+    if case == "glm4_parity":  # GLM-4.5's own setting: no QK norm (2 norms a layer fewer)
+        assert r["no_qk_norm_logprob_max_abs_diff"] <= 1e-4 and r["no_qk_norm_round_trip_exact"]
+        assert r["no_qk_norm_tensors"] == r["hf_tensors"] - 2 * 4
+        assert "has no DSA indexer" in r["indexer_loss_refusal"]
     assert r["packed_rows_per_micro_batch"] == [4]  # four sequences in one THD row
     assert r["logprob_max_abs_diff"] <= 1e-4 and r["entropy_max_abs_diff"] <= 1e-4
     assert r["round_trip_exact"] and r["missing"] == [] and r["extra"] == []
@@ -276,6 +280,13 @@ def test_lora_on_megatron_takes_the_brute_force_gradient_and_exports_what_an_eng
     assert r["frozen_weights_unchanged"]
     assert r["checkpoint_files"] == ["adapters-rank00000.pt"]
     assert r["resume_loss_abs_diff"] <= 1e-6 and r["resume_grad_norm_abs_diff"] <= 1e-6
+    # Refused with the reason: part of a fused group (glm4's q/k/v), a target matching nothing
+    # (the message lists the model's projections), megatron's DDP with LoRA.
+    refusals = r["refusals"]
+    if model == "glm4":
+        assert "megatron fuses ['q_proj', 'k_proj', 'v_proj']" in refusals["partial_fused_group"]
+    assert "match no projection" in refusals["no_target"] and "'o_proj'" in refusals["no_target"]
+    assert "ddp='auto'" in refusals["megatron_ddp"]
 
 
 @pytest.mark.slow

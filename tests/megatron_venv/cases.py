@@ -348,7 +348,21 @@ def lora_against_brute_force(model: str, tmp: Path) -> dict[str, Any]:
     again = trainer(tiny_hf(model=model), lora={"rank": rank, "alpha": alpha}, grad_clip=0.0)
     again.load(saved)
     resumed = again.train_step(samples())
+    refusals = {}
+    for name, kw in {
+        "partial_fused_group": {
+            "lora": {"rank": 4, "targets": ["q_proj", "o_proj", "q_a_proj", "kv_b_proj"]}
+        },
+        "no_target": {"lora": {"rank": 4, "targets": ["nothing_proj"]}},
+        "megatron_ddp": {"lora": {"rank": 4}, "ddp": "megatron"},
+    }.items():
+        try:
+            trainer(tiny_hf(model=model), **kw)
+            refusals[name] = None
+        except Exception as exc:  # LoraError / ConfigError
+            refusals[name] = f"{type(exc).__name__}: {exc}"
     return {
+        "refusals": refusals,
         "adapted_modules": modules,
         "targets": config["target_modules"],
         "merged_export_max_abs_diff": merged_export_diff,
@@ -366,8 +380,19 @@ def lora_against_brute_force(model: str, tmp: Path) -> dict[str, Any]:
 
 
 def case_glm4_parity(args: argparse.Namespace) -> dict[str, Any]:
-    """The same against Glm4MoeForCausalLM (grouped-query attention, QKV bias, QK norm, half RoPE)."""
-    return hf_parity(tiny_hf(model="glm4"), Path(args.tmp) / "glm4")
+    """The same against Glm4MoeForCausalLM (grouped-query attention, QKV bias, QK norm, half RoPE),
+    and without QK norm (GLM-4.5's own setting), with a refusal of the DSA-only indexer loss."""
+    out = hf_parity(tiny_hf(model="glm4"), Path(args.tmp) / "glm4")
+    plain = hf_parity(tiny_hf(model="glm4", use_qk_norm=False), Path(args.tmp) / "glm4-plain")
+    out["no_qk_norm_logprob_max_abs_diff"] = plain["logprob_max_abs_diff"]
+    out["no_qk_norm_round_trip_exact"] = plain["round_trip_exact"]
+    out["no_qk_norm_tensors"] = plain["hf_tensors"]
+    try:
+        trainer(tiny_hf(model="glm4"), dsa_indexer_loss_coeff=0.1)
+        out["indexer_loss_refusal"] = None
+    except Exception as exc:  # ModelConfigError
+        out["indexer_loss_refusal"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def hf_parity(hf: Any, tmp: Path) -> dict[str, Any]:
