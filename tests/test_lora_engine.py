@@ -141,7 +141,7 @@ async def test_over_http_the_server_takes_sglangs_lora_calls_and_the_client_sync
             })  # fmt: skip
             assert (await r.json())["output_ids"] == greedy(models["v1"], prompt)
             # The prompt is scored with the request's adapter too (SGLang's input_token_logprobs).
-            for lora, model in (("x", models["v1"]), (None, tiny[0].float())):
+            for lora, model in (("x", models["v1"]), (None, copy.deepcopy(tiny[0]).float())):
                 r = await http.post(f"{server.url}/generate", json={
                     "input_ids": prompt, "lora_path": lora, "return_logprob": True, "logprob_start_len": 0,
                     "sampling_params": {"temperature": 0, "max_new_tokens": 1},
@@ -151,7 +151,8 @@ async def test_over_http_the_server_takes_sglangs_lora_calls_and_the_client_sync
                     ids = torch.tensor([prompt])
                     want = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
                     want = want.gather(1, ids[0, 1:, None])[:, 0]
-                assert torch.allclose(torch.tensor(served), want, atol=1e-5), (lora, served, want.tolist())
+                got = torch.tensor(served, dtype=torch.float64)
+                assert torch.allclose(got, want.double(), atol=1e-5), (lora, served, want.tolist())
             chat = {
                 "model": "tiny:x",
                 "messages": [{"role": "user", "content": "hi"}],

@@ -334,12 +334,19 @@ class PodmanProvider(SandboxProvider):
 
     async def _prune_build(self, build_id: str) -> None:
         """The layers a failed build left (its cached intermediate images), unless a later image
-        was built on them: `image prune` removes only those with no child and no tag."""
-        rc, _, err = await run_cli(
-            self.cli, "image", "prune", "-f", "--filter", f"label={LABEL_BUILD}={build_id}", timeout=120
-        )
-        if rc != 0:
-            log.info("pruning the layers of a failed build: %s", tail(err.strip(), 200))
+        was built on them: `image prune` removes only those with no child and no tag. The failed
+        step's working container can outlive the build by a moment (seen on a loaded machine: it
+        holds the last layer, and that layer the ones under it), so the prune is tried again a
+        few times while layers of the build are left."""
+        label = f"label={LABEL_BUILD}={build_id}"
+        for attempt in range(3):  # (layers a later image was built on stay: at most 1.5 s lost)
+            rc, _, err = await run_cli(self.cli, "image", "prune", "-f", "--filter", label, timeout=120)
+            if rc != 0:
+                log.info("pruning the layers of a failed build: %s", tail(err.strip(), 200))
+            rc, out, _ = await run_cli(self.cli, "images", "-a", "-q", "--filter", label, timeout=60)
+            if rc != 0 or not out.split() or attempt == 2:
+                return
+            await asyncio.sleep(0.5 * (attempt + 1))
 
     # -- containers -----------------------------------------------------------------------------
     def _network(self, task: Task) -> str:
