@@ -124,6 +124,7 @@ TWO_RANK_LAYOUTS = [
     "lora-tp2",
     "lora-cp2",
     "lora-pp2",
+    "lora-vpp2",
     "glm4-lora-tp2",
 ]
 
@@ -291,11 +292,12 @@ def test_lora_on_megatron_takes_the_brute_force_gradient_and_exports_what_an_eng
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("layout", ["lora-tp2", "lora-cp2", "lora-pp2", "glm4-lora-tp2"])
+@pytest.mark.parametrize("layout", ["lora-tp2", "lora-cp2", "lora-pp2", "lora-vpp2", "glm4-lora-tp2"])
 def test_lora_layouts_take_the_same_step_as_one_rank(two_rank_layouts: dict, layout: str) -> None:
     """Two LoRA steps (the second moves A too) under TP2 (adapters cut like their linears, the
-    low-rank products gathered / reduce-scattered over the sequence), CP2 and PP2: the adapters'
-    gradients and values (PEFT names, gathered) and the merged export equal one rank's."""
+    low-rank products gathered / reduce-scattered over the sequence), CP2, PP2 and PP2 x VPP2 (two
+    model chunks a rank): the adapters' gradients and values (PEFT names, gathered) and the merged
+    export equal one rank's."""
     _same_step(two_rank_layouts[layout])
 
 

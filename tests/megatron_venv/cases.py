@@ -491,6 +491,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "lora": {"rank": 4, "alpha": 8.0},
         "reference": "4-lora",
     },
+    # two model chunks per rank (interleaved): each chunk's adapters, folded and exported per chunk
+    "lora-vpp2": {"layers": 8, "pp": 2, "vpp": 2, "lora": {"rank": 4, "alpha": 8.0}, "reference": "8-lora"},
     "glm4-lora-tp2": {"model": "glm4", "tp": 2, "lora": {"rank": 4, "alpha": 8.0}, "reference": "glm4-lora"},
     # torch_dist save at TP=2 and a resume in a fresh trainer (not a step against one rank)
     "tp2-checkpoint": {"tp": 2, "checkpoint": True},
@@ -695,6 +697,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "4-r3": {"layers": 4, "routing_replay": True},
     "glm4": {"model": "glm4"},
     "4-lora": {"layers": 4, "lora": {"rank": 4, "alpha": 8.0}},
+    "8-lora": {"layers": 8, "lora": {"rank": 4, "alpha": 8.0}},
     "glm4-lora": {"model": "glm4", "lora": {"rank": 4, "alpha": 8.0}},
 }
 
