@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,3 +74,29 @@ def all_reduce_flat(grads: list[torch.Tensor], group: Any, *, mean: bool = False
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def from_every_stage(
+    mine: Callable[[], Iterator[tuple[str, torch.Tensor]]], pp_rank: int, pp_size: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`mine()` of every pipeline stage in stage order (named tensors), broadcast from the stage
+    that makes them, so every rank yields every tensor; every rank iterates it to the end together."""
+    if pp_size == 1:
+        yield from mine()
+        return
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    for owner in range(pp_size):
+        source = mine() if owner == pp_rank else iter(())
+        while True:
+            item = next(source, None) if owner == pp_rank else None
+            head: list[Any] = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(head, src=ranks[owner], group=group)
+            if head[0] is None:
+                break
+            name, shape, dtype = head[0]
+            t = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=ranks[owner], group=group)
+            yield name, t

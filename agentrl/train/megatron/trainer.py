@@ -314,41 +314,15 @@ class MegatronTrainer(CheckpointMixin):
                     fold=self.lora.fold(i) if self.lora is not None else None,
                 )
 
-        return self._from_every_stage(mine)
-
-    def _from_every_stage(
-        self, mine: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """`mine()` of every pipeline stage in stage order, broadcast from the stage that makes it,
-        so every rank yields every tensor (every rank iterates it to the end together)."""
-        if self.pp_size == 1:
-            yield from mine()
-            return
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_pipeline_model_parallel_group()
-        ranks = dist.get_process_group_ranks(group)
-        for owner in range(self.pp_size):
-            source = mine() if owner == self.pp_rank else iter(())
-            while True:
-                item = next(source, None) if owner == self.pp_rank else None
-                head: list[Any] = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
-                dist.broadcast_object_list(head, src=ranks[owner], group=group)
-                if head[0] is None:
-                    break
-                name, shape, dtype = head[0]
-                if item is not None:
-                    t = item[1].contiguous()
-                else:
-                    t = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.broadcast(t, src=ranks[owner], group=group)
-                yield name, t
+        return parallel.from_every_stage(mine, self.pp_rank, self.pp_size, self.device)
 
     def export_adapter(self, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The trained adapters alone, whole, under PEFT's names, in one bucket
         (`sync.transport=lora_adapter`); every rank iterates it together."""
         lora = self._lora("export_adapter")
-        named = self._from_every_stage(lambda: lora.hf_adapters(self.tp_group, self.arch))
+        named = parallel.from_every_stage(
+            lambda: lora.hf_adapters(self.tp_group, self.arch), self.pp_rank, self.pp_size, self.device
+        )
         return bucket_named_tensors(named, dtype=dtype, bucket_bytes=1 << 62)
 
     def adapter_config(self) -> dict[str, Any]:
