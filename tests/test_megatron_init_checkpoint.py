@@ -69,11 +69,15 @@ def test_an_unfinished_conversion_or_copy_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_checkpoint_converted_at_tp1_starts_trainers_at_tp2_and_pp2_vpp2_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["dsa", "glm4"])
+def test_a_checkpoint_converted_at_tp1_starts_trainers_at_tp2_and_pp2_vpp2_exactly(
+    tmp_path: Path, model: str
+) -> None:
     """`prepare`'s conversion (one rank), then in one two-rank launch: trainers built from it at
     TP2 and at PP2 x VPP2 export exactly the HF checkpoint's tensors (names, dtypes, values); a
     run checkpoint (every weight moved) wins over the init checkpoint on resume; a 4-layer model
-    refuses the 8-layer checkpoint."""
+    refuses the 8-layer checkpoint. For `glm_moe_dsa` and `glm4_moe` (GLM-4.5: the fused QKV and
+    its biases split by query group over TP)."""
     from agentrl.cluster.planner import Layout
     from agentrl.cluster.prepare import convert_to_megatron
     from tests.megatron_venv import python, run_case
@@ -81,7 +85,9 @@ def test_a_checkpoint_converted_at_tp1_starts_trainers_at_tp2_and_pp2_vpp2_exact
 
     python()  # skips without a Python >= 3.12
     hf_dir = tmp_path / "hf"
-    tiny_hf(**_shape(8)).save_pretrained(hf_dir)
+    (tiny_hf(**_shape(8)) if model == "dsa" else tiny_hf(model="glm4", num_hidden_layers=8)).save_pretrained(
+        hf_dir
+    )
     out = tmp_path / "megatron"
     report = convert_to_megatron(hf_dir, out, Layout(1, 1, 1, 1))
     assert report["max_abs_diff"] == 0 and report["ranks"] == 1

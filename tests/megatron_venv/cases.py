@@ -875,7 +875,12 @@ def case_init_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
     }
     try:
-        build(tiny_config(num_hidden_layers=4, index_skip_topk_offset=1), tp=2)
+        fewer = (
+            tiny_config(num_hidden_layers=4, index_skip_topk_offset=1)
+            if cfg.model_type == "glm_moe_dsa"
+            else tiny_glm4_config(num_hidden_layers=4)
+        )
+        build(fewer, tp=2)
         out["fewer_layers_error"] = None
     except InitCheckpointError as exc:
         out["fewer_layers_error"] = str(exc)
