@@ -1,7 +1,8 @@
 """Grouped-query attention models (`glm4_moe`, GLM-4.5) on megatron-core's own modules.
 
 megatron's `SelfAttention` (fused QKV, optional QK norm, partial rotary embeddings) and its MoE,
-with one module of ours: `PackedCoreAttention`, the core attention over packed (THD) sequences.
+with one module of ours: `PackedCoreAttention`, the core attention over packed (THD) sequences (`packing.PackedRows`'
+`packed_seq_params`, which carry the sequence lengths and the CP gather order).
 megatron's local `DotProductAttention` refuses packed sequences and context parallelism (both are
 TransformerEngine-only there), and the trainer packs every micro-batch; this one runs torch's
 `scaled_dot_product_attention` per sequence (flash / memory-efficient kernels on a GPU, causal
@@ -10,7 +11,6 @@ masks aligned at the bottom right), on a CPU and on a GPU, under TP (local heads
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -18,8 +18,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention.bias import causal_lower_right
-
-from agentrl.train.megatron.packing import zigzag
 
 
 class _GatherKeysValues(torch.autograd.Function):
@@ -74,12 +72,13 @@ class PackedCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("PackedCoreAttention takes packed (THD) sequences: pass packed_seq_params")
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        lengths = [b - a for a, b in itertools.pairwise(cu)]
+        # The packed row's sequence lengths and (under CP) the order that puts the gathered ranks'
+        # tokens back in place: `PackedRows` made both on the host once per micro-batch.
+        lengths = packed_seq_params.agentrl_lengths
         cp = ps.get_context_parallel_world_size()
         if cp > 1:
             group = ps.get_context_parallel_group()
-            order = torch.argsort(torch.cat([zigzag(lengths, cp, r) for r in range(cp)])).to(key.device)
+            order = packed_seq_params.agentrl_gather_order
             key = _GatherKeysValues.apply(key, group)[order]
             value = _GatherKeysValues.apply(value, group)[order]
         rank = ps.get_context_parallel_rank() if cp > 1 else 0

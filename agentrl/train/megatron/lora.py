@@ -190,7 +190,9 @@ class MegatronLora:
     def _delta(self, a: Adapter, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        x = torch.nn.functional.dropout(x.float(), self.config.dropout, training=a.module.training)
+        x = x.float()
+        if self.config.dropout:
+            x = torch.nn.functional.dropout(x, self.config.dropout, training=a.module.training)
         z = x @ a.A.t()
         if a.rule.kind in _COLUMN and self.sequence_parallel:
             z = mappings.gather_from_sequence_parallel_region(z)

@@ -201,7 +201,7 @@ def _shared_fields(hf_config: Any, settings: MegatronSettings) -> dict[str, Any]
 
 
 def rotary(hf_config: Any) -> tuple[float, float]:
-    """(base, fraction of each head's dimensions rotated) of a glm4_moe config; transformers 5
+    """(base, fraction of each head's dimensions rotated) of the config's RoPE; transformers 5
     keeps both in `rope_parameters`, older configs at the top level."""
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     base = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -233,7 +233,6 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
             qk_layernorm=bool(getattr(hf_config, "use_qk_norm", False)),
         )
     freq, offset = megatron_index_sharing(hf_config)
-    rope = dict(hf_config.rope_parameters)
     return MLATransformerConfig(
         **shared,
         # MLA
@@ -245,7 +244,7 @@ def transformer_config(hf_config: Any, settings: MegatronSettings) -> Any:
         v_head_dim=hf_config.v_head_dim,
         qk_layernorm=True,
         rope_type="rope",
-        rotary_base=float(rope["rope_theta"]),
+        rotary_base=rotary(hf_config)[0],
         rotary_scaling_factor=1.0,
         mscale=1.0,
         mscale_all_dim=1.0,

@@ -95,6 +95,10 @@ class PackedRows:
         )
         if mark_padding:
             params.real_token_mask_q = self.real_mask if self.cp == 1 else self.real_mask[self.local]
+        # For `gqa.PackedCoreAttention`: the lengths on the host (no device sync in every layer)
+        # and, under CP, the order of the all-gathered ranks' tokens in the packed row.
+        params.agentrl_lengths = self.lengths
+        params.agentrl_gather_order = self.gather_order if self.cp > 1 else None
         return params
 
     def targets(self) -> torch.Tensor:
