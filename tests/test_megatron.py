@@ -281,6 +281,16 @@ def test_lora_on_megatron_takes_the_brute_force_gradient_and_exports_what_an_eng
     assert r["frozen_weights_unchanged"]
     assert r["checkpoint_files"] == ["adapters-rank00000.pt"]
     assert r["resume_loss_abs_diff"] <= 1e-6 and r["resume_grad_norm_abs_diff"] <= 1e-6
+    # A LoRA checkpoint and a full one do not load into each other's trainers.
+    mismatch = r["checkpoint_mismatch"]
+    assert (
+        mismatch["lora_into_full"].startswith("CheckpointError")
+        and "holds LoRA adapters only" in mismatch["lora_into_full"]
+    )
+    assert (
+        mismatch["full_into_lora"].startswith("CheckpointError")
+        and "saved without LoRA?" in mismatch["full_into_lora"]
+    )
     # Refused with the reason: part of a fused group (glm4's q/k/v), a target matching nothing
     # (the message lists the model's projections), megatron's DDP with LoRA.
     refusals = r["refusals"]

@@ -348,6 +348,18 @@ def lora_against_brute_force(model: str, tmp: Path) -> dict[str, Any]:
     again = trainer(tiny_hf(model=model), lora={"rank": rank, "alpha": alpha}, grad_clip=0.0)
     again.load(saved)
     resumed = again.train_step(samples())
+    # A LoRA checkpoint into a trainer without LoRA, and a full one into a LoRA trainer: refused.
+    mismatch = {}
+    full_saved = full.save(tmp / "ckpt-full")
+    for name, (tr_kw, path) in {
+        "lora_into_full": ({}, saved),
+        "full_into_lora": ({"lora": {"rank": rank, "alpha": alpha}}, full_saved),
+    }.items():
+        try:
+            trainer(tiny_hf(model=model), grad_clip=0.0, **tr_kw).load(path)
+            mismatch[name] = None
+        except Exception as exc:  # CheckpointError
+            mismatch[name] = f"{type(exc).__name__}: {exc}"
     refusals = {}
     for name, kw in {
         "partial_fused_group": {
@@ -376,6 +388,7 @@ def lora_against_brute_force(model: str, tmp: Path) -> dict[str, Any]:
         "checkpoint_files": files,
         "resume_loss_abs_diff": abs(nxt["loss"] - resumed["loss"]),
         "resume_grad_norm_abs_diff": abs(nxt["grad_norm"] - resumed["grad_norm"]),
+        "checkpoint_mismatch": mismatch,
     }
 
 
