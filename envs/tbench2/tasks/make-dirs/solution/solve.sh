@@ -1,3 +1,3 @@
 #!/bin/bash
 set -euo pipefail
-mkdir -p /app/project/src /app/project/tests /app/project/docs
+mkdir -p /app/project/{src,tests,docs}

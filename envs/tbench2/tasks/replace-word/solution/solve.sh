@@ -1,3 +1,3 @@
 #!/bin/bash
 set -euo pipefail
-sed -i 's/colour/color/g; s/Colour/Color/g' /app/notes.txt
+sed -i s/olour/olor/g /app/notes.txt
