@@ -1,3 +1,3 @@
 #!/bin/bash
 set -euo pipefail
-tr a-z A-Z < /app/input.txt > /app/output.txt
+tr '[:lower:]' '[:upper:]' < /app/input.txt > /app/output.txt
