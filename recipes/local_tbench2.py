@@ -145,7 +145,8 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
             await close_parts(parts)
 
     result = asyncio.run(go())
-    parts.trainer.model.save_pretrained(cfg.out_dir / "final")  # type: ignore[attr-defined]
+    # The policy as a plain model any loader (and `eval`) takes: with LoRA, the adapters merged.
+    parts.trainer.engine_model().save_pretrained(cfg.out_dir / "final")  # type: ignore[attr-defined]
     parts.tokenizer.save_pretrained(cfg.out_dir / "final")
     console.print(result.summary(), markup=False, soft_wrap=True)
 

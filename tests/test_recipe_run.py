@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 pytestmark = [pytest.mark.container, pytest.mark.slow]
@@ -93,6 +94,11 @@ def test_prepare_train_and_eval_over_http(recipe, tmp_path: Path) -> None:
     assert all(e["episodes"] == 2 and e["unscored"] == 0 for e in evals)
     for name in ("reward.png", "final/config.json", "final/tokenizer.json"):
         assert (out / name).is_file(), name
+    # The demo trains LoRA adapters; `final` is the plain model with them merged, which any loader
+    # (and the recipe's own `eval`) takes.
+    assert json.loads((out / "config.json").read_text())["trainer"]["lora"]["rank"] > 0
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert not any("lora" in name for name in final.state_dict())
     assert any((out / "checkpoints").iterdir())
     assert len(list((out / "records").glob("*.jsonl"))) >= 4
     assert json.loads((out / "config.json").read_text())["trainer"]["num_minibatches"] == 2
