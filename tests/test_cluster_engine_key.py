@@ -90,6 +90,32 @@ def test_the_launcher_refuses_a_program_it_cannot_key(tmp_path: Path) -> None:
     assert KEY not in out.stderr + out.stdout
 
 
+@pytest.mark.parametrize("key", ["-" + "x" * 42, "--" + "y" * 41, KEY])
+def test_a_key_that_starts_with_a_dash_reaches_every_program_as_its_value(key: str) -> None:
+    """token_urlsafe draws '-' first one time in 64: the key must still be the flag's value in
+    smg's own parser, SGLang's (argparse, `--api-key` with type=str) and `agentrl engine serve`'s."""
+    import argparse
+
+    import typer.main
+
+    from agentrl.cli.engine import app
+    from agentrl.cluster.launch import _key_args
+
+    smg = pytest.importorskip("smg.launch_router")
+    router = smg.parse_router_args(["--worker-urls", "http://127.0.0.1:1", *_key_args("smg", key)])
+    assert router.api_key == key
+    assert [k[2] for k in router.control_plane_api_keys] == [key]  # (id, name, key, role)
+
+    sglang = argparse.ArgumentParser()
+    sglang.add_argument("--model-path", type=str)
+    sglang.add_argument("--api-key", type=str, default=None)
+    assert sglang.parse_args(["--model-path", "/m", *_key_args("sglang.launch_server", key)]).api_key == key
+
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    ctx = serve.make_context("serve", ["--model", "/m", *_key_args("agentrl.cli", key)])
+    assert ctx.params["api_key"] == key
+
+
 def test_redaction_catches_a_key_split_across_reads() -> None:
     import threading
 
@@ -297,6 +323,6 @@ def test_launcher_gives_sglang_its_key_in_process_and_redacts_what_it_and_its_ch
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert KEY not in out.stdout + out.stderr
-    assert "server_args=['--model-path', '/m', '--port', '30000', '--api-key', '<engine-key>']" in out.stdout
+    assert "server_args=['--model-path', '/m', '--port', '30000', '--api-key=<engine-key>']" in out.stdout
     assert "scheduler server_args=" in out.stdout and out.stdout.count("<engine-key>") == 2
-    assert "stderr <engine-key>" in out.stderr
+    assert "stderr --api-key=<engine-key>" in out.stderr

@@ -69,10 +69,12 @@ def keyed(argv: list[str] | tuple[str, ...], key_file: str, python: str = "pytho
 
 
 def _key_args(program: str, key: str) -> list[str]:
+    # `--api-key=KEY`, never `--api-key KEY`: a random key may start with '-', which argparse
+    # (SGLang's and smg's parsers) then reads as an option and refuses ("expected one argument").
     if program == "smg":
-        return ["--api-key", key, "--control-plane-api-keys", f"agentrl:agentrl:admin:{key}"]
+        return [f"--api-key={key}", "--control-plane-api-keys", f"agentrl:agentrl:admin:{key}"]
     if program in ("sglang.launch_server", "agentrl.cli"):
-        return ["--api-key", key]
+        return [f"--api-key={key}"]
     raise EngineKeyError(
         f"agentrl.cluster.launch does not know how to give {program!r} its key: it starts "
         f"`python -m sglang.launch_server`, `python -m agentrl.cli engine serve` and `smg`"
