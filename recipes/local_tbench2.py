@@ -145,9 +145,6 @@ def train(set_: list[str] = SET, config: Path = CONFIG, dry_run: bool = DRY) -> 
             await close_parts(parts)
 
     result = asyncio.run(go())
-    # The policy as a plain model any loader (and `eval`) takes: with LoRA, the adapters merged.
-    parts.trainer.engine_model().save_pretrained(cfg.out_dir / "final")  # type: ignore[attr-defined]
-    parts.tokenizer.save_pretrained(cfg.out_dir / "final")
     console.print(result.summary(), markup=False, soft_wrap=True)
 
 

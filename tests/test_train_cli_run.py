@@ -71,6 +71,10 @@ every = 1
     assert [r["step"] for r in rows] == [1, 2]
     saved = json.loads((run / "config.json").read_text())
     assert saved["engine"]["model"] == str(model) and saved["env"]["tasks"] == str(tasks)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = AutoModelForCausalLM.from_pretrained(run / "final")  # the policy as a plain model
+    assert final.config.vocab_size == AutoTokenizer.from_pretrained(run / "final").vocab_size
 
     again = agentrl("train", "run", "--resume", str(run), "--set", "steps=4")
     assert again.returncode == 0, again.stdout + again.stderr

@@ -379,6 +379,7 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
                         evals_path.write_text(json.dumps(evals, indent=1))
             await aside.wait()
         parts.trainer.save(ckpt_root, buffer_state={"step": step, "rollout": manager.state_dict()})
+        _save_policy(parts, out / "final")
         history = tracker.history
     if cfg.eval.after:
         evals.append(await run_eval(cfg, parts, label="after", step=step, reporter=reporter))
@@ -386,6 +387,18 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
     sinks.log(evals)
     _plot(cfg, evals)
     return RunResult(step, evals, history, out, time.monotonic() - t0)
+
+
+def _save_policy(parts: RunParts, path: Path) -> None:
+    """`<out>/final`: the trained policy as a plain Hugging Face model with its tokenizer, which any
+    loader, `agentrl eval` and `agentrl engine serve` take (LoRA adapters merged in). Only a
+    trainer that holds the whole model in this process has one (`engine_model`); Megatron's ranks
+    export through their converter (docs/megatron.md)."""
+    engine_model = getattr(parts.trainer, "engine_model", None)
+    if engine_model is None or not hasattr(parts.tokenizer, "save_pretrained"):
+        return
+    engine_model().save_pretrained(path)
+    parts.tokenizer.save_pretrained(path)
 
 
 def _time_left(t0: float, done: int, left: int) -> str:
