@@ -52,6 +52,8 @@ from daytona.common.errors import (
     DaytonaValidationError,
 )
 from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
+from daytona.common.snapshot import Snapshot
+from daytona_api_client import SnapshotState
 from daytona_toolbox_api_client_async import Command, FileInfo
 from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
 
@@ -111,6 +113,25 @@ class PodmanRuntime:
     async def start(self, sandbox_id: str, params: CreateSandboxFromImageParams) -> str:
         image = params.image if isinstance(params.image, Image) else Image.base(params.image)
         tag = await self._build(image)
+        memory = params.resources.memory if params.resources is not None else None
+        return await self.run(sandbox_id, tag, params, memory)
+
+    async def commit(self, container: str, name: str) -> str:
+        """A snapshot of the container's filesystem as an image (the runner pauses the sandbox and
+        commits it; the processes are not part of it)."""
+        tag = f"localhost/fake-daytona/snapshot:{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+        rc, _, err = await run_cli(self.cli, "commit", "--pause=true", container, tag, timeout=300)
+        if rc != 0:
+            raise DaytonaError(f"Failed to create snapshot: {err[-500:]}")
+        return tag
+
+    async def run(
+        self,
+        sandbox_id: str,
+        tag: str,
+        params: CreateSandboxFromImageParams | CreateSandboxFromSnapshotParams,
+        memory: int | None,
+    ) -> str:
         name = f"fake-daytona-{sandbox_id}"
         # Daytona's runner blocks the network from outside the sandbox, and can open it again
         # (`update_network_settings`): a bridge with an nftables drop set from the host does both.
@@ -124,8 +145,8 @@ class PodmanRuntime:
             "--network",
             "bridge",
         ]
-        if params.resources is not None and params.resources.memory:
-            args += ["--memory", f"{params.resources.memory}g"]
+        if memory:
+            args += ["--memory", f"{memory}g"]
         if params.os_user:
             args += ["--user", params.os_user]
         for key, value in (params.env_vars or {}).items():
@@ -184,6 +205,9 @@ class FakeDaytonaServer:
         self.deleted: list[str] = []
         self.refreshes: dict[str, int] = {}
         self.clients_closed = 0
+        # Snapshots made from sandboxes: name -> (image tag, memory GB, source sandbox id).
+        self.snapshots: dict[str, tuple[str, int | None, str]] = {}
+        self.snapshots_deleted: list[str] = []
 
     def client(self) -> FakeAsyncDaytona:
         return FakeAsyncDaytona(self)
@@ -204,6 +228,7 @@ class FakeAsyncDaytona:
 
     def __init__(self, server: FakeDaytonaServer) -> None:
         self.server = server
+        self.snapshot = FakeAsyncSnapshotService(server)
 
     async def create(
         self,
@@ -222,8 +247,16 @@ class FakeAsyncDaytona:
             raise DaytonaConflictError(f"Sandbox with name {params.name} already exists", status_code=409)
         sandbox = FakeAsyncSandbox(server, params)
         server.sandboxes[sandbox.id] = sandbox
-        if server.runtime is not None and isinstance(params, CreateSandboxFromImageParams):
+        if isinstance(params, CreateSandboxFromSnapshotParams):
+            if params.snapshot not in server.snapshots:
+                server.sandboxes.pop(sandbox.id)
+                raise DaytonaNotFoundError(f"Snapshot {params.snapshot} not found", status_code=404)
+            tag, memory, _ = server.snapshots[params.snapshot]
+            if server.runtime is not None:
+                sandbox.container = await server.runtime.run(sandbox.id, tag, params, memory)
+        elif server.runtime is not None:
             sandbox.container = await server.runtime.start(sandbox.id, params)
+            sandbox.memory = params.resources.memory if params.resources is not None else None
         server.starting.set()
         if server.start_delay_s:
             try:
@@ -261,6 +294,48 @@ class FakeAsyncDaytona:
         self.server.clients_closed += 1
 
 
+class FakeAsyncSnapshotService:
+    """`AsyncDaytona.snapshot`'s get / delete for snapshots made from sandboxes."""
+
+    def __init__(self, server: FakeDaytonaServer) -> None:
+        self.server = server
+
+    async def get(self, name: str) -> Snapshot:
+        if name not in self.server.snapshots:
+            raise DaytonaNotFoundError(f"Snapshot with name {name} not found", status_code=404)
+        tag, memory, source = self.server.snapshots[name]
+        now = datetime.now(UTC)
+        return Snapshot.model_validate(
+            {
+                "id": hashlib.sha256(name.encode()).hexdigest()[:32],
+                "general": False,
+                "name": name,
+                "image_name": tag,
+                "state": SnapshotState.ACTIVE,
+                "size": None,
+                "entrypoint": None,
+                "cpu": 1,
+                "gpu": 0,
+                "mem": memory or 1,
+                "disk": 3,
+                "error_reason": None,
+                "created_at": now,
+                "updated_at": now,
+                "last_used_at": None,
+                "source_sandbox_id": source,
+            }
+        )
+
+    async def delete(self, snapshot: Snapshot | str) -> None:
+        name = snapshot if isinstance(snapshot, str) else snapshot.name
+        found = self.server.snapshots.pop(name, None)
+        if found is None:
+            raise DaytonaNotFoundError(f"Snapshot with name {name} not found", status_code=404)
+        self.server.snapshots_deleted.append(name)
+        if self.server.runtime is not None:
+            await run_cli(self.server.runtime.cli, "rmi", "-f", found[0], timeout=120)
+
+
 class FakeAsyncSandbox:
     """A sandbox as `AsyncSandbox` presents it: attributes, `process`, `fs`, delete, activity."""
 
@@ -283,6 +358,7 @@ class FakeAsyncSandbox:
         self.created_at = self.created.isoformat()
         self.state = "creating"
         self.container: str | None = None
+        self.memory: int | None = None
         self.process = FakeAsyncProcess(self)
         self.fs = FakeAsyncFileSystem(self)
 
@@ -307,6 +383,14 @@ class FakeAsyncSandbox:
             container, firewall(network_block_all, network_allow_list, domain_allow_list)
         )
         self.network_block_all, self.domain_allow_list = block, domain_allow_list
+
+    async def create_snapshot(self, name: str, timeout: float | None = 60) -> None:
+        """As the SDK's: the sandbox's filesystem as a new snapshot `name` (a name taken is a
+        conflict); the snapshot is `active` when this returns."""
+        if name in self.server.snapshots:
+            raise DaytonaConflictError(f"Snapshot with name {name} already exists", status_code=409)
+        runtime, container = self.runtime()
+        self.server.snapshots[name] = (await runtime.commit(container, name), self.memory, self.id)
 
     def runtime(self) -> tuple[PodmanRuntime, str]:
         if self.id not in self.server.sandboxes:

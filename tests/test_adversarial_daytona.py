@@ -12,6 +12,7 @@ import subprocess
 import uuid
 
 import pytest
+from daytona import CreateSandboxFromSnapshotParams
 
 from agentrl.agent.tokens import ChatRenderer
 from agentrl.engine.scripted import ScriptedEngine
@@ -21,7 +22,7 @@ from agentrl.sandbox.daytona import DaytonaProvider
 from agentrl.tasks.task import load_task
 from tests.chat_tokenizer import byte_tokenizer
 from tests.fake_daytona import FAKE_LABEL, FakeDaytonaServer, PodmanRuntime
-from tests.test_adversarial_podman import FAIL, GUARDED, HONEST, episode_config, fenced
+from tests.test_adversarial_podman import FAIL, GUARDED, HONEST, episode_config, fenced, script
 
 CLI = os.environ.get("AGENTRL_CONTAINER_CLI", "podman")
 
@@ -119,11 +120,14 @@ async def episode(provider: DaytonaProvider, commands: list[str]) -> EpisodeResu
     )
 
 
+@pytest.mark.parametrize("private", [False, True], ids=["in-place", "private"])
 @pytest.mark.parametrize(("name", "commands", "expected"), ATTACKS, ids=[a[0] for a in ATTACKS])
 async def test_attack_through_daytona_scores_zero_and_the_run_goes_on(
-    server: FakeDaytonaServer, name: str, commands: list[str], expected: object
+    server: FakeDaytonaServer, name: str, commands: list[str], expected: object, private: bool
 ) -> None:
-    provider = DaytonaProvider(client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0)
+    provider = DaytonaProvider(
+        client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0, private_verification=private
+    )
     try:
         result = await episode(provider, commands)
         assert result.verify is not None
@@ -139,6 +143,53 @@ async def test_attack_through_daytona_scores_zero_and_the_run_goes_on(
     finally:
         await provider.aclose()
     assert provider.live_sandboxes() == 0
+    assert server.snapshots == {}  # every verification's snapshot deleted with its copy
+
+
+# A server the agent leaves listening on a TCP port is kept through the kill (a task may ask for a
+# service). This one waits for the tests to write their reward and then replaces it. In the sandbox
+# itself nothing stops it; in a copy made from a snapshot it does not exist.
+WRITER = """import os, socket, time
+s = socket.socket(); s.bind(("127.0.0.1", 8079)); s.listen()
+r = "/logs/verifier/reward.txt"
+while True:
+    try:
+        if os.path.exists("/tests/test.sh") and open(r).read().strip() != "1":
+            open(r, "w").write("1")
+    except OSError:
+        pass
+    time.sleep(0.005)
+"""
+LISTENING_WRITER = [
+    script("/root/writer.py", *WRITER.splitlines()),
+    "setsid python3 /root/writer.py >/dev/null 2>&1 < /dev/null &",
+    "sleep 1",
+]
+
+
+async def test_a_listening_reward_writer_wins_in_place_and_loses_to_a_private_verification(
+    server: FakeDaytonaServer,
+) -> None:
+    outcomes = {}
+    for private in (False, True):
+        provider = DaytonaProvider(
+            client_factory=server.client, backoff_initial_s=0.01, keepalive_s=0, private_verification=private
+        )
+        try:
+            result = await episode(provider, LISTENING_WRITER)
+            assert result.verify is not None
+            outcomes[private] = (result.verify.outcome, result.episode.reward)
+            if private:
+                assert (await episode(provider, HONEST)).episode.reward == 1.0
+        finally:
+            await provider.aclose()
+        assert provider.live_sandboxes() == 0
+    assert outcomes == {False: ("pass", 1.0), True: ("fail", 0.0)}  # the in-place gap: docs/failures.md
+    # One snapshot per private verification (the attack's and the honest run's), each deleted.
+    assert len(server.snapshots_deleted) == 2 and server.snapshots == {}
+    copies = [p for p in server.create_params if isinstance(p, CreateSandboxFromSnapshotParams)]
+    assert [p.snapshot for p in copies] == server.snapshots_deleted
+    assert all(p.network_block_all for p in copies)  # the verifier phase's network: none here
 
 
 async def test_a_process_that_survives_the_kill_is_seen_from_outside(

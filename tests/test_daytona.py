@@ -19,6 +19,7 @@ from daytona import (
     AsyncDaytona,
     AsyncSandbox,
     CreateSandboxFromImageParams,
+    CreateSandboxFromSnapshotParams,
     DaytonaError,
     DaytonaRateLimitError,
     DaytonaServiceUnavailableError,
@@ -26,6 +27,7 @@ from daytona import (
 )
 from daytona._async.filesystem import AsyncFileSystem
 from daytona._async.process import AsyncProcess
+from daytona._async.snapshot import AsyncSnapshotService
 from daytona.common.errors import DaytonaConnectionError
 from daytona_api_client_async.models import ListSandboxesResponse, SandboxListItem
 from daytona_api_client_async.models import Sandbox as SandboxDto
@@ -60,6 +62,7 @@ from tests.fake_daytona import (
     FakeAsyncFileSystem,
     FakeAsyncProcess,
     FakeAsyncSandbox,
+    FakeAsyncSnapshotService,
     FakeDaytonaServer,
 )
 
@@ -93,7 +96,12 @@ def provider_on(server: FakeDaytonaServer, **options) -> DaytonaProvider:
 # -- the fake cannot drift from the SDK -------------------------------------------------------------
 SURFACE = [
     (FakeAsyncDaytona, AsyncDaytona, ["create", "delete", "get", "list", "close"]),
-    (FakeAsyncSandbox, AsyncSandbox, ["delete", "refresh_activity", "update_network_settings"]),
+    (
+        FakeAsyncSandbox,
+        AsyncSandbox,
+        ["delete", "refresh_activity", "update_network_settings", "create_snapshot"],
+    ),
+    (FakeAsyncSnapshotService, AsyncSnapshotService, ["get", "delete"]),
     (
         FakeAsyncProcess,
         AsyncProcess,
@@ -135,7 +143,8 @@ def test_every_sdk_call_agentrl_makes_is_in_the_checked_surface() -> None:
     source = "".join(p.read_text() for p in sorted(Path("agentrl/sandbox/daytona").glob("*.py")))
     checked = {m for _, _, ms in SURFACE for m in ms}
     called = set(re.findall(r"\.(?:process|fs)\.(\w+)\(", source))
-    called |= set(re.findall(r"(?:client|sdk_sandbox|found|self\.sdk)\.(\w+)\(", source))
+    called |= set(re.findall(r"(?:client|sdk_sandbox|found|\.sdk)\.(\w+)\(", source))
+    called |= set(re.findall(r"\.snapshot\.(\w+)\(", source))
     assert len(called) >= 12 and called <= checked, called - checked
 
 
@@ -703,3 +712,52 @@ def test_fake_toolbox_api_has_the_generated_clients_parameters() -> None:
             for p in inspect.signature(getattr(FakeToolboxProcessApi, name)).parameters.values()
         ]
         assert fake == real, name
+
+
+def test_the_terminal_environment_asks_daytona_for_a_private_verification(monkeypatch, tmp_path) -> None:
+    """`env.private_verification` reaches the Daytona provider; on any other backend it is an error
+    that says so, not a setting silently dropped."""
+    from agentrl.rollout.environment import EnvContext, EnvironmentPluginError
+    from envs.tbench2.environment import TerminalConfig, TerminalEnvironment
+
+    monkeypatch.setenv("DAYTONA_API_KEY", "dtn_not_a_real_key")  # the client is never used here
+    ctx = EnvContext(tokenizer=None, seed=0, out_dir=tmp_path, temperature=1.0)
+    env = TerminalEnvironment(TerminalConfig(backend="daytona", private_verification=True), ctx)
+    assert env.provider.private_verification is True
+    assert TerminalEnvironment(TerminalConfig(backend="daytona"), ctx).provider.private_verification is False
+    fake = TerminalEnvironment(TerminalConfig(backend="fake", private_verification=True), ctx)
+    with pytest.raises(EnvironmentPluginError, match="a Daytona option"):
+        _ = fake.provider
+
+
+async def test_a_private_verification_that_cannot_start_is_infra_and_leaves_no_snapshot(monkeypatch) -> None:
+    """No snapshot (the account's toolbox here keeps records only) or no sandbox from it: a typed
+    infrastructure error, and the snapshot made for it is deleted either way."""
+    from agentrl.sandbox.base import SandboxTransportError
+
+    server = FakeDaytonaServer()
+    provider = provider_on(server, private_verification=True)
+    sb = await provider.create(load_task(WRITE_HELLO), run_id="r")
+    try:
+        with pytest.raises(SandboxTransportError, match="snapshot for a private verification failed"):
+            async with sb.verification_copy():
+                pass
+
+        async def snapshot(self, name: str, timeout: float | None = 60) -> None:
+            server.snapshots[name] = ("tag", None, self.id)
+
+        monkeypatch.setattr(FakeAsyncSandbox, "create_snapshot", snapshot)
+        server.create_errors = [DaytonaError("Payment required", status_code=402)]
+        with pytest.raises(SandboxQuotaError):
+            async with sb.verification_copy():
+                pass
+        assert server.snapshots == {} and len(server.snapshots_deleted) == 1
+        made = server.create_params[-1]
+        assert (
+            isinstance(made, CreateSandboxFromSnapshotParams) and made.snapshot == server.snapshots_deleted[0]
+        )
+        assert made.labels == sb.params.labels and made.network_block_all is True  # as the agent's
+    finally:
+        await sb.close()
+        await provider.aclose()
+    assert provider.live_sandboxes() == 0

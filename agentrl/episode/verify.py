@@ -11,9 +11,11 @@ so that an agent optimised against the reward cannot move it; `docs/failures.md`
    graded work (its working directory, unless a module there shadows one the verifier's Python
    provides) and what its reference solution installs (`save_footprint`) are allowed.
 3. Elsewhere (Daytona, the fakes): the listed system paths are checked from outside
-   (`Sandbox.tampered_paths`), `/tests` and `/logs/verifier` are recreated whatever they are now,
-   `tests/` uploaded only now, `/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1` run, what it
-   started stopped, and the files copied out through the backend.
+   (`Sandbox.tampered_paths`), then in the sandbox or in a copy of it that runs nothing of the
+   agent's (`Sandbox.verification_copy`: Daytona with `private_verification`) `/tests` and
+   `/logs/verifier` are recreated whatever they are now, `tests/` uploaded only now,
+   `/tests/test.sh > /logs/verifier/test-stdout.txt 2>&1` run, what it started stopped, and the
+   files copied out through the backend.
 4. Either way: the task's working directory, `[verifier.env]` and timeout, Python made unable to
    read planted byte code (`VERIFIER_PYTHON_ENV`; the task's own env wins); test.sh's exit code is
    ignored, as in Harbor; `reward.json` (takes precedence; every value numeric and finite) or
@@ -194,7 +196,8 @@ async def verify(
                     "system_files",
                     f"the agent changed files the verifier relies on: {_shown(changed)}",
                 )
-            timed_out, files = await _verify_inside(sandbox, tests_dir, timeout, env, user)
+            async with sandbox.verification_copy() as target:
+                timed_out, files = await _verify_inside(target, tests_dir, timeout, env, user)
         else:
             timed_out, files = private.timed_out, private.files
             judge = functools.partial(

@@ -7,10 +7,11 @@ same contract suite in `tests/sandbox_contract.py`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import io
 import re
 import tarfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -325,6 +326,14 @@ class Sandbox(abc.ABC):
         the agent made (`TestRun`). None where the backend cannot (the verifier then runs inside
         the sandbox, `agentrl.episode.verify`)."""
         return None
+
+    @contextlib.asynccontextmanager
+    async def verification_copy(self) -> AsyncIterator[Sandbox]:
+        """Where a verification without `run_tests` runs its tests: this sandbox, after the kill.
+        A backend that can start a copy of the agent's final filesystem with none of its
+        processes gives that copy instead, and removes it at the end (Daytona with
+        `private_verification`: a snapshot of the sandbox, a sandbox from the snapshot)."""
+        yield self
 
     async def tampered_paths(self) -> list[str] | None:
         """System files of the image the agent changed or deleted, and additions that hijack an

@@ -43,6 +43,13 @@ class TerminalConfig(BaseModel):
         "matches no valid task is an error. None keeps every task.",
     )
     backend: Literal["podman", "docker", "daytona", "fake"] = "podman"
+    private_verification: bool = Field(
+        False,
+        description="Daytona: run each episode's tests in a sandbox made from a snapshot of the "
+        "agent's, where nothing the agent started runs (a snapshot and a create per episode; a "
+        "service the agent left running is not there either). podman's verification is private "
+        "already.",
+    )
     action_format: str = "terminus-json"
     system_prompt: str | None = None
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -134,7 +141,13 @@ class TerminalEnvironment:
         if self._provider is None:
             from agentrl.sandbox.registry import make_provider
 
-            self._provider = make_provider(self.config.backend)
+            options = {"private_verification": True} if self.config.private_verification else {}
+            if options and self.config.backend != "daytona":
+                raise EnvironmentPluginError(
+                    f"env.private_verification is a Daytona option; the {self.config.backend} "
+                    "backend's verification is private already or not at all: unset it"
+                )
+            self._provider = make_provider(self.config.backend, **options)
         return self._provider
 
     def episode_config(self) -> EpisodeConfig:

@@ -10,6 +10,7 @@ import math
 import os
 import socket
 import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from daytona import (
     AsyncDaytona,
     CreateSandboxFromImageParams,
+    CreateSandboxFromSnapshotParams,
     DaytonaError,
     DaytonaNotFoundError,
     ListSandboxesQuery,
@@ -32,6 +34,7 @@ from agentrl.sandbox.base import (
     SandboxCreateError,
     SandboxError,
     SandboxProvider,
+    SandboxTransportError,
 )
 from agentrl.sandbox.credentials import DaytonaCredentials
 from agentrl.sandbox.daytona.common import (
@@ -65,6 +68,11 @@ class DaytonaProvider(SandboxProvider):
     (`DaytonaSandbox.record_baseline`) so the verifier can check its kill and its tamper scan from
     outside; off (only for toolboxes that cannot answer, such as record-only test doubles), both
     trust the sandbox's own shell and `find`, which an agent can replace.
+
+    `private_verification` runs each verification in a sandbox made from a snapshot of the agent's
+    (`DaytonaSandbox.verification_copy`): nothing the agent started lives on into the tests, at the
+    price of a snapshot and a create per episode (`snapshot_timeout_s` for each) and of services:
+    a server the agent was asked to leave running is not running in the copy (docs/failures.md).
     """
 
     def __init__(
@@ -95,6 +103,8 @@ class DaytonaProvider(SandboxProvider):
         os_user: str | None = "root",
         target: str | None = None,
         trusted_checks: bool = True,
+        private_verification: bool = False,
+        snapshot_timeout_s: float = 600.0,
     ) -> None:
         if client_factory is None:
             creds = credentials or DaytonaCredentials.from_env()
@@ -127,6 +137,8 @@ class DaytonaProvider(SandboxProvider):
         # Per task: the verifier's core files as its image ships them (`DaytonaSandbox.record_baseline`).
         self._core_records: dict[str, dict[str, str | None]] = {}
         self.trusted_checks = trusted_checks
+        self.private_verification = private_verification
+        self.snapshot_timeout_s = snapshot_timeout_s
         self.os_user = os_user
         self.target = target
         self._create_slots = asyncio.Semaphore(max_concurrent_creates)
@@ -226,14 +238,13 @@ class DaytonaProvider(SandboxProvider):
             async for attempt_state in retrying:
                 with attempt_state:
                     attempt += 1
+                    params = self.params_for(task, run_id)  # a fresh unique name each time
                     async with self._create_slots:
-                        sdk_sandbox = await self._create_once(task, run_id, timeout)
+                        sdk_sandbox = await self._create_once(params, task.task_id, timeout)
         except _TransientCreateError as exc:
             raise SandboxCreateError(f"{exc} (gave up after {attempt} attempts)") from exc
-        sandbox = DaytonaSandbox(self, sdk_sandbox, task.task_id, task.config.environment.workdir)
+        sandbox = self._adopt(sdk_sandbox, params, task.task_id, task.config.environment.workdir)
         log.debug("daytona sandbox %s started for %s (attempt %d)", sandbox.sandbox_id, task.task_id, attempt)
-        self._live[sandbox.sandbox_id] = sandbox
-        _LIVE[sandbox.sandbox_id] = self.client_factory
         try:
             if self.trusted_checks:
                 self._core_records[task.task_id] = await sandbox.record_baseline(
@@ -249,8 +260,91 @@ class DaytonaProvider(SandboxProvider):
         sandbox.start_keepalive(self.keepalive_s)
         return sandbox
 
-    async def _create_once(self, task: Task, run_id: str, timeout: float) -> Any:
-        params = self.params_for(task, run_id)
+    def _adopt(self, sdk_sandbox: Any, params: Any, task_id: str, workdir: str | None) -> DaytonaSandbox:
+        sandbox = DaytonaSandbox(self, sdk_sandbox, task_id, workdir)
+        sandbox.params = params
+        sandbox.network = {
+            k: getattr(params, k)
+            for k in ("network_block_all", "network_allow_list", "domain_allow_list")
+            if getattr(params, k) is not None
+        }
+        self._live[sandbox.sandbox_id] = sandbox
+        _LIVE[sandbox.sandbox_id] = self.client_factory
+        return sandbox
+
+    async def copy_of(self, sandbox: DaytonaSandbox) -> DaytonaSandbox:
+        """A started sandbox made from a snapshot of `sandbox` as it is now (`private_verification`):
+        its files, its user, environment, labels and current network, none of its processes. A
+        failed snapshot or create is infrastructure (`SandboxError`); the snapshot is deleted with
+        the copy (`_delete`) or at once when no copy came of it."""
+        params = sandbox.params
+        if params is None or not params.name:
+            raise SandboxError(f"daytona sandbox {sandbox.sandbox_id} was not created by this provider")
+        snapshot = f"{params.name}-final"
+        client = await self.client()
+        limit = self.snapshot_timeout_s
+        try:
+            await asyncio.wait_for(sandbox.sdk.create_snapshot(snapshot, timeout=limit), limit + 30)
+            await self._snapshot_ready(client, snapshot, limit)
+        except BaseException as exc:
+            await asyncio.shield(self._delete_snapshot(snapshot))
+            if isinstance(exc, DaytonaError | TimeoutError):
+                raise SandboxTransportError(
+                    f"daytona sandbox {sandbox.sandbox_id}: the snapshot for a private verification failed: {exc}"
+                ) from exc
+            raise
+        copy_params = CreateSandboxFromSnapshotParams(
+            snapshot=snapshot,
+            name=f"{params.name}-v",
+            labels=params.labels,
+            env_vars=params.env_vars,
+            os_user=params.os_user,
+            auto_stop_interval=params.auto_stop_interval,
+            auto_delete_interval=params.auto_delete_interval,
+            ttl_minutes=params.ttl_minutes,
+            target=params.target,
+            **sandbox.network,
+        )
+        try:
+            async with self._create_slots:
+                sdk_copy = await self._create_once(copy_params, sandbox.task_id, limit)
+        except BaseException:
+            await asyncio.shield(self._delete_snapshot(snapshot))
+            raise
+        copy = self._adopt(sdk_copy, copy_params, sandbox.task_id, sandbox.workdir)
+        copy.snapshot = snapshot
+        copy.start_keepalive(self.keepalive_s)
+        return copy
+
+    async def _snapshot_ready(self, client: Any, name: str, limit: float) -> None:
+        """Wait until the snapshot is `active`: the sandbox leaves `snapshotting` when the runner's
+        job is done, and the snapshot's record may come a moment later."""
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                snap = await asyncio.wait_for(client.snapshot.get(name), 60)
+            except DaytonaNotFoundError:
+                state, reason = "missing", None
+            else:
+                state, reason = str(getattr(snap.state, "value", snap.state)), snap.error_reason
+            if state == "active":
+                return
+            if state in ("error", "build_failed"):
+                raise DaytonaError(f"snapshot {name} is {state}: {reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot {name} still {state} after {limit:.0f}s")
+            await asyncio.sleep(1.0)
+
+    async def _delete_snapshot(self, name: str) -> None:
+        client = await self.client()
+        try:
+            await asyncio.wait_for(client.snapshot.delete(name), 90)
+        except DaytonaNotFoundError:
+            return
+        except (DaytonaError, TimeoutError) as exc:
+            log.warning("deleting Daytona snapshot %s failed (%s): delete it in the dashboard", name, exc)
+
+    async def _create_once(self, params: Any, task_id: str, timeout: float) -> Any:
         client = await self.client()
         self.create_attempts_made += 1
         try:
@@ -263,7 +357,7 @@ class DaytonaProvider(SandboxProvider):
                 raise
             if isinstance(exc, AgentRLError):
                 raise
-            raise classify_create_error(exc, task.task_id) from exc
+            raise classify_create_error(exc, task_id) from exc
 
     async def _delete_orphan(self, name: str, exc: BaseException) -> None:
         status = getattr(exc, "status_code", None)
@@ -309,6 +403,8 @@ class DaytonaProvider(SandboxProvider):
                 log.debug("daytona sandbox %s deleted", sandbox.sandbox_id)
         finally:
             self._live.pop(sandbox.sandbox_id, None)
+            if sandbox.snapshot is not None:
+                await self._delete_snapshot(sandbox.snapshot)
 
     def _spawn(self, coro: Any, timeout: float) -> None:
         async def bounded() -> None:

@@ -4,6 +4,7 @@ replies, upload and download, terminals, the tamper scan, keep-alive."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import logging
@@ -15,6 +16,7 @@ import tarfile
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,10 +70,13 @@ class DaytonaHost(Protocol):
     session_poll_s: float
     session_poll_max_s: float
     transfer_timeout_s: float
+    private_verification: bool
 
     def _spawn(self, coro: Any, timeout: float) -> None: ...
 
     async def _delete(self, sandbox: DaytonaSandbox) -> None: ...
+
+    async def copy_of(self, sandbox: DaytonaSandbox) -> DaytonaSandbox: ...
 
 
 class DaytonaSandbox(Sandbox):
@@ -96,6 +101,11 @@ class DaytonaSandbox(Sandbox):
         self._infra: dict[str, tuple[str, str]] | None = None
         self._state_dir = _new_state_dir()  # the agent's shell session (shellstate.py)
         self._terminals: list[TmuxTerminal] = []
+        # What `copy_of` needs: the create parameters and the network as it is now (`set_network`),
+        # and for a copy, the snapshot it was made from (deleted with it).
+        self.params: Any = None
+        self.network: dict[str, Any] = {}
+        self.snapshot: str | None = None
 
     def __repr__(self) -> str:
         return f"DaytonaSandbox({self.sandbox_id!r}, task={self.task_id!r})"
@@ -448,6 +458,23 @@ class DaytonaSandbox(Sandbox):
             raise SandboxTransportError(
                 f"daytona sandbox {self.sandbox_id}: switching the network to {policy!r} failed: {exc}"
             ) from exc
+        self.network = settings
+
+    @contextlib.asynccontextmanager
+    async def verification_copy(self) -> AsyncIterator[Sandbox]:
+        """With the provider's `private_verification`, a sandbox made from a snapshot of this one
+        after the kill: the agent's files, none of its processes (a server it left listening, a
+        process that got past the kill, or one driving the toolbox daemon cannot reach the tests or
+        the reward), the network as this sandbox's is now; deleted with its snapshot at the end.
+        Without it, this sandbox."""
+        if not self.provider.private_verification:
+            yield self
+            return
+        copy = await self.provider.copy_of(self)
+        try:
+            yield copy
+        finally:
+            await copy.close()
 
     async def stop_processes(self) -> None:
         """Kill what the agent started, then check from outside that it worked: the kill runs the
