@@ -52,7 +52,7 @@ from daytona.common.errors import (
     DaytonaValidationError,
 )
 from daytona.common.process import ExecutionArtifacts, SessionCommandLogsResponse
-from daytona.common.snapshot import Snapshot
+from daytona.common.snapshot import PaginatedSnapshots, Snapshot
 from daytona_api_client import SnapshotState
 from daytona_toolbox_api_client_async import Command, FileInfo
 from daytona_toolbox_api_client_async import ExecuteRequest as ToolboxExecuteRequest
@@ -325,6 +325,16 @@ class FakeAsyncSnapshotService:
                 "source_sandbox_id": source,
             }
         )
+
+    async def list(
+        self, page: int | None = None, limit: int | None = None, source_sandbox_id: str | None = None
+    ) -> PaginatedSnapshots:
+        names = [n for n, (_, _, src) in self.server.snapshots.items() if source_sandbox_id in (None, src)]
+        size = limit or 100
+        start = ((page or 1) - 1) * size
+        items = [await self.get(n) for n in names[start : start + size]]
+        pages = max(1, -(-len(names) // size))
+        return PaginatedSnapshots(items=items, total=len(names), page=page or 1, total_pages=pages)
 
     async def delete(self, snapshot: Snapshot | str) -> None:
         name = snapshot if isinstance(snapshot, str) else snapshot.name

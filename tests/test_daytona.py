@@ -101,7 +101,7 @@ SURFACE = [
         AsyncSandbox,
         ["delete", "refresh_activity", "update_network_settings", "create_snapshot"],
     ),
-    (FakeAsyncSnapshotService, AsyncSnapshotService, ["get", "delete"]),
+    (FakeAsyncSnapshotService, AsyncSnapshotService, ["get", "list", "delete"]),
     (
         FakeAsyncProcess,
         AsyncProcess,
@@ -452,8 +452,11 @@ async def test_reap_deletes_by_run_and_age_and_spares_other_launchers() -> None:
     a1, a2, b1 = [await ours.create(task, run_id=r) for r in ("a", "a", "b")]
     other = await theirs.create(task, run_id="a")
     server.sandboxes[b1.sandbox_id].created = datetime.now(UTC) - timedelta(hours=3)
+    # A private verification cut short leaves the snapshot it made of a1; theirs is not ours to take.
+    server.snapshots |= {"a1-final": ("t", None, a1.sandbox_id), "x": ("t", None, other.sandbox_id)}
     assert await reap_daytona(run_id="a", client=server.client()) == 2
     assert set(server.sandboxes) == {b1.sandbox_id, other.sandbox_id}
+    assert list(server.snapshots) == ["x"] and server.snapshots_deleted == ["a1-final"]
     assert await reap_daytona(older_than_s=7200, client=server.client()) == 1
     assert set(server.sandboxes) == {other.sandbox_id}
     for sb in (a1, a2, b1, other):

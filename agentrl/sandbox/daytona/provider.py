@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -483,7 +484,8 @@ async def reap_daytona(
     client: Any = None,
 ) -> int:
     """Delete agentrl's Daytona sandboxes by label: of one run, older than a cutoff, or all of this
-    launcher's. Returns how many were deleted. `client` defaults to one built from the environment."""
+    launcher's, each with the snapshots made from it (a private verification cut short). Returns
+    how many sandboxes were deleted. `client` defaults to one built from the environment."""
     labels = {LABEL_LAUNCHER: launcher}
     if run_id is not None:
         labels[LABEL_RUN] = run_id
@@ -497,6 +499,7 @@ async def reap_daytona(
     try:
         doomed = [sb async for sb in client.list(query, request_timeout=60)]
         for sdk_sandbox in doomed:
+            await _delete_snapshots_of(client, sdk_sandbox.id)
             try:
                 await asyncio.wait_for(sdk_sandbox.delete(timeout=60), 90)
             except DaytonaNotFoundError:
@@ -509,3 +512,14 @@ async def reap_daytona(
         if own:
             await asyncio.wait_for(client.close(), 30)
     return removed
+
+
+async def _delete_snapshots_of(client: Any, sandbox_id: str) -> None:
+    """The snapshots made from `sandbox_id` (`copy_of`'s), deleted; failures are logged."""
+    try:
+        found = await asyncio.wait_for(client.snapshot.list(limit=100, source_sandbox_id=sandbox_id), 60)
+        for snap in found.items:
+            with contextlib.suppress(DaytonaNotFoundError):
+                await asyncio.wait_for(client.snapshot.delete(snap), 90)
+    except (DaytonaError, TimeoutError) as exc:
+        log.warning("reap: could not delete the snapshots of Daytona sandbox %s: %s", sandbox_id, exc)
