@@ -74,12 +74,14 @@ class TileConfig:
     sum to the tensor cores.
     `persistent`: one program per multiprocessor walking the tiles (the default on Hopper) instead
     of one program per tile.
+    `group_v`: vocabulary tiles that sweep the token tiles together (4: measured best of 2-64 on an
+    H100 with stored logits, `benchmarks/fused_loss_parts.py`).
     """
 
     block_t: int = 128
     block_v: int = 256
     block_k: int = 64
-    group_v: int = 8
+    group_v: int = 4
     num_warps: int = 8
     num_stages: int = 3
     load: Literal["tma", "ptr"] = "tma"
@@ -354,9 +356,12 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig, z_out: torch
     )
     ha, wa, load = _operands(h, w, cfg)
     n_tiles = triton.cdiv(n, cfg.block_t) * n_vt
-    store = z_out is not None
-    zp = z_out if z_out is not None else pm
-    args = (ha, wa, y, pm, ps, pa, zy, zp, n, v, hid, h.stride(0), w.stride(0), zp.stride(0), inv_temp)
+    # STORE_Z: 0 no logits, 1 pointer stores, 2 bulk tensor stores (Hopper; the copy engine
+    # clips the tile at T and V).
+    store = 0 if z_out is None else 2 if load == 1 and _tma_ok(z_out) and _tma_store_z else 1
+    zp = pm if z_out is None else z_out
+    z_arg = TensorDescriptor.from_tensor(z_out, [cfg.block_t, cfg.block_v]) if store == 2 else zp
+    args = (ha, wa, y, pm, ps, pa, zy, z_arg, n, v, hid, h.stride(0), w.stride(0), zp.stride(0), inv_temp)
     if cfg.persistent:
         progs = min(n_tiles, _sm_count(dev))
         _stats_kernel_persistent[(progs,)](*args, LOAD=load, STORE_Z=store, NUM_PROGS=progs, **meta)
@@ -370,6 +375,14 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig, z_out: torch
     if store:
         return zy, lse, ez, pm
     return zy, lse, ez
+
+
+# The dL/dz pass over stored logits: (rows, warps) a program (its columns: the stats tiles').
+_DZ_BLOCK = (16, 4)
+
+# Whether forward's stored logits go out through bulk tensor stores where they can (benchmarks
+# compare both ways).
+_tma_store_z = True
 
 
 @functools.cache
@@ -461,12 +474,12 @@ def _triton_dz_from_z(
     if n == 0:
         return dz
     with_ent = g_ent is not None
-    bt = 16
+    bt, warps = _DZ_BLOCK
     grid = (triton.cdiv(n, bt), triton.cdiv(v, cfg.block_v))
     _dz_from_z_kernel[grid](
         z, dz, lo if lo is not None else dz, pm, y, lse, ez if with_ent else lse, g_logp,
         g_ent if with_ent else g_logp, n, v, z.stride(0), inv_temp,
-        WITH_ENT=with_ent, SPLIT=lo is not None, BLOCK_T=bt, BLOCK_V=cfg.block_v, num_warps=4,
+        WITH_ENT=with_ent, SPLIT=lo is not None, BLOCK_T=bt, BLOCK_V=cfg.block_v, num_warps=warps,
     )  # fmt: skip
     return dz
 
@@ -542,7 +555,9 @@ if triton is not None:
     ):  # fmt: skip
         """Per row of one logit tile: max m, sum exp(z - m), sum exp(z - m) z into row pid_v of
         the [n_tiles, T] partials; the target's logit where the tile holds it. STORE_Z also writes
-        the tile as z - m in fp16 (z_ptr [T, V]; floored at -60000, where exp is 0 anyway)."""
+        the tile as z - m in fp16 (z_ptr [T, V]; floored at -60000, where exp is 0 anyway): 1 by
+        pointer stores, 2 through a tensor descriptor (the bulk copy engine: 1.33x -> 1.22x of
+        three matmuls for fused_token_loss on an H100, benchmarks/RESULTS.md)."""
         off_t = pid_t * BLOCK_T
         off_v = pid_v * BLOCK_V
         rt = off_t + tl.arange(0, BLOCK_T)
@@ -566,10 +581,12 @@ if triton is not None:
         here = row_ok & (y >= off_v) & (y < off_v + BLOCK_V) & (y < V)
         zy = tl.sum(tl.where(rv[None, :] == y[:, None], zt, 0.0), axis=1)
         tl.store(zy_ptr + rt, zy, mask=here)
-        if STORE_Z:
+        if STORE_Z == 1:
             offs = rt[:, None].to(tl.int64) * stride_z + rv[None, :]
             zs = tl.maximum(zt - m[:, None], -60000.0).to(tl.float16)
             tl.store(z_ptr + offs, zs, mask=row_ok[:, None] & (rv < V)[None, :])
+        elif STORE_Z == 2:
+            z_ptr.store([off_t, off_v], tl.maximum(zt - m[:, None], -60000.0).to(tl.float16))
 
     @triton.jit(do_not_specialize=["T", "V"])
     def _stats_kernel(
