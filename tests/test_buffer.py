@@ -149,6 +149,27 @@ def test_requeued_prompt_is_issued_again_first() -> None:
         src.requeue(first.uid)
 
 
+def test_skip_next_passes_over_a_rows_next_appearances_and_survives_a_resume() -> None:
+    src = PromptSource(_rows(3), seed=0, max_epochs=4)
+    first = src.next()
+    assert first is not None
+    src.mark_consumed(first.uid)
+    src.skip_next(first.uid, 2)
+    state = src.state_dict()
+    assert state["skips"] == {str(first.index): 2}
+    rest = _drain(src)
+    again = PromptSource(_rows(3), seed=0, max_epochs=4)
+    again.load_state_dict(state)
+    assert _drain(again) == rest
+    indices = [int(u.split(":")[1]) for u in rest]
+    # 4 epochs of 3 rows: one issued before, two appearances of that row passed over, nine issued
+    assert len(rest) == 9 and src.skipped == 2 == again.skipped
+    assert indices.count(first.index) == 1 and rest[-1 - indices[::-1].index(first.index)].startswith("3:")
+    src.skip_next(first.uid, 0)  # nothing owed: a no-op
+    with pytest.raises(PromptSourceError, match="points past"):
+        src.skip_next("0:7", 1)
+
+
 def test_bad_rows_and_mismatched_state_are_rejected() -> None:
     with pytest.raises(PromptSourceError, match="no rows"):
         PromptSource([])

@@ -248,6 +248,24 @@ async def test_dynamic_filter_drops_groups_whose_rewards_are_all_equal() -> None
     assert c.samples_passed >= kept_passes
 
 
+async def test_skip_filtered_spends_fewer_episodes_on_prompts_the_filter_keeps_dropping() -> None:
+    data = rows(4, p_pass=1.0) + rows(4, p_pass=0.5)  # the first four always solved: always dropped
+    spent = {}
+    for skip in (0, 2):
+        mgr, _engine, _provider, _runner = build(
+            data=data, dynamic_filter=True, skip_filtered=skip, max_staleness=None, max_in_flight=4
+        )
+        async with mgr:
+            batches = [await mgr.get_batch(timeout=10) for _ in range(6)]
+        assert all(len({s.reward for s in g.episodes}) > 1 for b in batches for g in b)
+        assert mgr.counters.prompts_skipped == mgr.source.skipped
+        spent[skip] = (mgr.counters.groups_filtered, mgr.counters.prompts_skipped)
+    assert spent[0][1] == 0 and spent[2][1] > 0
+    assert spent[2][0] < spent[0][0]  # fewer groups rolled out only to be dropped
+    with pytest.raises(RolloutError, match="needs dynamic_filter"):
+        RolloutConfig(batch_size=8, n_samples_per_prompt=4, skip_filtered=1)
+
+
 async def test_dynamic_filter_with_no_signal_anywhere_fails_the_trainer_instead_of_waiting() -> None:
     mgr, _engine, _provider, _runner = build(
         data=rows(40, p_pass=0.0), dynamic_filter=True, max_filtered_in_a_row=6, max_staleness=None

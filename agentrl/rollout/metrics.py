@@ -55,6 +55,7 @@ class StepMetrics:
     # Over every group finished since the previous step, kept by the dynamic filter or not.
     rollout_episodes: int = 0
     rollout_pass_rate: float = 0.0
+    prompts_skipped: int = 0  # appearances passed over after a dropped group (rollout.skip_filtered)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -135,6 +136,7 @@ class MetricsTracker:
             policy_failures_by_cause=policy,
             samples_exhausted=_delta(counters, self._last, "samples_exhausted"),
             groups_filtered=_delta(counters, self._last, "groups_filtered"),
+            prompts_skipped=_delta(counters, self._last, "prompts_skipped"),
             stale_groups=_delta(counters, self._last, "stale_groups"),
             stale_cancelled=_delta(counters, self._last, "stale_cancelled"),
             internal_errors=_delta(counters, self._last, "internal_errors"),
@@ -186,8 +188,9 @@ def render(m: StepMetrics) -> Table:
         ),
         ("internal errors / version mismatches", f"{m.internal_errors} / {m.version_mismatches}"),
         (
-            "exhausted / filtered / stale (buffer, in flight)",
-            f"{m.samples_exhausted} / {m.groups_filtered} / {m.stale_groups}, {m.stale_cancelled}",
+            "exhausted / filtered (skipped) / stale (buffer, in flight)",
+            f"{m.samples_exhausted} / {m.groups_filtered} ({m.prompts_skipped}) / {m.stale_groups}, "
+            f"{m.stale_cancelled}",
         ),
         ("staleness", " ".join(f"{k}:{v}" for k, v in sorted(m.staleness_hist.items())) or "-"),
         (

@@ -1,9 +1,13 @@
-"""Prompt source: rows shuffled per epoch with a seed, resumable without repeats or skips.
+"""Prompt source: rows shuffled per epoch with a seed, resumable without repeats or losses.
 
 A prompt is identified by `uid = "<epoch>:<row index>"`. The source remembers every uid it has
 issued and not yet seen consumed (trained on, or filtered out by dynamic sampling); a checkpoint
 stores those as `pending`, and a restored source issues them again first. So a resumed run redoes
 exactly the prompts that were in flight or buffered at the checkpoint, and nothing else.
+
+`skip_next(uid, n)` passes over the next n appearances of a prompt's row in the order: a prompt
+whose group the dynamic filter just dropped (all solved, or none) is likely to be dropped again,
+its episodes spent for nothing. The skips still owed are part of the state.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class PromptSource:
         self._order = self._epoch_order(0)
         self._requeued: deque[str] = deque()
         self._unfinished: OrderedDict[str, None] = OrderedDict()
+        self._skips: dict[int, int] = {}  # row index -> appearances still to pass over
+        self.skipped = 0  # appearances passed over so far
 
     @classmethod
     def from_jsonl(cls, path: str | Path, **kwargs: Any) -> PromptSource:
@@ -74,16 +80,30 @@ class PromptSource:
         """The next prompt to roll out (re-queued ones first), or None when all epochs are issued."""
         if self._requeued:
             return self._prompt(self._requeued.popleft())
-        if self.position >= len(self._order):
-            self.epoch += 1
-            self.position = 0
-            self._order = self._epoch_order(self.epoch)
-        if self.max_epochs is not None and self.epoch >= self.max_epochs:
-            return None
-        uid = f"{self.epoch}:{self._order[self.position]}"
-        self.position += 1
-        self._unfinished[uid] = None
-        return self._prompt(uid)
+        while True:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+                return None
+            index = self._order[self.position]
+            self.position += 1
+            if self._skips.get(index, 0) > 0:  # each pass consumes a skip: this loop ends
+                self._skips[index] -= 1
+                self.skipped += 1
+                continue
+            uid = f"{self.epoch}:{index}"
+            self._unfinished[uid] = None
+            return self._prompt(uid)
+
+    def skip_next(self, uid: str, n: int) -> None:
+        """Pass over the next `n` appearances of the row prompt `uid` was made from (n <= 0: none)."""
+        index = self._prompt(uid).index
+        if n > 0:
+            self._skips[index] = n
+        else:
+            self._skips.pop(index, None)
 
     def requeue(self, uid: str) -> None:
         """Issue `uid` again before any new prompt (its group could not be used)."""
@@ -106,6 +126,8 @@ class PromptSource:
             "epoch": self.epoch,
             "position": self.position,
             "pending": self.pending,
+            "skips": {str(i): n for i, n in self._skips.items() if n > 0},
+            "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,3 +144,7 @@ class PromptSource:
             self._prompt(uid)
         self._unfinished = OrderedDict.fromkeys(pending)
         self._requeued = deque(pending)
+        self._skips = {}
+        for index, n in dict(state.get("skips", {})).items():
+            self.skip_next(f"0:{int(index)}", int(n))
+        self.skipped = int(state.get("skipped", 0))
