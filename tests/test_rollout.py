@@ -248,22 +248,31 @@ async def test_dynamic_filter_drops_groups_whose_rewards_are_all_equal() -> None
     assert c.samples_passed >= kept_passes
 
 
-async def test_skip_filtered_spends_fewer_episodes_on_prompts_the_filter_keeps_dropping() -> None:
-    data = rows(4, p_pass=1.0) + rows(4, p_pass=0.5)  # the first four always solved: always dropped
+async def test_skip_solved_spends_fewer_episodes_on_prompts_every_sample_solves() -> None:
+    # rows 0-3 always solved, 4-7 never (both always dropped), 8-11 mixed
+    data = rows(4, p_pass=1.0) + rows(4, p_pass=0.0) + rows(4, p_pass=0.5)
     spent = {}
     for skip in (0, 2):
         mgr, _engine, _provider, _runner = build(
-            data=data, dynamic_filter=True, skip_filtered=skip, max_staleness=None, max_in_flight=4
+            data=data, dynamic_filter=True, skip_solved=skip, max_staleness=None, max_in_flight=4
+        )
+        skipped_rows: list[int] = []
+        skip_next = mgr.source.skip_next
+        mgr.source.skip_next = lambda uid, n, f=skip_next, out=skipped_rows: (  # type: ignore[method-assign]
+            out.append(int(uid.split(":")[1])),
+            f(uid, n),
         )
         async with mgr:
             batches = [await mgr.get_batch(timeout=10) for _ in range(6)]
         assert all(len({s.reward for s in g.episodes}) > 1 for b in batches for g in b)
         assert mgr.counters.prompts_skipped == mgr.source.skipped
+        assert not set(skipped_rows) & {4, 5, 6, 7}  # never a task nobody solved: it is still to learn
+        assert set(skipped_rows) >= ({0, 1, 2, 3} if skip else set())
         spent[skip] = (mgr.counters.groups_filtered, mgr.counters.prompts_skipped)
     assert spent[0][1] == 0 and spent[2][1] > 0
     assert spent[2][0] < spent[0][0]  # fewer groups rolled out only to be dropped
     with pytest.raises(RolloutError, match="needs dynamic_filter"):
-        RolloutConfig(batch_size=8, n_samples_per_prompt=4, skip_filtered=1)
+        RolloutConfig(batch_size=8, n_samples_per_prompt=4, skip_solved=1)
 
 
 async def test_dynamic_filter_with_no_signal_anywhere_fails_the_trainer_instead_of_waiting() -> None:

@@ -120,10 +120,11 @@ class RolloutConfig:
     # With the filter on: this many dropped groups in a row means the policy gets no signal at all
     # (every task always or never solved); the trainer's get_batch then fails instead of waiting.
     max_filtered_in_a_row: int = 64
-    # With the filter on: after it drops a prompt's group, pass over that prompt's next this many
-    # appearances in the prompt order (it would likely be dropped again: all solved, or none).
-    # 0: every appearance is rolled out (plain DAPO dynamic sampling).
-    skip_filtered: int = 0
+    # With the filter on: after it drops a group that every sample solved, pass over that prompt's
+    # next this many appearances in the prompt order (it would likely be dropped again, its
+    # episodes spent for nothing). Groups that none solved are not skipped: those tasks still have
+    # to be learned. 0: every appearance is rolled out (plain DAPO dynamic sampling).
+    skip_solved: int = 0
     pass_threshold: float = 1.0  # reward at or above which an episode counts as passed
 
     def __post_init__(self) -> None:
@@ -135,10 +136,10 @@ class RolloutConfig:
             )
         if self.max_in_flight < 1 or self.max_attempts < 1:
             raise RolloutError("max_in_flight and max_attempts must be >= 1")
-        if self.skip_filtered < 0 or (self.skip_filtered and not self.dynamic_filter):
+        if self.skip_solved < 0 or (self.skip_solved and not self.dynamic_filter):
             raise RolloutError(
-                f"skip_filtered={self.skip_filtered} needs dynamic_filter=true and must be >= 0: it skips "
-                "the prompts whose groups the dynamic filter dropped"
+                f"skip_solved={self.skip_solved} needs dynamic_filter=true and must be >= 0: it skips "
+                "the prompts whose all-solved groups the dynamic filter dropped"
             )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise RolloutError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
@@ -168,7 +169,7 @@ class Counters:
     # the policy's pass rate as the rollouts see it (the kept groups alone are biased towards 0.5).
     samples_scored: int = 0
     samples_passed: int = 0
-    prompts_skipped: int = 0  # appearances passed over after a dropped group (skip_filtered)
+    prompts_skipped: int = 0  # appearances passed over after an all-solved group (skip_solved)
 
     def snapshot(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -451,8 +452,8 @@ class RolloutManager:
             self.counters.groups_filtered += 1
             self._filtered_in_a_row += 1
             self.buffer.record_consumed(group.uid)
-            if self.config.skip_filtered:
-                self.source.skip_next(group.uid, self.config.skip_filtered)
+            if self.config.skip_solved and min(rewards) >= self.config.pass_threshold:
+                self.source.skip_next(group.uid, self.config.skip_solved)
             if self._filtered_in_a_row == self.config.max_filtered_in_a_row:
                 self.buffer.fail(
                     RolloutError(

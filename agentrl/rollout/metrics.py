@@ -55,7 +55,7 @@ class StepMetrics:
     # Over every group finished since the previous step, kept by the dynamic filter or not.
     rollout_episodes: int = 0
     rollout_pass_rate: float = 0.0
-    prompts_skipped: int = 0  # appearances passed over after a dropped group (rollout.skip_filtered)
+    prompts_skipped: int = 0  # appearances passed over after an all-solved group (rollout.skip_solved)
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -6,8 +6,8 @@ stores those as `pending`, and a restored source issues them again first. So a r
 exactly the prompts that were in flight or buffered at the checkpoint, and nothing else.
 
 `skip_next(uid, n)` passes over the next n appearances of a prompt's row in the order: a prompt
-whose group the dynamic filter just dropped (all solved, or none) is likely to be dropped again,
-its episodes spent for nothing. The skips still owed are part of the state.
+every sample just solved is likely to be dropped by the dynamic filter again, its episodes spent
+for nothing. The skips still owed are part of the state.
 """
 
 from __future__ import annotations
