@@ -364,7 +364,7 @@ def _triton_stats(h, w, y, inv_temp, with_entropy, cfg: TileConfig, z_out: torch
     args = (ha, wa, y, pm, ps, pa, zy, z_arg, n, v, hid, h.stride(0), w.stride(0), zp.stride(0), inv_temp)
     if cfg.persistent:
         progs = min(n_tiles, _sm_count(dev))
-        _stats_kernel_persistent[(progs,)](*args, LOAD=load, STORE_Z=store, NUM_PROGS=progs, WS=_ws, **meta)
+        _stats_kernel_persistent[(progs,)](*args, LOAD=load, STORE_Z=store, NUM_PROGS=progs, **meta)
     else:
         _stats_kernel[(n_tiles,)](*args, LOAD=load, STORE_Z=store, **meta)
     top = pm.amax(0)
@@ -383,7 +383,6 @@ _DZ_BLOCK = (16, 4)
 # Whether forward's stored logits go out through bulk tensor stores where they can (benchmarks
 # compare both ways).
 _tma_store_z = True
-_ws = False  # experiment: Triton's warp specialisation of the persistent forward loop
 
 
 @functools.cache
@@ -618,12 +617,11 @@ if triton is not None:
         PROMOTE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
         NUM_PROGS: tl.constexpr,
-        WS: tl.constexpr = False,
     ):  # fmt: skip
         """`_stats_kernel` with one program per multiprocessor walking the tiles (one flattened
         loop), so the next tile's bulk copies are in flight during this tile's epilogue."""
         n_tiles = tl.cdiv(T, BLOCK_T) * tl.cdiv(V, BLOCK_V)
-        for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGS, flatten=True, warp_specialize=WS):
+        for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGS, flatten=True):
             pid_t, pid_v = _tile_coords(tile, T, V, BLOCK_T, BLOCK_V, GROUP_V)
             acc = _logit_tile(
                 h, w, pid_t * BLOCK_T, pid_v * BLOCK_V, T, V, H, stride_h, stride_w,
