@@ -67,6 +67,8 @@ every = 1
     first = agentrl("train", "run", str(config))
     assert first.returncode == 0, first.stdout + first.stderr
     assert "step 2/2:" in first.stdout
+    step_line = next(line for line in first.stdout.splitlines() if line.startswith("step 2/2:"))
+    assert "infra 0" in step_line and "dropped" not in step_line  # no dynamic filter in this run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     saved = json.loads((run / "config.json").read_text())

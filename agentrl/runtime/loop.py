@@ -361,8 +361,11 @@ async def _train(cfg: RunConfig, parts: RunParts, *, reporter: Callable[[str], N
                     f"step {step}/{cfg.steps}: reward {m.reward_mean:.3f}  pass {m.pass_rate:.2f}"
                     f" (all {m.rollout_pass_rate:.2f})"
                     f"  loss {stats.get('loss', 0.0):+.4f}  grad_norm {stats.get('grad_norm', 0.0):.3f}"
-                    f"  skipped {int(stats.get('skipped_steps', 0))}  infra {sum(m.failures_by_cause.values())}"
-                    f"  {m.wall_s:.1f}s{_time_left(train_t0, step - start_step, cfg.steps - step)}",
+                    + (f"  dropped {m.groups_filtered}" if cfg.rollout.dynamic_filter else "")
+                    + (f" (+{m.prompts_skipped} skipped)" if m.prompts_skipped else "")
+                    + ("  non-finite: step skipped" if stats.get("skipped_steps") else "")
+                    + f"  infra {sum(m.failures_by_cause.values())}"
+                    + f"  {m.wall_s:.1f}s{_time_left(train_t0, step - start_step, cfg.steps - step)}",
                 )
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
                     parts.trainer.save(
