@@ -7,6 +7,7 @@ Screenshots go to $AGENTRL_TEST_ARTIFACTS/dashboard when that is set (else the t
 from __future__ import annotations
 
 import asyncio
+import importlib.machinery
 import json
 import os
 import random
@@ -283,6 +284,9 @@ class FakeWandbRun:
 
 def fake_wandb() -> types.ModuleType:
     mod = types.ModuleType("wandb")
+    # A spec as a real module has: libraries that probe for wandb (importlib.util.find_spec) raise
+    # on a module in sys.modules without one, which made this file fail when run on its own.
+    mod.__spec__ = importlib.machinery.ModuleSpec("wandb", loader=None)
     mod.runs = []  # type: ignore[attr-defined]
 
     def init(**kw: Any) -> FakeWandbRun:

@@ -271,8 +271,8 @@ async def test_skip_solved_spends_fewer_episodes_on_prompts_every_sample_solves(
         spent[skip] = (mgr.counters.groups_filtered, mgr.counters.prompts_skipped)
     assert spent[0][1] == 0 and spent[2][1] > 0
     assert spent[2][0] < spent[0][0]  # fewer groups rolled out only to be dropped
-    with pytest.raises(RolloutError, match="needs dynamic_filter"):
-        RolloutConfig(batch_size=8, n_samples_per_prompt=4, skip_solved=1)
+    with pytest.raises(RolloutError, match="skip_solved must be >= 0"):
+        RolloutConfig(batch_size=8, n_samples_per_prompt=4, skip_solved=-1)
 
 
 async def test_dynamic_filter_with_no_signal_anywhere_fails_the_trainer_instead_of_waiting() -> None:

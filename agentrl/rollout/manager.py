@@ -123,7 +123,8 @@ class RolloutConfig:
     # With the filter on: after it drops a group that every sample solved, pass over that prompt's
     # next this many appearances in the prompt order (it would likely be dropped again, its
     # episodes spent for nothing). Groups that none solved are not skipped: those tasks still have
-    # to be learned. 0: every appearance is rolled out (plain DAPO dynamic sampling).
+    # to be learned. 0: every appearance is rolled out (plain DAPO dynamic sampling). Without the
+    # filter nothing is dropped, so nothing is skipped.
     skip_solved: int = 0
     pass_threshold: float = 1.0  # reward at or above which an episode counts as passed
 
@@ -136,11 +137,8 @@ class RolloutConfig:
             )
         if self.max_in_flight < 1 or self.max_attempts < 1:
             raise RolloutError("max_in_flight and max_attempts must be >= 1")
-        if self.skip_solved < 0 or (self.skip_solved and not self.dynamic_filter):
-            raise RolloutError(
-                f"skip_solved={self.skip_solved} needs dynamic_filter=true and must be >= 0: it skips "
-                "the prompts whose all-solved groups the dynamic filter dropped"
-            )
+        if self.skip_solved < 0:
+            raise RolloutError(f"skip_solved must be >= 0 (appearances to pass over), got {self.skip_solved}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise RolloutError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
 
