@@ -19,18 +19,24 @@ import json
 import torch
 
 
+def once_ms(fn) -> float:
+    """GPU milliseconds of one call of fn (CUDA events, synchronised)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def cuda_ms(fn, iters: int) -> float:
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median([once_ms(fn) for _ in range(iters)])
 
 
 def paired(fn, ref, iters: int) -> tuple[float, float]:
@@ -39,19 +45,8 @@ def paired(fn, ref, iters: int) -> tuple[float, float]:
     fn()
     ref()
     torch.cuda.synchronize()
-    ms, ratios = [], []
-    for _ in range(iters):
-        t = []
-        for f in (ref, fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            f()
-            end.record()
-            torch.cuda.synchronize()
-            t.append(start.elapsed_time(end))
-        ms.append(t[1])
-        ratios.append(t[1] / t[0])
-    return sorted(ms)[len(ms) // 2], sorted(ratios)[len(ratios) // 2]
+    pairs = [(once_ms(ref), once_ms(fn)) for _ in range(iters)]
+    return median([f for _, f in pairs]), median([f / r for r, f in pairs])
 
 
 def peak_gib(fn) -> float:
